@@ -1,0 +1,17 @@
+// Backends behind the API: each runs a validated Problem on its device.
+#pragma once
+
+#include "problem.h"
+
+namespace dmattn {
+
+struct Backend {
+  void (*forward)(const Problem& p);   // writes out and (if present) lse
+  void (*backward)(const Problem& p);  // writes dq, dk, dv and (if present) dbias
+};
+
+const Backend& cpu_backend();
+// nullptr when this build has no CUDA backend.
+const Backend* cuda_backend();
+
+}  // namespace dmattn

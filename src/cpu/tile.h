@@ -1,0 +1,115 @@
+// Dense tile arithmetic of the CPU backend: small row-major blocks in the
+// accumulation type A. Loops are ordered so the innermost one is contiguous
+// and free of reductions, which lets the compiler vectorise it.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "../problem.h"
+#include "convert.h"
+
+namespace dmattn::cpu {
+
+// Rows rows[r] (global token rows) of token tensor t at head `head` of sequence
+// batch b, D features each, into dst[r * D + d].
+template <class A>
+void load_rows(const Operand& t, std::int64_t b, std::int64_t head, std::int64_t row0, std::int64_t n,
+               std::int64_t D, A* dst) {
+  const std::int64_t base = b * t.sb + head * t.sh;
+  for (std::int64_t r = 0; r < n; ++r) read(t.data, t.dtype, base + (row0 + r) * t.sr, D, Strided{t.sc}, dst + r * D);
+}
+
+template <class A>
+void store_rows(const Operand& t, std::int64_t b, std::int64_t head, std::int64_t row0, std::int64_t n,
+                std::int64_t D, const A* src) {
+  const std::int64_t base = b * t.sb + head * t.sh;
+  for (std::int64_t r = 0; r < n; ++r) write(t.data, t.dtype, base + (row0 + r) * t.sr, D, Strided{t.sc}, src + r * D);
+}
+
+// Gathers token rows row0 + keys[c] into kt[d * ld + c] (transposed) and, if
+// rows != nullptr, into rows[c * D + d].
+template <class A>
+void gather_keys(const Operand& t, std::int64_t b, std::int64_t head, std::int64_t row0, const std::int64_t* keys,
+                 std::int64_t n, std::int64_t D, std::int64_t ld, A* kt, A* rows, A* scratch) {
+  const std::int64_t base = b * t.sb + head * t.sh;
+  for (std::int64_t c = 0; c < n; ++c) {
+    A* row = rows != nullptr ? rows + c * D : scratch;
+    read(t.data, t.dtype, base + (row0 + keys[c]) * t.sr, D, Strided{t.sc}, row);
+    for (std::int64_t d = 0; d < D; ++d) kt[d * ld + c] = row[d];
+  }
+}
+
+// C[r * ld + c] = sum_d X[r * D + d] * YT[d * ld + c]   (C = X Y^T with Y given transposed)
+template <class A>
+void matmul_xyt(std::int64_t nr, std::int64_t nc, std::int64_t D, std::int64_t ld, const A* X, const A* YT, A* C) {
+  for (std::int64_t r = 0; r < nr; ++r) {
+    A* c_row = C + r * ld;
+    for (std::int64_t c = 0; c < nc; ++c) c_row[c] = A(0);
+    for (std::int64_t d = 0; d < D; ++d) {
+      const A x = X[r * D + d];
+      const A* y = YT + d * ld;
+      for (std::int64_t c = 0; c < nc; ++c) c_row[c] += x * y[c];
+    }
+  }
+}
+
+// Out[r * D + d] += sum_c W[r * ld + c] * Y[c * D + d]   (Out += W Y)
+template <class A>
+void accumulate_wy(std::int64_t nr, std::int64_t nc, std::int64_t D, std::int64_t ld, const A* W, const A* Y, A* Out) {
+  for (std::int64_t r = 0; r < nr; ++r) {
+    A* o = Out + r * D;
+    for (std::int64_t c = 0; c < nc; ++c) {
+      const A w = W[r * ld + c];
+      if (w == A(0)) continue;
+      const A* y = Y + c * D;
+      for (std::int64_t d = 0; d < D; ++d) o[d] += w * y[d];
+    }
+  }
+}
+
+// Out[c * D + d] += sum_r W[r * ld + c] * X[r * D + d]   (Out += W^T X)
+template <class A>
+void accumulate_wtx(std::int64_t nr, std::int64_t nc, std::int64_t D, std::int64_t ld, const A* W, const A* X, A* Out) {
+  for (std::int64_t c = 0; c < nc; ++c) {
+    A* o = Out + c * D;
+    for (std::int64_t r = 0; r < nr; ++r) {
+      const A w = W[r * ld + c];
+      if (w == A(0)) continue;
+      const A* x = X + r * D;
+      for (std::int64_t d = 0; d < D; ++d) o[d] += w * x[d];
+    }
+  }
+}
+
+// Backward of the softmax on one tile. On entry L holds logits (-inf: not
+// allowed) and G holds dp_ij = <do_i, v_j>. On exit L holds p_ij = exp(l_ij - lse_i),
+// G holds dS_ij = p_ij (dp_ij - delta_i) (the bias gradient), and, with softcap,
+// T holds ds_ij = dS_ij (1 - tanh^2) (the score gradient; T held the tanh values).
+template <class A>
+void softmax_backward(std::int64_t nr, std::int64_t nc, std::int64_t ld, const A* lse, const A* delta, bool softcap,
+                      A* L, A* G, A* T) {
+  constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+  for (std::int64_t r = 0; r < nr; ++r) {
+    for (std::int64_t c = 0; c < nc; ++c) {
+      const std::int64_t e = r * ld + c;
+      const A p = (L[e] == kNegInf || lse[r] == kNegInf) ? A(0) : std::exp(L[e] - lse[r]);
+      L[e] = p;
+      G[e] = p == A(0) ? A(0) : p * (G[e] - delta[r]);
+      if (softcap) T[e] = G[e] * (A(1) - T[e] * T[e]);
+    }
+  }
+}
+
+// delta_i = <do_i, o_i> for n rows of D features.
+template <class A>
+void row_dots(std::int64_t n, std::int64_t D, const A* X, const A* Y, A* out) {
+  for (std::int64_t r = 0; r < n; ++r) {
+    A s = A(0);
+    for (std::int64_t d = 0; d < D; ++d) s += X[r * D + d] * Y[r * D + d];
+    out[r] = s;
+  }
+}
+
+}  // namespace dmattn::cpu

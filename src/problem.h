@@ -1,0 +1,62 @@
+// The one seam between the API and the backends: a validated attention problem
+// as plain pointers and 64-bit element strides. Backends trust it completely.
+#pragma once
+
+#include <cstdint>
+
+#include "dmattn/dmattn.h"
+
+namespace dmattn {
+
+// Element (b, h, r, c) lives at data + b*sb + h*sh + r*sr + c*sc (in elements).
+//   token tensors (q, k, v, out, dout, dq, dk, dv): r = token, c = feature (sc = 1)
+//   mask, bias, dbias: r = query row, c = key;   lse: r = query row, c unused
+// r is a global row: sequence start (0 batched, cu_seqlens[b] varlen) + local row.
+// Broadcast dimensions of mask and bias have stride 0.
+struct Operand {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  std::int64_t sb = 0, sh = 0, sr = 0, sc = 0;
+  bool present() const { return data != nullptr; }
+};
+
+// Sizes of a mask or bias before broadcasting: each is 1 or the full extent.
+struct BroadcastShape {
+  std::int64_t batch = 1, heads = 1, rows = 1, cols = 1;
+};
+
+struct Problem {
+  std::int64_t batch = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  std::int64_t seqlen_q = 0, seqlen_k = 0;  // batched: the lengths; varlen: the max lengths
+  const std::int32_t* cu_seqlens_q = nullptr;  // varlen only, B + 1 entries
+  const std::int32_t* cu_seqlens_k = nullptr;
+
+  Operand q, k, v, out, lse;
+  Operand mask, bias;            // absent: data == nullptr
+  BroadcastShape mask_shape, bias_shape;
+  Operand dout, dq, dk, dv, dbias;  // backward only; dbias absent: no bias gradient
+
+  double scale = 1.0;
+  double softcap = 0.0;
+  bool causal = false;
+  std::int64_t window_left = -1, window_right = -1;
+  std::int64_t keep_window_size = 0;  // 0: no top-k
+  bool deterministic = false;
+  Device device{};
+  void* stream = nullptr;
+
+  bool varlen() const { return cu_seqlens_q != nullptr; }
+  std::int64_t q_start(std::int64_t b) const { return varlen() ? cu_seqlens_q[b] : 0; }
+  std::int64_t k_start(std::int64_t b) const { return varlen() ? cu_seqlens_k[b] : 0; }
+  std::int64_t q_len(std::int64_t b) const {
+    return varlen() ? cu_seqlens_q[b + 1] - cu_seqlens_q[b] : seqlen_q;
+  }
+  std::int64_t k_len(std::int64_t b) const {
+    return varlen() ? cu_seqlens_k[b + 1] - cu_seqlens_k[b] : seqlen_k;
+  }
+  std::int64_t group() const { return heads / kv_heads; }  // query heads per kv head
+  // Head of a mask or bias with `n` heads (H, Hk or 1) that query head h reads.
+  std::int64_t operand_head(std::int64_t h, std::int64_t n) const { return h / (heads / n); }
+};
+
+}  // namespace dmattn

@@ -1,0 +1,378 @@
+#include "validate.h"
+
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <utility>
+
+namespace dmattn {
+namespace {
+
+using Kind = Error::Kind;
+
+std::string shape_str(const TensorView& t) {
+  std::ostringstream s;
+  s << "(";
+  for (int d = 0; d < t.ndim; ++d) s << (d ? ", " : "") << t.shape[d];
+  s << (t.ndim == 1 ? ",)" : ")");
+  return s.str();
+}
+
+std::string device_str(const Device& d) {
+  return d.type == DeviceType::kCPU ? std::string("cpu") : "cuda:" + std::to_string(d.index);
+}
+
+bool same_device(const Device& a, const Device& b) {
+  return a.type == b.type && (a.type == DeviceType::kCPU || a.index == b.index);
+}
+
+bool is_float(DType t) {
+  return t == DType::kFloat16 || t == DType::kBFloat16 || t == DType::kFloat32 || t == DType::kFloat64;
+}
+
+// Named dimension sizes used in messages, e.g. "8 (H)".
+struct Dim {
+  std::int64_t size;
+  const char* name;
+};
+
+std::string dim_str(Dim d) { return std::to_string(d.size) + " (" + d.name + ")"; }
+
+// Checks of one tensor argument, each throwing with the argument's name.
+class Arg {
+ public:
+  Arg(const TensorView& t, std::string name) : t_(t), name_(std::move(name)) {}
+
+  const Arg& rank(int n, const char* layout) const {
+    if (t_.ndim != n)
+      throw Error(Kind::kValue, name_, "rank " + std::to_string(n) + " " + layout,
+                  "rank " + std::to_string(t_.ndim) + " with shape " + shape_str(t_));
+    for (int d = 0; d < n; ++d) {
+      if (t_.shape[d] < 0)
+        throw Error(Kind::kValue, name_ + ".shape[" + std::to_string(d) + "]", "a size >= 0",
+                    std::to_string(t_.shape[d]));
+      if (t_.stride[d] < 0)
+        throw Error(Kind::kValue, name_ + ".stride[" + std::to_string(d) + "]", "a stride >= 0",
+                    std::to_string(t_.stride[d]));
+    }
+    if (t_.data == nullptr && t_.numel() > 0)
+      throw Error(Kind::kValue, name_ + ".data", "a non-null pointer", "nullptr");
+    return *this;
+  }
+
+  const Arg& dtype(DType want, const char* why) const {
+    if (t_.dtype != want)
+      throw Error(Kind::kType, name_ + ".dtype", std::string(dtype_name(want)) + " " + why,
+                  dtype_name(t_.dtype));
+    return *this;
+  }
+
+  const Arg& device(const Device& want) const {
+    if (!same_device(t_.device, want))
+      throw Error(Kind::kValue, name_ + ".device", device_str(want) + " (the device of q)",
+                  device_str(t_.device));
+    return *this;
+  }
+
+  const Arg& dim(int d, Dim want) const {
+    if (t_.shape[d] != want.size)
+      throw Error(Kind::kValue, name_ + ".shape[" + std::to_string(d) + "]", dim_str(want),
+                  std::to_string(t_.shape[d]) + " (shape " + shape_str(t_) + ")");
+    return *this;
+  }
+
+  // Size of dim d must be one of `options` (1 included as a broadcast).
+  const Arg& broadcast_dim(int d, std::initializer_list<Dim> options) const {
+    for (const Dim& o : options)
+      if (t_.shape[d] == o.size) return *this;
+    std::string want;
+    std::size_t i = 0;
+    for (const Dim& o : options) want += (i++ ? (i == options.size() ? " or " : ", ") : "") + dim_str(o);
+    throw Error(Kind::kValue, name_ + ".shape[" + std::to_string(d) + "]", want + " to broadcast",
+                std::to_string(t_.shape[d]) + " (shape " + shape_str(t_) + ")");
+  }
+
+  // The feature dimension must be contiguous (stride 1) unless it has one element.
+  const Arg& last_dim_contiguous() const {
+    const int d = t_.ndim - 1;
+    if (t_.shape[d] > 1 && t_.stride[d] != 1)
+      throw Error(Kind::kValue, name_ + ".stride[" + std::to_string(d) + "]",
+                  "1 (the last dimension contiguous)", std::to_string(t_.stride[d]));
+    return *this;
+  }
+
+  // An output may not write one element through two indices of a broadcast dim.
+  const Arg& writable() const {
+    for (int d = 0; d < t_.ndim; ++d)
+      if (t_.shape[d] > 1 && t_.stride[d] == 0)
+        throw Error(Kind::kValue, name_ + ".stride[" + std::to_string(d) + "]",
+                    "a non-zero stride (an output cannot be a broadcast view)", "0");
+    return *this;
+  }
+
+  const Arg& same_shape_as(const TensorView& ref, const std::string& ref_name) const {
+    bool same = t_.ndim == ref.ndim;
+    for (int d = 0; same && d < t_.ndim; ++d) same = t_.shape[d] == ref.shape[d];
+    if (!same)
+      throw Error(Kind::kValue, name_ + ".shape", shape_str(ref) + " (the shape of " + ref_name + ")",
+                  shape_str(t_));
+    return *this;
+  }
+
+ private:
+  const TensorView& t_;
+  std::string name_;
+};
+
+// Stride of a possibly broadcast dim: 0 when its size is 1.
+std::int64_t bstride(const TensorView& t, int d) { return t.shape[d] == 1 ? 0 : t.stride[d]; }
+
+Operand token_operand(const TensorView& t, bool varlen) {
+  Operand o{t.data, t.dtype};
+  if (varlen) {
+    o.sr = t.stride[0], o.sh = t.stride[1], o.sc = t.stride[2];
+  } else {
+    o.sb = t.stride[0], o.sr = t.stride[1], o.sh = t.stride[2], o.sc = t.stride[3];
+  }
+  return o;
+}
+
+// Sizes of the problem as read from q and k.
+struct Sizes {
+  std::int64_t B, Sq, Sk, H, Hk, D;
+};
+
+void check_options(const Options& o, const Inputs& in) {
+  if (o.scale && !std::isfinite(*o.scale))
+    throw Error(Kind::kValue, "scale", "a finite number", std::to_string(*o.scale));
+  if (!(o.softcap >= 0.0) || !std::isfinite(o.softcap))
+    throw Error(Kind::kValue, "softcap", "a finite number >= 0 (0 = off)", std::to_string(o.softcap));
+  if (o.sliding_window.left < -1)
+    throw Error(Kind::kValue, "sliding_window.left", ">= -1 (-1 = unbounded)",
+                std::to_string(o.sliding_window.left));
+  if (o.sliding_window.right < -1)
+    throw Error(Kind::kValue, "sliding_window.right", ">= -1 (-1 = unbounded)",
+                std::to_string(o.sliding_window.right));
+  if (o.keep_window_size) {
+    if (*o.keep_window_size <= 0)
+      throw Error(Kind::kValue, "keep_window_size", "a key count > 0 (or none)",
+                  std::to_string(*o.keep_window_size));
+    if (!in.bias)
+      throw Error(Kind::kValue, "keep_window_size",
+                  "a bias to select keys by (top-k needs a bias)", "no bias");
+  }
+}
+
+// Reads and checks cu_seqlens on the host; returns the number of sequences.
+std::int64_t check_cu_seqlens(const TensorView& cu, const char* name, std::int64_t total,
+                              const char* total_name, std::int64_t max_seqlen,
+                              const char* max_name, const Device& device) {
+  Arg(cu, name).rank(1, "(B + 1,)").dtype(DType::kInt32, "(cumulative sequence lengths)").device(device);
+  if (cu.shape[0] < 1) throw Error(Kind::kValue, std::string(name) + ".shape[0]", "B + 1 >= 1", "0");
+  if (max_seqlen < 0)
+    throw Error(Kind::kValue, max_name, "a length >= 0", std::to_string(max_seqlen));
+  if (device.type != DeviceType::kCPU) return cu.shape[0] - 1;  // values live on the GPU
+  const auto* p = static_cast<const std::int32_t*>(cu.data);
+  const std::int64_t s = cu.stride[0];
+  if (p[0] != 0)
+    throw Error(Kind::kValue, std::string(name) + "[0]", "0", std::to_string(p[0]));
+  for (std::int64_t b = 0; b + 1 < cu.shape[0]; ++b) {
+    const std::int64_t len = std::int64_t{p[(b + 1) * s]} - p[b * s];
+    const std::string at = std::string(name) + "[" + std::to_string(b + 1) + "]";
+    if (len < 0)
+      throw Error(Kind::kValue, at, "non-decreasing values (>= " + std::to_string(p[b * s]) + ")",
+                  std::to_string(p[(b + 1) * s]));
+    if (len > max_seqlen)
+      throw Error(Kind::kValue, max_name,
+                  ">= every sequence length (sequence " + std::to_string(b) + " has " +
+                      std::to_string(len) + ")",
+                  std::to_string(max_seqlen));
+  }
+  const std::int64_t last = p[(cu.shape[0] - 1) * s];
+  if (last != total)
+    throw Error(Kind::kValue, std::string(name) + "[" + std::to_string(cu.shape[0] - 1) + "]",
+                std::to_string(total) + " (" + total_name + ")", std::to_string(last));
+  return cu.shape[0] - 1;
+}
+
+// Everything about q, k, v, mask, bias and the options; fills the shared part of a Problem.
+Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options& options) {
+  const bool varlen = layout != nullptr;
+  const TensorView& q = in.q;
+  const Device device = q.device;
+  const int rank = varlen ? 3 : 4;
+  const char* qkv_layout = varlen ? "(total, heads, head_dim)" : "(B, S, heads, head_dim)";
+  Arg(q, "q").rank(rank, qkv_layout).last_dim_contiguous();
+  Arg(in.k, "k").rank(rank, qkv_layout).device(device).last_dim_contiguous();
+  Arg(in.v, "v").rank(rank, qkv_layout).device(device).last_dim_contiguous();
+  if (!is_float(q.dtype))
+    throw Error(Kind::kType, "q.dtype", "float16, bfloat16, float32 or float64", dtype_name(q.dtype));
+  if (device.type == DeviceType::kCUDA && q.dtype != DType::kFloat16 && q.dtype != DType::kBFloat16)
+    throw Error(Kind::kType, "q.dtype", "float16 or bfloat16 on CUDA", dtype_name(q.dtype));
+  Arg(in.k, "k").dtype(q.dtype, "(the dtype of q)");
+  Arg(in.v, "v").dtype(q.dtype, "(the dtype of q)");
+
+  const int hd = rank - 2, dd = rank - 1;  // head and feature dims
+  Sizes s{};
+  s.H = q.shape[hd], s.Hk = in.k.shape[hd], s.D = q.shape[dd];
+  if (s.H < 1) throw Error(Kind::kValue, "q.shape[" + std::to_string(hd) + "]", "H >= 1 heads", std::to_string(s.H));
+  if (s.Hk < 1) throw Error(Kind::kValue, "k.shape[" + std::to_string(hd) + "]", "Hk >= 1 heads", std::to_string(s.Hk));
+  if (s.H % s.Hk != 0)
+    throw Error(Kind::kValue, "k.shape[" + std::to_string(hd) + "]",
+                "a divisor of H = " + std::to_string(s.H) + " (H % Hk == 0)", std::to_string(s.Hk));
+  if (s.D < 1) throw Error(Kind::kValue, "q.shape[" + std::to_string(dd) + "]", "head_dim >= 1", "0");
+  if (device.type == DeviceType::kCUDA && (s.D > 256 || s.D % 8 != 0))
+    throw Error(Kind::kUnsupported, "q.shape[" + std::to_string(dd) + "]",
+                "a head_dim <= 256 and divisible by 8 on CUDA", std::to_string(s.D));
+  Arg(in.k, "k").dim(dd, {s.D, "head_dim of q"}).dim(hd, {s.Hk, "Hk"});
+  Arg(in.v, "v").dim(dd, {s.D, "head_dim of q"}).dim(hd, {s.Hk, "Hk"});
+
+  Problem p;
+  if (varlen) {
+    const std::int64_t total_q = q.shape[0], total_k = in.k.shape[0];
+    Arg(in.v, "v").dim(0, {total_k, "total_k"});
+    s.B = check_cu_seqlens(layout->cu_seqlens_q, "cu_seqlens_q", total_q, "total_q",
+                           layout->max_seqlen_q, "max_seqlen_q", device);
+    const std::int64_t bk = check_cu_seqlens(layout->cu_seqlens_k, "cu_seqlens_k", total_k, "total_k",
+                                             layout->max_seqlen_k, "max_seqlen_k", device);
+    if (bk != s.B)
+      throw Error(Kind::kValue, "cu_seqlens_k.shape[0]", std::to_string(s.B + 1) + " (the length of cu_seqlens_q)",
+                  std::to_string(bk + 1));
+    s.Sq = layout->max_seqlen_q, s.Sk = layout->max_seqlen_k;
+    p.cu_seqlens_q = static_cast<const std::int32_t*>(layout->cu_seqlens_q.data);
+    p.cu_seqlens_k = static_cast<const std::int32_t*>(layout->cu_seqlens_k.data);
+    if (layout->cu_seqlens_q.stride[0] != 1 || layout->cu_seqlens_k.stride[0] != 1)
+      throw Error(Kind::kValue, layout->cu_seqlens_q.stride[0] != 1 ? "cu_seqlens_q.stride[0]" : "cu_seqlens_k.stride[0]",
+                  "1 (contiguous)", "another stride");
+  } else {
+    s.B = q.shape[0], s.Sq = q.shape[1], s.Sk = in.k.shape[1];
+    Arg(in.k, "k").dim(0, {s.B, "B of q"});
+    Arg(in.v, "v").dim(0, {s.B, "B of q"}).dim(1, {s.Sk, "Sk of k"});
+  }
+
+  p.batch = s.B, p.heads = s.H, p.kv_heads = s.Hk, p.head_dim = s.D;
+  p.seqlen_q = s.Sq, p.seqlen_k = s.Sk;
+  p.q = token_operand(q, varlen), p.k = token_operand(in.k, varlen), p.v = token_operand(in.v, varlen);
+  p.device = device;
+  p.stream = options.stream;
+
+  if (in.mask) {
+    const TensorView& m = *in.mask;
+    if (varlen)
+      throw Error(Kind::kValue, "mask", "no mask for varlen (use a key-only bias and cu_seqlens)", "a mask tensor");
+    Arg(m, "mask").rank(4, "(B, H, Sq, Sk) or broadcastable").device(device).dtype(DType::kBool, "(True = may attend)");
+    Arg(m, "mask").broadcast_dim(0, {{s.B, "B"}, {1, "broadcast"}})
+        .broadcast_dim(1, {{s.H, "H"}, {s.Hk, "Hk"}, {1, "broadcast"}})
+        .broadcast_dim(2, {{s.Sq, "Sq"}, {1, "broadcast"}})
+        .broadcast_dim(3, {{s.Sk, "Sk"}, {1, "broadcast"}});
+    p.mask = Operand{m.data, m.dtype, bstride(m, 0), bstride(m, 1), bstride(m, 2), bstride(m, 3)};
+    p.mask_shape = {m.shape[0], m.shape[1], m.shape[2], m.shape[3]};
+  }
+  if (in.bias) {
+    const TensorView& b = *in.bias;
+    const char* b_layout = varlen ? "(total_k, Hb)" : "(B, H, Sq, Sk) or broadcastable";
+    Arg(b, "bias").rank(varlen ? 2 : 4, b_layout).device(device);
+    if (b.dtype != q.dtype && b.dtype != DType::kFloat32)
+      throw Error(Kind::kType, "bias.dtype",
+                  std::string("float32 or ") + dtype_name(q.dtype) + " (the dtype of q)", dtype_name(b.dtype));
+    if (varlen) {
+      Arg(b, "bias").dim(0, {in.k.shape[0], "total_k"})
+          .broadcast_dim(1, {{s.H, "H"}, {s.Hk, "Hk"}, {1, "broadcast"}});
+      // Keys of different sequences are distinct elements: one bias "batch" per sequence.
+      p.bias = Operand{b.data, b.dtype, 0, bstride(b, 1), 0, b.stride[0]};
+      p.bias_shape = {s.B, b.shape[1], 1, s.Sk};
+    } else {
+      Arg(b, "bias").broadcast_dim(0, {{s.B, "B"}, {1, "broadcast"}})
+          .broadcast_dim(1, {{s.H, "H"}, {s.Hk, "Hk"}, {1, "broadcast"}})
+          .broadcast_dim(2, {{s.Sq, "Sq"}, {1, "broadcast"}})
+          .broadcast_dim(3, {{s.Sk, "Sk"}, {1, "broadcast"}});
+      p.bias = Operand{b.data, b.dtype, bstride(b, 0), bstride(b, 1), bstride(b, 2), bstride(b, 3)};
+      p.bias_shape = {b.shape[0], b.shape[1], b.shape[2], b.shape[3]};
+    }
+  }
+
+  check_options(options, in);
+  p.scale = options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(s.D));
+  p.softcap = options.softcap;
+  p.causal = options.causal;
+  p.window_left = options.sliding_window.left;
+  p.window_right = options.sliding_window.right;
+  p.keep_window_size = options.keep_window_size.value_or(0);
+  p.deterministic = options.deterministic;
+  return p;
+}
+
+void check_like(const TensorView& t, const std::string& name, const TensorView& ref, const std::string& ref_name) {
+  Arg(t, name).rank(ref.ndim, ("(the rank of " + ref_name + ")").c_str()).same_shape_as(ref, ref_name).device(ref.device).last_dim_contiguous().writable();
+  Arg(t, name).dtype(ref.dtype, ("(the dtype of " + ref_name + ")").c_str());
+}
+
+Operand lse_operand(const TensorView& lse, const std::string& name, const Problem& p, const TensorView& q,
+                    bool varlen) {
+  Arg a(lse, name);
+  if (varlen) {
+    a.rank(2, "(H, total_q)").dim(0, {p.heads, "H"}).dim(1, {q.shape[0], "total_q"});
+  } else {
+    a.rank(3, "(B, H, Sq)").dim(0, {p.batch, "B"}).dim(1, {p.heads, "H"}).dim(2, {p.seqlen_q, "Sq"});
+  }
+  a.device(q.device).writable();
+  if (lse.dtype != DType::kFloat32 && !(lse.dtype == DType::kFloat64 && q.dtype == DType::kFloat64))
+    throw Error(Kind::kType, name + ".dtype",
+                q.dtype == DType::kFloat64 ? "float32 or float64" : "float32", dtype_name(lse.dtype));
+  Operand o{lse.data, lse.dtype};
+  if (varlen) {
+    o.sh = lse.stride[0], o.sr = lse.stride[1];
+  } else {
+    o.sb = lse.stride[0], o.sh = lse.stride[1], o.sr = lse.stride[2];
+  }
+  return o;
+}
+
+}  // namespace
+
+Problem make_forward_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
+                             const std::optional<TensorView>& lse, const Options& options) {
+  Problem p = make_problem(in, layout, options);
+  const bool varlen = layout != nullptr;
+  check_like(out, "out", in.q, "q");
+  p.out = token_operand(out, varlen);
+  if (lse) {
+    p.lse = lse_operand(*lse, "lse", p, in.q, varlen);
+  } else if (options.return_lse) {
+    throw Error(Kind::kValue, "lse", "an output tensor (options.return_lse is true)", "none");
+  }
+  return p;
+}
+
+Problem make_backward_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
+                              const TensorView& dout, const TensorView& lse, const Gradients& grads,
+                              const Options& options) {
+  Problem p = make_problem(in, layout, options);
+  const bool varlen = layout != nullptr;
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{out, "out"}, {dout, "dout"}}) {
+    Arg(t, name).rank(in.q.ndim, "(the rank of q)").same_shape_as(in.q, "q").device(in.q.device).last_dim_contiguous();
+    Arg(t, name).dtype(in.q.dtype, "(the dtype of q)");
+  }
+  p.out = token_operand(out, varlen);
+  p.dout = token_operand(dout, varlen);
+  p.lse = lse_operand(lse, "lse", p, in.q, varlen);
+  check_like(grads.dq, "dq", in.q, "q");
+  check_like(grads.dk, "dk", in.k, "k");
+  check_like(grads.dv, "dv", in.v, "v");
+  p.dq = token_operand(grads.dq, varlen);
+  p.dk = token_operand(grads.dk, varlen);
+  p.dv = token_operand(grads.dv, varlen);
+  if (grads.dbias) {
+    if (!in.bias) throw Error(Kind::kValue, "dbias", "none (there is no bias)", "a tensor");
+    const TensorView& db = *grads.dbias;
+    const TensorView& b = *in.bias;
+    Arg(db, "dbias").rank(b.ndim, "(the rank of bias)").same_shape_as(b, "bias").device(in.q.device).writable();
+    Arg(db, "dbias").dtype(b.dtype, "(the dtype of bias)");
+    p.dbias = varlen ? Operand{db.data, db.dtype, 0, db.stride[1], 0, db.stride[0]}
+                     : Operand{db.data, db.dtype, db.stride[0], db.stride[1], db.stride[2], db.stride[3]};
+  }
+  return p;
+}
+
+}  // namespace dmattn
