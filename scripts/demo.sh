@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs the demo: forward + backward of a Doge-like problem on
+# the best available backend, checked against the float64 CPU oracle.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_deps.sh
+BUILD=${BUILD:-build}
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDMATTN_BUILD_TESTS=OFF -DDMATTN_BUILD_TOOLS=ON >/dev/null
+cmake --build "$BUILD" --target dmattn_demo -j "${JOBS:-2}"
+"$BUILD/dmattn_demo"
