@@ -1,0 +1,1 @@
+"""Integrations of dmattn with other libraries (imported on demand)."""

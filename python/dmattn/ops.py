@@ -1,0 +1,324 @@
+"""PyTorch ops: dmattn's forward and backward as torch.library custom ops.
+
+`attention` and `varlen_attention` are the native functions. They call the ops
+`dmattn::fwd` / `dmattn::bwd` (and `dmattn::varlen_fwd` / `dmattn::varlen_bwd`),
+which have fake (meta) kernels and autograd formulas, so autograd,
+`torch.compile(fullgraph=True)` and CUDA-graph capture see one opaque op each
+way, with no graph break and no host synchronisation.
+
+Outputs are allocated here (so the fake kernels can describe them) and written
+by the core in place; inputs are passed as zero-copy DLPack views. On CUDA the
+core runs on the caller's current stream.
+
+Broadcasting: a mask or bias dimension of stride 0 (an `expand`ed view) is read
+as a broadcast dimension of size 1, so an expanded key-only bias
+(B, Hb, Sq, Sk) with a stride-0 query dimension is handled as (B, Hb, 1, Sk):
+nothing of size Sq * Sk is read or allocated for it, and its gradient is
+computed in the reduced shape and returned as an expanded view of the bias's
+shape. The mask gets no gradient; the lse output is not differentiable.
+"""
+
+import contextlib
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+__all__ = ["attention", "varlen_attention"]
+
+
+def _broadcast_shape(t: Optional[Tensor]) -> Optional[List[int]]:
+    """The shape the core reads: 1 in every dimension that `t` broadcasts (stride 0)."""
+    if t is None:
+        return None
+    return [1 if stride == 0 else size for size, stride in zip(t.shape, t.stride())]
+
+
+def _reduce(t: Optional[Tensor], shape: Optional[List[int]]) -> Optional[Tensor]:
+    """View `t` in its broadcast `shape` (the first element along each broadcast dim)."""
+    if t is None:
+        return None
+    for dim, size in enumerate(shape):
+        if size == 1 and t.shape[dim] != 1:
+            t = t.narrow(dim, 0, 1)
+    return t.detach()
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    # float64 inputs keep a float64 lse, so that the float64 backward stays exact.
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _launch(q: Tensor):
+    """The device context and stream of a call on q's device."""
+    if q.device.type == "cuda":
+        return torch.cuda.device(q.device), torch.cuda.current_stream(q.device).cuda_stream
+    return contextlib.nullcontext(), 0
+
+
+def _options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic):
+    return dict(scale=scale, softcap=softcap, causal=causal, window_left=window_left,
+                window_right=window_right, keep_window_size=keep_window_size, deterministic=deterministic)
+
+
+def _last_dim_contiguous(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+# --------------------------------------------------------------------------- batched
+
+
+@torch.library.custom_op("dmattn::fwd", mutates_args=())
+def _fwd(
+    q: Tensor, k: Tensor, v: Tensor,
+    mask: Optional[Tensor], mask_shape: Optional[List[int]],
+    bias: Optional[Tensor], bias_shape: Optional[List[int]],
+    scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
+    keep_window_size: Optional[int], deterministic: bool,
+) -> Tuple[Tensor, Tensor]:
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
+    device, stream = _launch(q)
+    with device:
+        _C.forward(q.detach(), k.detach(), v.detach(), _reduce(mask, mask_shape), _reduce(bias, bias_shape),
+                   out, lse, stream=stream,
+                   **_options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic))
+    return out, lse
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, mask, mask_shape, bias, bias_shape, scale, softcap, causal, window_left, window_right,
+              keep_window_size, deterministic):
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("dmattn::bwd", mutates_args=())
+def _bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+    mask: Optional[Tensor], mask_shape: Optional[List[int]],
+    bias: Optional[Tensor], bias_shape: Optional[List[int]],
+    out: Tensor, lse: Tensor,
+    scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
+    keep_window_size: Optional[int], deterministic: bool, bias_grad: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dbias = bias.new_empty(bias_shape) if bias_grad else q.new_empty(0)
+    device, stream = _launch(q)
+    with device:
+        _C.backward(q.detach(), k.detach(), v.detach(), _reduce(mask, mask_shape), _reduce(bias, bias_shape),
+                    out.detach(), _last_dim_contiguous(dout.detach()), lse.detach(), dq, dk, dv,
+                    dbias if bias_grad else None, stream=stream,
+                    **_options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic))
+    return dq, dk, dv, dbias
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, mask, mask_shape, bias, bias_shape, out, lse, scale, softcap, causal, window_left,
+              window_right, keep_window_size, deterministic, bias_grad):
+    dbias = bias.new_empty(bias_shape) if bias_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, mask, mask_shape, bias, bias_shape, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+    ctx.mask_shape, ctx.bias_shape, ctx.options = mask_shape, bias_shape, options
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, mask, bias, out, lse = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[5]
+    dq, dk, dv, dbias = _bwd(dout, q, k, v, mask, ctx.mask_shape, bias, ctx.bias_shape, out, lse,
+                             *ctx.options, bias_grad)
+    dbias = dbias.expand(bias.shape) if bias_grad else None
+    return (dq, dk, dv, None, None, dbias, None) + (None,) * len(ctx.options)
+
+
+_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+# --------------------------------------------------------------------------- varlen
+
+
+@torch.library.custom_op("dmattn::varlen_fwd", mutates_args=())
+def _varlen_fwd(
+    q: Tensor, k: Tensor, v: Tensor,
+    bias: Optional[Tensor], bias_shape: Optional[List[int]],
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
+    keep_window_size: Optional[int], deterministic: bool,
+) -> Tuple[Tensor, Tensor]:
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    device, stream = _launch(q)
+    with device:
+        _C.varlen_forward(q.detach(), k.detach(), v.detach(), _reduce(bias, bias_shape), cu_seqlens_q.detach(),
+                          cu_seqlens_k.detach(), max_seqlen_q, max_seqlen_k, out, lse, stream=stream,
+                          **_options(scale, softcap, causal, window_left, window_right, keep_window_size,
+                                     deterministic))
+    return out, lse
+
+
+@_varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                     softcap, causal, window_left, window_right, keep_window_size, deterministic):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("dmattn::varlen_bwd", mutates_args=())
+def _varlen_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+    bias: Optional[Tensor], bias_shape: Optional[List[int]],
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    out: Tensor, lse: Tensor,
+    scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
+    keep_window_size: Optional[int], deterministic: bool, bias_grad: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dbias = bias.new_empty(bias_shape) if bias_grad else q.new_empty(0)
+    device, stream = _launch(q)
+    with device:
+        _C.varlen_backward(q.detach(), k.detach(), v.detach(), _reduce(bias, bias_shape), cu_seqlens_q.detach(),
+                           cu_seqlens_k.detach(), max_seqlen_q, max_seqlen_k, out.detach(),
+                           _last_dim_contiguous(dout.detach()), lse.detach(), dq, dk, dv,
+                           dbias if bias_grad else None, stream=stream,
+                           **_options(scale, softcap, causal, window_left, window_right, keep_window_size,
+                                      deterministic))
+    return dq, dk, dv, dbias
+
+
+@_varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+                     lse, scale, softcap, causal, window_left, window_right, keep_window_size, deterministic,
+                     bias_grad):
+    dbias = bias.new_empty(bias_shape) if bias_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, out, lse)
+    ctx.bias_shape, ctx.max_seqlens, ctx.options = bias_shape, (max_seqlen_q, max_seqlen_k), options
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, _dlse):
+    q, k, v, bias, cu_seqlens_q, cu_seqlens_k, out, lse = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = _varlen_bwd(dout, q, k, v, bias, ctx.bias_shape, cu_seqlens_q, cu_seqlens_k,
+                                    *ctx.max_seqlens, out, lse, *ctx.options, bias_grad)
+    dbias = dbias.expand(bias.shape) if bias_grad else None
+    return (dq, dk, dv, dbias) + (None,) * (5 + len(ctx.options))
+
+
+_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# --------------------------------------------------------------------------- public functions
+
+
+def _window(sliding_window) -> Tuple[int, int]:
+    if sliding_window is None:
+        return -1, -1
+    try:
+        left, right = sliding_window
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"dmattn: sliding_window: expected a pair (left, right) (-1 = unbounded), got {sliding_window!r}"
+        ) from None
+    return int(left), int(right)
+
+
+def _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic):
+    return (
+        None if scale is None else float(scale),
+        0.0 if softcap is None else float(softcap),
+        bool(causal),
+        *_window(sliding_window),
+        None if keep_window_size is None else int(keep_window_size),
+        bool(deterministic),
+    )
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    softcap: float = 0.0,
+    causal: bool = False,
+    sliding_window: Optional[Tuple[int, int]] = None,
+    keep_window_size: Optional[int] = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Attention with a boolean mask, an additive (trainable) bias and a top-k keep window.
+
+    Args:
+        q: (B, Sq, H, D). k, v: (B, Sk, Hk, D), H % Hk == 0. Last dim contiguous,
+            other strides free. float16/bfloat16 (CUDA and CPU), float32/float64 (CPU).
+        mask: bool, 4-D, broadcastable to (B, H, Sq, Sk) (each dim full, Hk for
+            heads, or 1); True = may attend. Expanded (stride-0) views are fine.
+        bias: float (q's dtype or float32), 4-D, broadcastable like the mask.
+            Differentiable; its gradient has the bias's own shape.
+        scale: multiplies q.k (default 1/sqrt(D)).
+        softcap: s = softcap * tanh(s / softcap) before the bias (0 = off).
+        causal: key j <= i + Sk - Sq (bottom-right aligned).
+        sliding_window: (left, right), -1 = unbounded.
+        keep_window_size: keep the w allowed keys of largest bias per row (ties to
+            the larger key index); needs a bias.
+        deterministic: bitwise reproducible dq as well.
+        return_lse: also return lse (B, H, Sq), float32 (float64 for float64
+            inputs); -inf for rows with no allowed key. Not differentiable.
+
+    Returns:
+        out (B, Sq, H, D), or (out, lse) with return_lse.
+    """
+    out, lse = _fwd(q, k, v, mask, _broadcast_shape(mask), bias, _broadcast_shape(bias),
+                    *_common(scale, softcap, causal, sliding_window, keep_window_size, deterministic))
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    bias: Optional[Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    softcap: float = 0.0,
+    causal: bool = False,
+    sliding_window: Optional[Tuple[int, int]] = None,
+    keep_window_size: Optional[int] = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Variable-length `attention`: sequences packed along the token dimension.
+
+    Args:
+        q: (total_q, H, D). k, v: (total_k, Hk, D).
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,), cumulative lengths from 0.
+        max_seqlen_q, max_seqlen_k: Python ints >= every sequence's length (no
+            device-to-host copy is made to find them).
+        bias: key-only (total_k, Hb), Hb in {H, Hk, 1}. Differentiable.
+        Other options as in `attention`.
+
+    Returns:
+        out (total_q, H, D), or (out, lse) with lse (H, total_q).
+    """
+    out, lse = _varlen_fwd(q, k, v, bias, _broadcast_shape(bias), cu_seqlens_q, cu_seqlens_k,
+                           int(max_seqlen_q), int(max_seqlen_k),
+                           *_common(scale, softcap, causal, sliding_window, keep_window_size, deterministic))
+    return (out, lse) if return_lse else out
