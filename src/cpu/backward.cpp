@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "head.h"
@@ -90,63 +91,92 @@ void dq_block(const Problem& p, const Selection& sel, std::int64_t b, std::int64
   store_rows(p.dq, b, h, qs + i0, nr, D, dQ.data());
 }
 
-// A dkv task: batches [b0, b1), kv heads [kvh0, kvh1), key blocks [kb0, kb1).
+// A dkv task: batches [b0, b1), kv heads [kvh0, kvh1), key groups [g0, g1).
 struct DkvTask {
-  std::int64_t b0, b1, kvh0, kvh1, kb0, kb1;
+  std::int64_t b0, b1, kvh0, kvh1, g0, g1;
 };
+
+// Keys per group-sorting window: groups are formed inside windows of this many
+// consecutive keys, so a group's keys stay close (a narrow causal row start).
+constexpr std::int64_t kGroupWindow = 8 * kBlockKeys;
+
+// The keys of group g (kBlockKeys of them, fewer at the end) of a sequence with
+// sk keys. Without top-k intervals a group is a block of consecutive keys. With
+// them, the keys of a window are ordered by the last row that selects them
+// (for the reference head (b, h)), so that keys used by similar row ranges share
+// a group and a row block meets few groups whose keys it does not select.
+void key_group(const Selection& sel, std::int64_t b, std::int64_t h, std::int64_t sk, std::int64_t g,
+               std::vector<std::int64_t>& keys) {
+  keys.clear();
+  if (sel.mode != Selection::kIntervals) {
+    for (std::int64_t j = g * kBlockKeys; j < std::min(sk, (g + 1) * kBlockKeys); ++j) keys.push_back(j);
+    return;
+  }
+  const std::int64_t w0 = g * kBlockKeys / kGroupWindow * kGroupWindow, w1 = std::min(sk, w0 + kGroupWindow);
+  std::vector<std::int64_t> window(static_cast<std::size_t>(w1 - w0));
+  std::iota(window.begin(), window.end(), w0);
+  std::stable_sort(window.begin(), window.end(), [&](std::int64_t x, std::int64_t y) {
+    return sel.interval(b, h, x).end < sel.interval(b, h, y).end;
+  });
+  const std::int64_t first = g * kBlockKeys - w0;
+  for (std::int64_t a = first; a < std::min(w1 - w0, first + kBlockKeys); ++a) keys.push_back(window[a]);
+}
 
 // The dbias elements one task reduces: bias heads [hb0, hb0 + nhb), every bias
 // row, and the task's keys (one column when the bias broadcasts over keys), of
 // bias batch b_bias. Summed in A in the task's fixed order, rounded once.
 template <class A>
 struct BiasGradSlice {
-  std::int64_t b_bias = 0, hb0 = 0, nhb = 0, rows = 0, cols = 0, j0 = 0;
+  std::int64_t b_bias = 0, hb0 = 0, nhb = 0, rows = 0, cols = 0;
   std::vector<A> acc;
 
-  void init(const Problem& p, const DkvTask& t) {
+  void init(const Problem& p, const DkvTask& t, std::int64_t columns) {
     const BroadcastShape& bs = p.bias_shape;
     b_bias = bs.batch == 1 ? 0 : t.b0;
     hb0 = p.operand_head(t.kvh0 * p.group(), bs.heads);
     nhb = bs.heads == p.heads ? p.group() : 1;
     rows = bs.rows;
-    j0 = t.kb0 * kBlockKeys;
-    cols = bs.cols == 1 ? 1 : std::max<std::int64_t>(0, std::min(p.k_len(t.b0), t.kb1 * kBlockKeys) - j0);
+    cols = columns;
     acc.assign(static_cast<std::size_t>(nhb * rows * cols), A(0));
   }
 
-  // Adds dS of rows [i0, i0 + nr) x keys [k0, k0 + nc) of query head h.
-  void add(const Problem& p, std::int64_t h, std::int64_t i0, std::int64_t nr, std::int64_t k0, std::int64_t nc,
-           const A* dS) {
+  // Adds dS of rows [i0, i0 + nr) x group positions pos[a] (a < na) of query head h.
+  void add(const Problem& p, std::int64_t h, std::int64_t i0, std::int64_t nr, const std::int64_t* pos,
+           std::int64_t na, const A* dS) {
     const std::int64_t hb = p.operand_head(h, p.bias_shape.heads) - hb0;
     for (std::int64_t r = 0; r < nr; ++r) {
       A* dst = &acc[static_cast<std::size_t>((hb * rows + (rows == 1 ? 0 : i0 + r)) * cols)];
-      if (cols == 1) {
-        for (std::int64_t c = 0; c < nc; ++c) dst[0] += dS[r * kBlockKeys + c];
-      } else {
-        for (std::int64_t c = 0; c < nc; ++c) dst[k0 - j0 + c] += dS[r * kBlockKeys + c];
-      }
+      for (std::int64_t a = 0; a < na; ++a) dst[cols == 1 ? 0 : pos[a]] += dS[r * kBlockKeys + a];
     }
   }
 
-  void store(const Problem& p) const {
+  // Writes the slice; keys are the task's group (ignored when cols == 1).
+  void store(const Problem& p, const std::vector<std::int64_t>& keys) const {
     const Operand& db = p.dbias;
-    const std::int64_t ks = cols == 1 ? 0 : p.k_start(b_bias) + j0;
+    const std::int64_t ks = p.k_start(b_bias);
     for (std::int64_t hb = 0; hb < nhb; ++hb)
-      for (std::int64_t i = 0; i < rows; ++i)
-        write(db.data, db.dtype, b_bias * db.sb + (hb0 + hb) * db.sh + i * db.sr + ks * db.sc, cols,
-              Strided{db.sc}, &acc[static_cast<std::size_t>((hb * rows + i) * cols)]);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const std::int64_t base = b_bias * db.sb + (hb0 + hb) * db.sh + i * db.sr;
+        const A* src = &acc[static_cast<std::size_t>((hb * rows + i) * cols)];
+        if (cols == 1) {
+          write(db.data, db.dtype, base, 1, Strided{0}, src);
+        } else {
+          write(db.data, db.dtype, base + ks * db.sc, cols, Gathered{keys.data(), db.sc}, src);
+        }
+      }
   }
 };
 
-// Rows of head `head` that may use some key of [j0, j1).
+// Rows of head `head` that may use some key of the group: [first, last).
 template <class A>
 std::pair<std::int64_t, std::int64_t> row_range(const Selection& sel, const HeadLogits<A>& head, std::int64_t b,
-                                                std::int64_t h, std::int64_t j0, std::int64_t j1) {
+                                                std::int64_t h, const std::vector<std::int64_t>& keys) {
   const Geometry& g = head.geometry();
-  std::int64_t r0 = g.first_row(j0), r1 = g.last_row(j1);
+  const auto [jmin, jmax] = std::minmax_element(keys.begin(), keys.end());
+  std::int64_t r0 = g.first_row(*jmin), r1 = g.last_row(*jmax + 1);
   if (sel.mode == Selection::kIntervals) {
     std::int64_t lo = g.sq, hi = 0;
-    for (std::int64_t j = j0; j < j1; ++j) {
+    for (std::int64_t j : keys) {
       const RowInterval& iv = sel.interval(b, h, j);
       if (iv.start < iv.end) lo = std::min(lo, iv.start), hi = std::max(hi, iv.end);
     }
@@ -155,46 +185,81 @@ std::pair<std::int64_t, std::int64_t> row_range(const Selection& sel, const Head
   return {r0, r1};
 }
 
+// Positions (into keys) of the keys that some row of [i0, i1) may select.
+void active_keys(const Selection& sel, std::int64_t b, std::int64_t h, const std::vector<std::int64_t>& keys,
+                 std::int64_t i0, std::int64_t i1, std::vector<std::int64_t>& pos) {
+  pos.clear();
+  for (std::size_t a = 0; a < keys.size(); ++a) {
+    if (sel.mode == Selection::kIntervals) {
+      const RowInterval& iv = sel.interval(b, h, keys[a]);
+      if (iv.end <= i0 || iv.start >= i1) continue;
+    }
+    pos.push_back(static_cast<std::int64_t>(a));
+  }
+}
+
+// dk, dv (and the dbias slice) of the task's key groups. Each row block gathers
+// only the group's keys it may select, accumulates into tile-local sums and adds
+// them to the group's sums, so a key costs the row blocks that use it.
 template <class A>
 void dkv_task(const Problem& p, const Selection& sel, const DkvTask& t) {
   const std::int64_t D = p.head_dim, G = p.group(), ld = kBlockKeys;
   const A scale = static_cast<A>(p.scale);
   BiasGradSlice<A> dbias;
-  if (p.dbias.present()) dbias.init(p, t);
   RowBlock<A> rows;
   KeyTile<A> kt;
   GradTile<A> tile;
-  std::vector<A> dK(ld * D), dV(ld * D);
-  std::vector<std::int64_t> keys(ld);
-  for (std::int64_t b = t.b0; b < t.b1; ++b) {
-    const std::int64_t sk = p.k_len(b), qs = p.q_start(b), ks = p.k_start(b);
-    for (std::int64_t kvh = t.kvh0; kvh < t.kvh1; ++kvh) {
-      for (std::int64_t kb = t.kb0; kb < t.kb1; ++kb) {
-        const std::int64_t j0 = kb * ld, nc = std::min(sk, j0 + ld) - j0;
-        if (nc <= 0) break;
-        for (std::int64_t c = 0; c < nc; ++c) keys[c] = j0 + c;
-        kt.load(p, b, kvh, keys.data(), nc);
+  std::vector<A> dK(ld * D), dV(ld * D), dK_tile(ld * D), dV_tile(ld * D);
+  std::vector<std::int64_t> keys, pos, active;
+  // A bias broadcast over keys has one dbias column for all of the task's groups.
+  const bool per_group = p.dbias.present() && p.bias_shape.cols != 1;
+  if (p.dbias.present() && !per_group) dbias.init(p, t, 1);
+  for (std::int64_t g = t.g0; g < t.g1; ++g) {
+    // Every (b, kvh) of the task shares the groups of its first head, so a dbias
+    // column the task owns is the same key throughout.
+    key_group(sel, t.b0, t.kvh0 * G, p.k_len(t.b0), g, keys);
+    const std::int64_t nc = static_cast<std::int64_t>(keys.size());
+    if (per_group) dbias.init(p, t, nc);
+    for (std::int64_t b = t.b0; b < t.b1 && nc > 0; ++b) {
+      const std::int64_t qs = p.q_start(b), ks = p.k_start(b);
+      for (std::int64_t kvh = t.kvh0; kvh < t.kvh1; ++kvh) {
         std::fill(dK.begin(), dK.end(), A(0));
         std::fill(dV.begin(), dV.end(), A(0));
         for (std::int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
           const HeadLogits<A> head(p, sel, b, h);
-          const auto [r0, r1] = row_range(sel, head, b, h, j0, j0 + nc);
+          const auto [r0, r1] = row_range(sel, head, b, h, keys);
           for (std::int64_t i0 = r0; i0 < r1; i0 += kBlockRows) {
             const std::int64_t nr = std::min(r1, i0 + kBlockRows) - i0;
+            active_keys(sel, b, h, keys, i0, i0 + nr, pos);
+            const std::int64_t na = static_cast<std::int64_t>(pos.size());
+            if (na == 0) continue;
+            active.resize(pos.size());
+            for (std::int64_t a = 0; a < na; ++a) active[a] = keys[pos[a]];
+            kt.load(p, b, kvh, active.data(), na);
             rows.load(p, b, h, qs + i0, nr);
-            tile.compute(p, head, rows, kt, i0, nr, keys.data(), nc);
-            accumulate_wtx(nr, nc, D, ld, tile.P.data(), rows.dO.data(), dV.data());
-            accumulate_wtx(nr, nc, D, ld, tile.dS(), rows.Q.data(), dK.data());
-            if (p.dbias.present()) dbias.add(p, h, i0, nr, j0, nc, tile.G.data());
+            tile.compute(p, head, rows, kt, i0, nr, active.data(), na);
+            std::fill(dK_tile.begin(), dK_tile.begin() + na * D, A(0));
+            std::fill(dV_tile.begin(), dV_tile.begin() + na * D, A(0));
+            accumulate_wtx(nr, na, D, ld, tile.P.data(), rows.dO.data(), dV_tile.data());
+            accumulate_wtx(nr, na, D, ld, tile.dS(), rows.Q.data(), dK_tile.data());
+            for (std::int64_t a = 0; a < na; ++a) {
+              A* dk = &dK[pos[a] * D];
+              A* dv = &dV[pos[a] * D];
+              for (std::int64_t d = 0; d < D; ++d) dk[d] += dK_tile[a * D + d], dv[d] += dV_tile[a * D + d];
+            }
+            if (p.dbias.present()) dbias.add(p, h, i0, nr, pos.data(), na, tile.G.data());
           }
         }
-        for (std::int64_t e = 0; e < nc * D; ++e) dK[e] *= scale;
-        store_rows(p.dk, b, kvh, ks + j0, nc, D, dK.data());
-        store_rows(p.dv, b, kvh, ks + j0, nc, D, dV.data());
+        for (std::int64_t c = 0; c < nc; ++c) {
+          for (std::int64_t d = 0; d < D; ++d) dK[c * D + d] *= scale;
+          store_rows(p.dk, b, kvh, ks + keys[c], 1, D, &dK[c * D]);
+          store_rows(p.dv, b, kvh, ks + keys[c], 1, D, &dV[c * D]);
+        }
       }
     }
+    if (per_group) dbias.store(p, keys);
   }
-  if (p.dbias.present()) dbias.store(p);
+  if (p.dbias.present() && !per_group) dbias.store(p, keys);
 }
 
 }  // namespace
@@ -211,16 +276,16 @@ void backward(const Problem& p, const Selection& sel) {
   // Widen a task over every dimension a dbias element sums over.
   const BroadcastShape& bs = p.bias_shape;
   const bool db = p.dbias.present();
-  const std::int64_t k_blocks = (p.seqlen_k + kBlockKeys - 1) / kBlockKeys;
+  const std::int64_t k_groups = (p.seqlen_k + kBlockKeys - 1) / kBlockKeys;
   const std::int64_t nb = db && bs.batch == 1 ? 1 : p.batch;
   const std::int64_t nh = db && bs.heads == 1 ? 1 : p.kv_heads;
-  const std::int64_t nk = db && bs.cols == 1 ? 1 : k_blocks;
+  const std::int64_t nk = db && bs.cols == 1 ? 1 : k_groups;
   parallel_for(nb * nh * nk, [&](std::int64_t task) {
     const std::int64_t tk = task % nk, th = (task / nk) % nh, tb = task / (nk * nh);
     DkvTask t{tb, tb + 1, th, th + 1, tk, tk + 1};
     if (nb == 1) t.b0 = 0, t.b1 = p.batch;
     if (nh == 1) t.kvh0 = 0, t.kvh1 = p.kv_heads;
-    if (nk == 1) t.kb0 = 0, t.kb1 = k_blocks;
+    if (nk == 1) t.g0 = 0, t.g1 = k_groups;
     dkv_task<A>(p, sel, t);
   });
 }
