@@ -15,7 +15,9 @@ as a broadcast dimension of size 1, so an expanded key-only bias
 (B, Hb, Sq, Sk) with a stride-0 query dimension is handled as (B, Hb, 1, Sk):
 nothing of size Sq * Sk is read or allocated for it, and its gradient is
 computed in the reduced shape and returned as an expanded view of the bias's
-shape. The mask gets no gradient; the lse output is not differentiable.
+shape (each aliased element holding an equal share, so that what reaches the
+tensor it was expanded from is exact). The mask gets no gradient; the lse output
+is not differentiable.
 """
 
 import contextlib
@@ -64,7 +66,22 @@ def _options(scale, softcap, causal, window_left, window_right, keep_window_size
 
 
 def _last_dim_contiguous(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+    # clone, not contiguous(): an empty expanded tensor counts as contiguous with its stride-0 last dim.
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.clone(memory_format=torch.contiguous_format)
+
+
+def _broadcast_grad(dbias: Tensor, bias: Tensor) -> Tensor:
+    """The gradient of `bias` from `dbias`, its sum over the dims that `bias` broadcasts.
+
+    The elements of a stride-0 dim alias one element of the tensor the bias was
+    expanded from; each gets an equal share of the sum, so what reaches that
+    tensor (through expand's backward, which sums) is exactly dbias.
+    """
+    aliases = 1
+    for reduced, size in zip(dbias.shape, bias.shape):
+        if reduced != size:
+            aliases *= size
+    return (dbias / aliases if aliases > 1 else dbias).expand(bias.shape)
 
 
 # --------------------------------------------------------------------------- batched
@@ -134,7 +151,7 @@ def _fwd_backward(ctx, dout, _dlse):
     bias_grad = bias is not None and ctx.needs_input_grad[5]
     dq, dk, dv, dbias = _bwd(dout, q, k, v, mask, ctx.mask_shape, bias, ctx.bias_shape, out, lse,
                              *ctx.options, bias_grad)
-    dbias = dbias.expand(bias.shape) if bias_grad else None
+    dbias = _broadcast_grad(dbias, bias) if bias_grad else None
     return (dq, dk, dv, None, None, dbias, None) + (None,) * len(ctx.options)
 
 
@@ -212,7 +229,7 @@ def _varlen_backward(ctx, dout, _dlse):
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = _varlen_bwd(dout, q, k, v, bias, ctx.bias_shape, cu_seqlens_q, cu_seqlens_k,
                                     *ctx.max_seqlens, out, lse, *ctx.options, bias_grad)
-    dbias = dbias.expand(bias.shape) if bias_grad else None
+    dbias = _broadcast_grad(dbias, bias) if bias_grad else None
     return (dq, dk, dv, dbias) + (None,) * (5 + len(ctx.options))
 
 
