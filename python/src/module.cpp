@@ -31,6 +31,23 @@ using dmattn::DType;
 using dmattn::Error;
 using dmattn::TensorView;
 
+// "int64", "uint8", "complex64", ...: a DLPack dtype in words, for messages.
+std::string dlpack_name(nb::dlpack::dtype t) {
+  using Code = nb::dlpack::dtype_code;
+  const char* kind = nullptr;
+  switch (static_cast<Code>(t.code)) {
+    case Code::Int: kind = "int"; break;
+    case Code::UInt: kind = "uint"; break;
+    case Code::Float: kind = "float"; break;
+    case Code::Bfloat: kind = "bfloat"; break;
+    case Code::Complex: kind = "complex"; break;
+    case Code::Bool: kind = "bool"; break;
+    default: return "DLPack type code " + std::to_string(t.code) + " (" + std::to_string(t.bits) + " bits)";
+  }
+  std::string name = kind + std::to_string(t.bits);
+  return t.lanes == 1 ? name : name + "x" + std::to_string(t.lanes);
+}
+
 DType to_dtype(nb::dlpack::dtype t, const std::string& name) {
   using Code = nb::dlpack::dtype_code;
   const auto code = static_cast<Code>(t.code);
@@ -42,9 +59,8 @@ DType to_dtype(nb::dlpack::dtype t, const std::string& name) {
     if (code == Code::Bool && t.bits == 8) return DType::kBool;
     if (code == Code::Int && t.bits == 32) return DType::kInt32;
   }
-  throw Error(Error::Kind::kType, name + ".dtype", "float16, bfloat16, float32, float64, bool or int32",
-              "DLPack type code " + std::to_string(t.code) + " with " + std::to_string(t.bits) + " bits x " +
-                  std::to_string(t.lanes) + " lanes");
+  throw Error(Error::Kind::kType, name + ".dtype",
+              "a dtype dmattn takes (float16, bfloat16, float32, float64, bool or int32)", dlpack_name(t));
 }
 
 template <typename Array>
