@@ -1,0 +1,417 @@
+// SPEC 6: every invalid call throws dmattn::Error naming the argument, the
+// expected and the actual value, of the right Kind, before anything runs, and
+// leaves every tensor of the caller untouched.
+#include <cmath>
+#include <deque>
+#include <functional>
+#include <limits>
+
+#include "harness.h"
+
+namespace dmattn_test {
+namespace {
+
+using dmattn::Device;
+using dmattn::DeviceType;
+using dmattn::TensorView;
+using Kind = dmattn::Error::Kind;
+
+constexpr std::int64_t B = 2, Sq = 5, Sk = 6, H = 4, Hk = 2, D = 8;
+// Varlen: sequences (2, 3), (0, 1), (3, 2).
+const std::vector<std::int32_t> kCuQ{0, 2, 2, 5}, kCuK{0, 3, 4, 6};
+constexpr std::int64_t kTotalQ = 5, kTotalK = 6;
+
+enum class Entry { kForward, kBackward, kVarlenForward, kVarlenBackward };
+
+// Every tensor a valid call uses; outputs poisoned.
+struct Tensors {
+  std::deque<HostTensor> all;  // stable addresses
+  HostTensor& add(DType dtype, Shape shape, Rng& rng, bool poison) {
+    HostTensor& t = all.emplace_back(dtype, std::move(shape));
+    if (poison)
+      t.poison();
+    else if (dtype == DType::kBool)
+      t.fill([](std::int64_t i) { return i % 3 != 0; });
+    else
+      fill_values(t, Values::kUniform, rng);
+    return t;
+  }
+};
+
+// The arguments of one call of one entry point.
+struct Call {
+  Entry entry = Entry::kForward;
+  dmattn::Inputs in;
+  dmattn::VarlenLayout layout;
+  TensorView out, dout;
+  std::optional<TensorView> lse;
+  dmattn::Gradients grads;
+  dmattn::Options options;
+  Tensors* tensors = nullptr;
+  Rng* rng = nullptr;
+
+  // A fresh tensor (kept alive with the others), e.g. to replace an input by one of another dtype.
+  TensorView make(DType dtype, Shape shape) {
+    if (dtype == DType::kInt32) {
+      HostTensor& t = tensors->all.emplace_back(dtype, std::move(shape));
+      t.fill([](std::int64_t i) { return static_cast<double>(i); });
+      return t.view();
+    }
+    return tensors->add(dtype, std::move(shape), *rng, false).view();
+  }
+  TensorView& cu_q() { return layout.cu_seqlens_q; }
+};
+
+Call valid_call(Entry entry, Tensors& t, Rng& rng) {
+  Call c;
+  c.entry = entry;
+  c.tensors = &t, c.rng = &rng;
+  const DType f32 = DType::kFloat32;
+  const bool varlen = entry == Entry::kVarlenForward || entry == Entry::kVarlenBackward;
+  const Shape q_shape = varlen ? Shape{kTotalQ, H, D} : Shape{B, Sq, H, D};
+  const Shape k_shape = varlen ? Shape{kTotalK, Hk, D} : Shape{B, Sk, Hk, D};
+  const Shape bias_shape = varlen ? Shape{kTotalK, Hk} : Shape{B, Hk, Sq, Sk};
+  c.in.q = t.add(f32, q_shape, rng, false).view();
+  c.in.k = t.add(f32, k_shape, rng, false).view();
+  c.in.v = t.add(f32, k_shape, rng, false).view();
+  if (!varlen) c.in.mask = t.add(DType::kBool, {B, 1, Sq, Sk}, rng, false).view();
+  c.in.bias = t.add(f32, bias_shape, rng, false).view();
+  c.out = t.add(f32, q_shape, rng, true).view();
+  c.lse = t.add(f32, varlen ? Shape{H, kTotalQ} : Shape{B, H, Sq}, rng, true).view();
+  c.dout = t.add(f32, q_shape, rng, false).view();
+  c.grads.dq = t.add(f32, q_shape, rng, true).view();
+  c.grads.dk = t.add(f32, k_shape, rng, true).view();
+  c.grads.dv = t.add(f32, k_shape, rng, true).view();
+  c.grads.dbias = t.add(f32, bias_shape, rng, true).view();
+  if (varlen) {
+    for (const auto* cu : {&kCuQ, &kCuK}) {
+      HostTensor& h = t.all.emplace_back(DType::kInt32, Shape{static_cast<std::int64_t>(cu->size())});
+      h.fill([&](std::int64_t i) { return (*cu)[i]; });
+    }
+    c.layout = {t.all[t.all.size() - 2].view(), t.all.back().view(), 3, 3};
+  }
+  c.options.causal = true;
+  c.options.keep_window_size = 2;
+  return c;
+}
+
+void invoke(const Call& c) {
+  switch (c.entry) {
+    case Entry::kForward: dmattn::forward(c.in, c.out, c.lse, c.options); return;
+    case Entry::kBackward: dmattn::backward(c.in, c.out, c.dout, *c.lse, c.grads, c.options); return;
+    case Entry::kVarlenForward: dmattn::varlen_forward(c.in, c.layout, c.out, c.lse, c.options); return;
+    case Entry::kVarlenBackward:
+      dmattn::varlen_backward(c.in, c.layout, c.out, c.dout, *c.lse, c.grads, c.options);
+      return;
+  }
+}
+
+// Puts every tensor of the call on `device`, with bfloat16 q, k, v, out, dout
+// and gradients (the dtypes CUDA takes).
+void move_to(Call& c, Device device, std::int64_t head_dim = D) {
+  for (TensorView* t : {&c.in.q, &c.in.k, &c.in.v, &c.out, &c.dout, &c.grads.dq, &c.grads.dk, &c.grads.dv}) {
+    t->device = device;
+    t->dtype = DType::kBFloat16;
+    t->shape[t->ndim - 1] = head_dim;
+  }
+  for (auto* t : {&c.in.mask, &c.in.bias, &c.lse, &c.grads.dbias})
+    if (*t) (*t)->device = device;
+  c.layout.cu_seqlens_q.device = c.layout.cu_seqlens_k.device = device;
+}
+
+constexpr Device kCuda0{DeviceType::kCUDA, 0};
+constexpr Device kCuda1{DeviceType::kCUDA, 1};
+
+struct BadCase {
+  const char* name;
+  Entry entry;
+  std::function<void(Call&)> mutate;
+  Kind kind;
+  std::string argument;
+  std::string message;  // a substring of what(), after "dmattn: <argument>: "
+};
+
+std::vector<BadCase> bad_cases() {
+  const Entry F = Entry::kForward, Bw = Entry::kBackward, VF = Entry::kVarlenForward, VB = Entry::kVarlenBackward;
+  const DType f32 = DType::kFloat32, f64 = DType::kFloat64;
+  return {
+      // rank
+      {"q_rank", F, [](Call& c) { c.in.q.ndim = 3; }, Kind::kValue, "q",
+       "expected rank 4 (B, S, heads, head_dim), got rank 3"},
+      {"k_rank", Bw, [](Call& c) { c.in.k.ndim = 3; }, Kind::kValue, "k", "expected rank 4"},
+      {"mask_rank", F, [](Call& c) { c.in.mask->ndim = 3; }, Kind::kValue, "mask", "got rank 3"},
+      {"bias_rank", F, [](Call& c) { c.in.bias = c.make(f32, {Hk, Sq, Sk}); }, Kind::kValue, "bias",
+       "expected rank 4 (B, H, Sq, Sk) or broadcastable, got rank 3"},
+      {"lse_rank", F, [](Call& c) { c.lse = c.make(f32, {B * H, Sq}); }, Kind::kValue, "lse",
+       "expected rank 3 (B, H, Sq)"},
+      {"varlen_q_rank", VF, [](Call& c) { c.in.q = c.make(f32, {1, kTotalQ, H, D}); }, Kind::kValue, "q",
+       "expected rank 3 (total, heads, head_dim), got rank 4"},
+      {"varlen_bias_rank", VF, [](Call& c) { c.in.bias = c.make(f32, {1, Hk, 1, kTotalK}); }, Kind::kValue,
+       "bias", "expected rank 2 (total_k, Hb)"},
+      {"varlen_lse_rank", VB, [](Call& c) { c.lse = c.make(f32, {1, H, kTotalQ}); }, Kind::kValue, "lse",
+       "expected rank 2 (H, total_q)"},
+      {"cu_seqlens_rank", VF, [](Call& c) { c.cu_q() = c.make(DType::kInt32, {1, 4}); }, Kind::kValue,
+       "cu_seqlens_q", "expected rank 1 (B + 1,)"},
+      // dtype
+      {"q_int32", F, [](Call& c) { c.in.q = c.make(DType::kInt32, {B, Sq, H, D}); }, Kind::kType, "q.dtype",
+       "expected float16, bfloat16, float32 or float64, got int32"},
+      {"q_bool", Bw, [](Call& c) { c.in.q = c.make(DType::kBool, {B, Sq, H, D}); }, Kind::kType, "q.dtype",
+       "got bool"},
+      {"k_dtype", F, [f64](Call& c) { c.in.k = c.make(f64, {B, Sk, Hk, D}); }, Kind::kType, "k.dtype",
+       "expected float32 (the dtype of q), got float64"},
+      {"v_dtype", Bw, [](Call& c) { c.in.v = c.make(DType::kBFloat16, {B, Sk, Hk, D}); }, Kind::kType,
+       "v.dtype", "expected float32 (the dtype of q), got bfloat16"},
+      {"mask_float", F, [f32](Call& c) { c.in.mask = c.make(f32, {B, 1, Sq, Sk}); }, Kind::kType, "mask.dtype",
+       "expected bool (True = may attend), got float32"},
+      {"bias_int32", F, [](Call& c) { c.in.bias = c.make(DType::kInt32, {B, Hk, Sq, Sk}); }, Kind::kType,
+       "bias.dtype", "got int32"},
+      {"bias_bool", Bw, [](Call& c) { c.in.bias = c.make(DType::kBool, {B, Hk, Sq, Sk}); }, Kind::kType,
+       "bias.dtype", "got bool"},
+      {"bias_float64_with_float32_q", F, [f64](Call& c) { c.in.bias = c.make(f64, {B, Hk, Sq, Sk}); },
+       Kind::kType, "bias.dtype", "(the dtype of q), got float64"},
+      {"varlen_bias_float16", VF, [](Call& c) { c.in.bias = c.make(DType::kFloat16, {kTotalK, Hk}); },
+       Kind::kType, "bias.dtype", "got float16"},
+      {"lse_float64_with_float32_q", F, [f64](Call& c) { c.lse = c.make(f64, {B, H, Sq}); }, Kind::kType,
+       "lse.dtype", "expected float32, got float64"},
+      {"out_dtype", F, [f64](Call& c) { c.out = c.make(f64, {B, Sq, H, D}); }, Kind::kType, "out.dtype",
+       "expected float32 (the dtype of q), got float64"},
+      {"dout_dtype", Bw, [f64](Call& c) { c.dout = c.make(f64, {B, Sq, H, D}); }, Kind::kType, "dout.dtype",
+       "got float64"},
+      {"dq_dtype", Bw, [f64](Call& c) { c.grads.dq = c.make(f64, {B, Sq, H, D}); }, Kind::kType, "dq.dtype",
+       "got float64"},
+      {"dbias_dtype", Bw, [f64](Call& c) { c.grads.dbias = c.make(f64, {B, Hk, Sq, Sk}); }, Kind::kType,
+       "dbias.dtype", "expected float32 (the dtype of bias), got float64"},
+      {"cu_seqlens_dtype", VF, [f32](Call& c) { c.cu_q() = c.make(f32, {4}); }, Kind::kType,
+       "cu_seqlens_q.dtype", "expected int32 (cumulative sequence lengths), got float32"},
+      // device
+      {"k_on_cuda", F, [](Call& c) { c.in.k.device = kCuda0; }, Kind::kValue, "k.device",
+       "expected cpu (the device of q), got cuda:0"},
+      {"bias_on_other_gpu", F, [](Call& c) { move_to(c, kCuda0), c.in.bias->device = kCuda1; }, Kind::kValue,
+       "bias.device", "expected cuda:0 (the device of q), got cuda:1"},
+      {"v_on_other_gpu", Bw, [](Call& c) { move_to(c, kCuda0), c.in.v.device = kCuda1; }, Kind::kValue,
+       "v.device", "got cuda:1"},
+      {"mask_on_cuda", F, [](Call& c) { c.in.mask->device = kCuda0; }, Kind::kValue, "mask.device", "got cuda:0"},
+      {"out_on_other_gpu", F, [](Call& c) { move_to(c, kCuda1), c.out.device = kCuda0; }, Kind::kValue,
+       "out.device", "expected cuda:1 (the device of q), got cuda:0"},
+      {"lse_on_cuda", F, [](Call& c) { c.lse->device = kCuda0; }, Kind::kValue, "lse.device", "got cuda:0"},
+      {"dbias_on_cuda", Bw, [](Call& c) { c.grads.dbias->device = kCuda0; }, Kind::kValue, "dbias.device",
+       "got cuda:0"},
+      {"cu_seqlens_on_cuda", VF, [](Call& c) { c.layout.cu_seqlens_k.device = kCuda0; }, Kind::kValue,
+       "cu_seqlens_k.device", "got cuda:0"},
+      {"float32_on_cuda", F, [f32](Call& c) { move_to(c, kCuda0), c.in.q.dtype = c.in.k.dtype = c.in.v.dtype = f32; },
+       Kind::kType, "q.dtype", "expected float16 or bfloat16 on CUDA, got float32"},
+      {"head_dim_12_on_cuda", F, [](Call& c) { move_to(c, kCuda0, 12); }, Kind::kUnsupported, "q.shape[3]",
+       "expected a head_dim <= 256 and divisible by 8 on CUDA, got 12"},
+      {"head_dim_264_on_cuda", Bw, [](Call& c) { move_to(c, kCuda0, 264); }, Kind::kUnsupported, "q.shape[3]",
+       "got 264"},
+      // layout
+      {"q_last_dim_strided", F, [](Call& c) { c.in.q.stride[3] = 2; }, Kind::kValue, "q.stride[3]",
+       "expected 1 (the last dimension contiguous), got 2"},
+      {"k_last_dim_strided", Bw, [](Call& c) { c.in.k.stride[3] = 0; }, Kind::kValue, "k.stride[3]", "got 0"},
+      {"varlen_v_last_dim_strided", VF, [](Call& c) { c.in.v.stride[2] = 3; }, Kind::kValue, "v.stride[2]",
+       "got 3"},
+      {"out_last_dim_strided", F, [](Call& c) { c.out.stride[3] = 2; }, Kind::kValue, "out.stride[3]", "got 2"},
+      {"dq_last_dim_strided", Bw, [](Call& c) { c.grads.dq.stride[3] = 2; }, Kind::kValue, "dq.stride[3]",
+       "got 2"},
+      {"negative_stride", F, [](Call& c) { c.in.q.stride[1] = -c.in.q.stride[1]; }, Kind::kValue, "q.stride[1]",
+       "expected a stride >= 0"},
+      {"negative_size", F, [](Call& c) { c.in.k.shape[1] = -1; }, Kind::kValue, "k.shape[1]",
+       "expected a size >= 0, got -1"},
+      {"null_data", F, [](Call& c) { c.in.v.data = nullptr; }, Kind::kValue, "v.data",
+       "expected a non-null pointer"},
+      {"out_broadcast", F, [](Call& c) { c.out.stride[1] = 0; }, Kind::kValue, "out.stride[1]",
+       "expected a non-zero stride (an output cannot be a broadcast view), got 0"},
+      {"lse_broadcast", F, [](Call& c) { c.lse->stride[2] = 0; }, Kind::kValue, "lse.stride[2]", "got 0"},
+      {"dk_broadcast", Bw, [](Call& c) { c.grads.dk.stride[0] = 0; }, Kind::kValue, "dk.stride[0]", "got 0"},
+      {"dbias_broadcast", Bw, [](Call& c) { c.grads.dbias->stride[3] = 0; }, Kind::kValue, "dbias.stride[3]",
+       "got 0"},
+      {"varlen_dbias_broadcast", VB, [](Call& c) { c.grads.dbias->stride[0] = 0; }, Kind::kValue,
+       "dbias.stride[0]", "got 0"},
+      {"cu_seqlens_strided", VF,
+       [](Call& c) {
+         const TensorView buffer = c.make(DType::kInt32, {8});
+         auto* p = static_cast<std::int32_t*>(buffer.data);
+         p[0] = 0, p[2] = 2, p[4] = 2, p[6] = 5;
+         c.cu_q() = TensorView::strided(buffer.data, DType::kInt32, {4}, {2});
+       },
+       Kind::kValue, "cu_seqlens_q.stride[0]", "expected 1 (contiguous)"},
+      // sizes and broadcasting
+      {"heads_not_divisible", F, [](Call& c) { c.in.k.shape[2] = c.in.v.shape[2] = 3; }, Kind::kValue,
+       "k.shape[2]", "expected a divisor of H = 4 (H % Hk == 0), got 3"},
+      {"head_dim_0", F, [](Call& c) { c.in.q.shape[3] = c.in.k.shape[3] = c.in.v.shape[3] = c.out.shape[3] = 0; },
+       Kind::kValue, "q.shape[3]", "expected head_dim >= 1, got 0"},
+      {"no_heads", F, [](Call& c) { c.in.q.shape[2] = 0; }, Kind::kValue, "q.shape[2]", "expected H >= 1 heads"},
+      {"k_head_dim", F, [](Call& c) { c.in.k.shape[3] = 4; }, Kind::kValue, "k.shape[3]",
+       "expected 8 (head_dim of q), got 4"},
+      {"v_heads", Bw, [](Call& c) { c.in.v.shape[2] = 1; }, Kind::kValue, "v.shape[2]", "expected 2 (Hk), got 1"},
+      {"k_batch", F, [](Call& c) { c.in.k.shape[0] = 1; }, Kind::kValue, "k.shape[0]", "expected 2 (B of q)"},
+      {"v_keys", F, [](Call& c) { c.in.v.shape[1] = 5; }, Kind::kValue, "v.shape[1]", "expected 6 (Sk of k)"},
+      {"varlen_v_total", VF, [](Call& c) { c.in.v.shape[0] = 5; }, Kind::kValue, "v.shape[0]",
+       "expected 6 (total_k)"},
+      {"mask_batch", F, [](Call& c) { c.in.mask->shape[0] = 3; }, Kind::kValue, "mask.shape[0]",
+       "expected 2 (B) or 1 (broadcast) to broadcast, got 3"},
+      {"mask_heads", F, [](Call& c) { c.in.mask->shape[1] = 3; }, Kind::kValue, "mask.shape[1]",
+       "expected 4 (H), 2 (Hk) or 1 (broadcast) to broadcast, got 3"},
+      {"mask_queries", Bw, [](Call& c) { c.in.mask->shape[2] = 4; }, Kind::kValue, "mask.shape[2]",
+       "expected 5 (Sq) or 1 (broadcast)"},
+      {"mask_keys", F, [](Call& c) { c.in.mask->shape[3] = 7; }, Kind::kValue, "mask.shape[3]",
+       "expected 6 (Sk) or 1 (broadcast)"},
+      {"bias_batch", F, [](Call& c) { c.in.bias->shape[0] = 4; }, Kind::kValue, "bias.shape[0]", "got 4"},
+      {"bias_heads", Bw, [](Call& c) { c.in.bias->shape[1] = 8; }, Kind::kValue, "bias.shape[1]", "got 8"},
+      {"bias_queries", F, [](Call& c) { c.in.bias->shape[2] = 2; }, Kind::kValue, "bias.shape[2]", "got 2"},
+      {"bias_keys", F, [](Call& c) { c.in.bias->shape[3] = 5; }, Kind::kValue, "bias.shape[3]", "got 5"},
+      {"varlen_bias_keys", VF, [](Call& c) { c.in.bias->shape[0] = 5; }, Kind::kValue, "bias.shape[0]",
+       "expected 6 (total_k)"},
+      {"varlen_bias_heads", VB, [](Call& c) { c.in.bias->shape[1] = 3; }, Kind::kValue, "bias.shape[1]",
+       "expected 4 (H), 2 (Hk) or 1 (broadcast) to broadcast, got 3"},
+      {"out_shape", F, [](Call& c) { c.out.shape[1] = 4; }, Kind::kValue, "out.shape",
+       "expected (2, 5, 4, 8) (the shape of q), got (2, 4, 4, 8)"},
+      {"lse_shape", F, [](Call& c) { c.lse->shape[2] = 6; }, Kind::kValue, "lse.shape[2]", "expected 5 (Sq)"},
+      {"varlen_lse_shape", VF, [](Call& c) { c.lse->shape[1] = 4; }, Kind::kValue, "lse.shape[1]",
+       "expected 5 (total_q)"},
+      {"dout_shape", Bw, [](Call& c) { c.dout.shape[2] = 2; }, Kind::kValue, "dout.shape", "(the shape of q)"},
+      {"dq_shape", Bw, [](Call& c) { c.grads.dq.shape[0] = 1; }, Kind::kValue, "dq.shape", "(the shape of q)"},
+      {"dv_shape", Bw, [](Call& c) { c.grads.dv.shape[1] = 1; }, Kind::kValue, "dv.shape", "(the shape of v)"},
+      {"dbias_shape", Bw, [f32](Call& c) { c.grads.dbias = c.make(f32, {B, H, Sq, Sk}); }, Kind::kValue,
+       "dbias.shape", "expected (2, 2, 5, 6) (the shape of bias), got (2, 4, 5, 6)"},
+      {"dbias_without_bias", Bw, [](Call& c) { c.in.bias.reset(), c.options.keep_window_size.reset(); },
+       Kind::kValue, "dbias", "expected none (there is no bias)"},
+      // options
+      {"keep_window_0", F, [](Call& c) { c.options.keep_window_size = 0; }, Kind::kValue, "keep_window_size",
+       "expected a key count > 0 (or none), got 0"},
+      {"keep_window_negative", Bw, [](Call& c) { c.options.keep_window_size = -3; }, Kind::kValue,
+       "keep_window_size", "got -3"},
+      {"keep_window_without_bias", F, [](Call& c) { c.in.bias.reset(); }, Kind::kValue, "keep_window_size",
+       "expected a bias to select keys by (top-k needs a bias), got no bias"},
+      {"varlen_keep_window_without_bias", VB, [](Call& c) { c.in.bias.reset(), c.grads.dbias.reset(); },
+       Kind::kValue, "keep_window_size", "top-k needs a bias"},
+      {"window_left", F, [](Call& c) { c.options.sliding_window.left = -2; }, Kind::kValue,
+       "sliding_window.left", "expected >= -1 (-1 = unbounded), got -2"},
+      {"window_right", Bw, [](Call& c) { c.options.sliding_window.right = -5; }, Kind::kValue,
+       "sliding_window.right", "got -5"},
+      {"softcap_negative", F, [](Call& c) { c.options.softcap = -1.0; }, Kind::kValue, "softcap",
+       "expected a finite number >= 0 (0 = off)"},
+      {"softcap_nan", F, [](Call& c) { c.options.softcap = std::nan(""); }, Kind::kValue, "softcap", ""},
+      {"scale_infinite", F, [](Call& c) { c.options.scale = std::numeric_limits<double>::infinity(); },
+       Kind::kValue, "scale", "expected a finite number"},
+      {"lse_missing", F, [](Call& c) { c.lse.reset(); }, Kind::kValue, "lse",
+       "expected an output tensor (options.return_lse is true), got none"},
+      // varlen layout
+      {"cu_seqlens_empty", VF, [](Call& c) { c.cu_q().shape[0] = 0; }, Kind::kValue, "cu_seqlens_q.shape[0]",
+       "expected B + 1 >= 1"},
+      {"cu_seqlens_first", VF,
+       [](Call& c) {
+         c.cu_q() = c.make(DType::kInt32, {4});
+         static_cast<std::int32_t*>(c.cu_q().data)[0] = 1;
+         static_cast<std::int32_t*>(c.cu_q().data)[3] = 5;
+       },
+       Kind::kValue, "cu_seqlens_q[0]", "expected 0, got 1"},
+      {"cu_seqlens_decreasing", VF,
+       [](Call& c) {
+         c.layout.cu_seqlens_k = c.make(DType::kInt32, {4});
+         auto* p = static_cast<std::int32_t*>(c.layout.cu_seqlens_k.data);
+         p[0] = 0, p[1] = 4, p[2] = 2, p[3] = 6;
+         c.layout.max_seqlen_k = 10;
+       },
+       Kind::kValue, "cu_seqlens_k[2]", "expected non-decreasing values (>= 4), got 2"},
+      {"cu_seqlens_last", VB,
+       [](Call& c) {
+         c.cu_q() = c.make(DType::kInt32, {4});
+         auto* p = static_cast<std::int32_t*>(c.cu_q().data);
+         p[0] = 0, p[1] = 2, p[2] = 2, p[3] = 4;
+       },
+       Kind::kValue, "cu_seqlens_q[3]", "expected 5 (total_q), got 4"},
+      {"cu_seqlens_lengths_differ", VF,
+       [](Call& c) {
+         c.layout.cu_seqlens_k = c.make(DType::kInt32, {5});
+         auto* p = static_cast<std::int32_t*>(c.layout.cu_seqlens_k.data);
+         p[0] = 0, p[1] = 3, p[2] = 4, p[3] = 6, p[4] = 6;
+         c.layout.max_seqlen_k = 3;
+       },
+       Kind::kValue, "cu_seqlens_k.shape[0]", "expected 4 (the length of cu_seqlens_q), got 5"},
+      {"max_seqlen_q_too_small", VF, [](Call& c) { c.layout.max_seqlen_q = 2; }, Kind::kValue, "max_seqlen_q",
+       "expected >= every sequence length (sequence 2 has 3), got 2"},
+      {"max_seqlen_k_too_small", VB, [](Call& c) { c.layout.max_seqlen_k = 1; }, Kind::kValue, "max_seqlen_k",
+       "(sequence 0 has 3), got 1"},
+      {"max_seqlen_negative", VF, [](Call& c) { c.layout.max_seqlen_q = -1; }, Kind::kValue, "max_seqlen_q",
+       "expected a length >= 0, got -1"},
+      {"varlen_mask", VF, [](Call& c) { c.in.mask = c.make(DType::kBool, {1, 1, kTotalQ, kTotalK}); },
+       Kind::kValue, "mask", "expected no mask for varlen"},
+  };
+}
+
+class Validation : public ::testing::TestWithParam<BadCase>, protected Seeded {};
+
+TEST_P(Validation, RejectsWithoutTouchingTensors) {
+  const BadCase& bad = GetParam();
+  Tensors tensors;
+  Call call = valid_call(bad.entry, tensors, rng);
+  bad.mutate(call);
+  std::vector<std::vector<unsigned char>> before;
+  for (const HostTensor& t : tensors.all) before.push_back(t.bytes());
+  try {
+    invoke(call);
+    FAIL() << "no error thrown";
+  } catch (const dmattn::Error& e) {
+    EXPECT_EQ(e.kind(), bad.kind) << e.what();
+    EXPECT_EQ(e.argument(), bad.argument) << e.what();
+    const std::string what = e.what();
+    const std::string prefix = "dmattn: " + bad.argument + ": expected ";
+    EXPECT_EQ(what.rfind(prefix, 0), 0u) << what;
+    EXPECT_NE(what.find(bad.message, prefix.size() - 9), std::string::npos)
+        << what << "\n  should contain: " << bad.message;
+  } catch (const std::exception& e) {
+    FAIL() << "threw a non-dmattn::Error: " << e.what();
+  }
+  for (std::size_t i = 0; i < before.size(); ++i)
+    EXPECT_TRUE(tensors.all[i].bytes() == before[i]) << "tensor " << i << " was written";
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Validation, ::testing::ValuesIn(bad_cases()),
+                         [](const ::testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
+
+class ValidCalls : public SeededFixture {};
+
+bool has_nan(const TensorView& t) {  // t: float32, contiguous
+  for (std::int64_t e = 0; e < t.numel(); ++e)
+    if (std::isnan(static_cast<const float*>(t.data)[e])) return true;
+  return false;
+}
+
+// The calls the bad cases start from are valid, so every error above comes
+// from its one change; they write every output element.
+TEST_F(ValidCalls, BaselinesRun) {
+  for (const auto& [forward, backward] :
+       {std::pair<Entry, Entry>{Entry::kForward, Entry::kBackward}, {Entry::kVarlenForward, Entry::kVarlenBackward}}) {
+    Tensors tensors;
+    Call call = valid_call(forward, tensors, rng);
+    ASSERT_NO_THROW(invoke(call));
+    EXPECT_FALSE(has_nan(call.out)) << "out";
+    EXPECT_FALSE(has_nan(*call.lse)) << "lse";
+    call.entry = backward;
+    ASSERT_NO_THROW(invoke(call));
+    for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"dq", &call.grads.dq},
+                                  {"dk", &call.grads.dk}, {"dv", &call.grads.dv}, {"dbias", &*call.grads.dbias}})
+      EXPECT_FALSE(has_nan(*t)) << name << " has unwritten (NaN) elements after the "
+                                << (forward == Entry::kForward ? "batched" : "varlen") << " backward";
+  }
+}
+
+// A valid problem on a CUDA device reaches the backend: a build without CUDA
+// refuses it as unsupported after validation.
+TEST_F(ValidCalls, CudaTensorsWithoutCudaBackend) {
+  if (dmattn::build_info().cuda) GTEST_SKIP() << "this build has a CUDA backend; host pointers cannot be used";
+  Tensors tensors;
+  Call call = valid_call(Entry::kForward, tensors, rng);
+  move_to(call, kCuda0);
+  try {
+    invoke(call);
+    FAIL() << "no error thrown";
+  } catch (const dmattn::Error& e) {
+    EXPECT_EQ(e.kind(), Kind::kUnsupported) << e.what();
+    EXPECT_EQ(e.argument(), "q.device") << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dmattn_test
