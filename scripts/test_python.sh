@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds the Python package into a virtual environment and runs the Python tests
+# (pytest, tests/python). Prints pytest's summary line; fails on any failure.
+#
+#   DMATTN_VENV   the virtual environment (default: .venv in the repository, gitignored)
+#   DMATTN_CUDA   AUTO, ON or OFF (default OFF here: CI has no GPU; `pip install .` alone uses AUTO)
+#   PYTHON        the interpreter that creates the environment (default python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Pinned test and build dependencies (torch from PyPI brings its nvidia-* wheels).
+PINS=(torch==2.11.0 transformers==5.17.0 numpy==2.4.6 pytest==9.0.2 nanobind==2.12.0 scikit-build-core==0.11.6)
+VENV=${DMATTN_VENV:-.venv}
+export DMATTN_CUDA=${DMATTN_CUDA:-OFF}
+export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-2}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+step() { echo "python: $1: $(( $(date +%s) - $2 )) s"; }
+
+start=$(date +%s)
+[ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q "${PINS[@]}"
+step "dependencies" "$start"
+
+start=$(date +%s)
+# No build isolation: the pinned scikit-build-core and nanobind above build it, and a
+# persistent build tree (build/python-*) makes a rebuild incremental.
+"$VENV/bin/python" -m pip install -q --no-build-isolation .
+step "build and install (DMATTN_CUDA=$DMATTN_CUDA)" "$start"
+
+start=$(date +%s)
+"$VENV/bin/python" -m pytest tests/python -q -p no:cacheprovider
+step "pytest" "$start"

@@ -1,0 +1,152 @@
+"""Hugging Face transformers: a tiny random DogeForCausalLM on dmattn against the stock eager Doge code,
+the "dmattn" attention implementation on Llama, and the O(Sq * Sk) memory check of the Doge top-k path.
+
+Where the stock Doge code and SPEC.md differ, the tests stay where they agree:
+- Ties: stock Doge selects keys with torch.topk, which breaks ties arbitrarily; SPEC §3 breaks them
+  towards the larger key index. In layer 0 the bias depends on the token alone (dt_proj of the value
+  projection of the embedding, no position), so a repeated token gives exactly tied biases. The
+  forward/backward tests use sequences without repeated tokens; the generate test (whose output may
+  repeat tokens) keeps all keys in layer 0 and has the top-k active in the other layers.
+- Rows without an allowed key (queries at left-padding positions): stock Doge gives a near-uniform
+  average (float32) or NaN (float64: its float32 softmax turns the float64 minimum into -inf), SPEC
+  gives 0. Only the logits of real tokens are compared, and the loss ignores padding; padded runs use
+  float32 so that the stock NaN does not reach the real tokens through 0 * NaN in later layers.
+- Stock eager attention computes its softmax in float32 even for a float64 model, hence the 1e-5
+  tolerances of the float64 comparisons.
+"""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DogeConfig, DogeForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from torch._C._profiler import _EventType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from dmattn.integrations.transformers import ATTN_IMPLEMENTATION, use_dmattn_for_doge  # noqa: E402
+
+VOCAB = 128
+# Stock eager attention runs its softmax in float32 (see above); a top-k that picks other keys is off by ~1e-2.
+FLOAT64_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def doge_pair(dtype, keep_window_size, layers=2, sliding_window=None):
+    """A stock eager DogeForCausalLM and a dmattn copy of it, with non-zero random A."""
+    config = DogeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, keep_window_size=keep_window_size,
+                        sliding_window=sliding_window, max_position_embeddings=256, attn_implementation="eager")
+    stock = DogeForCausalLM(config).to(dtype)
+    with torch.no_grad():
+        for layer in stock.model.layers:
+            layer.self_attn.A.normal_()
+    ours = use_dmattn_for_doge(copy.deepcopy(stock))
+    return stock, ours
+
+
+def unique_tokens(batch, length):
+    return torch.stack([torch.randperm(VOCAB)[:length] for _ in range(batch)])
+
+
+def padding_mask(lengths, length, left):
+    positions = torch.arange(length)
+    mask = [(positions >= length - n) if left else (positions < n) for n in lengths]
+    return torch.stack(mask).long()
+
+
+def assert_same_run(stock, ours, ids, attention_mask, tolerance):
+    """Logits of real tokens, and every parameter gradient of a loss of those logits, agree.
+
+    (Not the language-model loss: its shifted labels make the last padding position predict the
+    first real token.)
+    """
+    real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    loss_weights = torch.randn(int(real.sum()), VOCAB, dtype=stock.dtype)
+    runs = []
+    for model in (stock, ours):
+        model.zero_grad()
+        logits = model(ids, attention_mask=attention_mask).logits
+        (logits[real] * loss_weights).sum().backward()
+        runs.append(logits)
+    assert not torch.isnan(runs[1]).any()
+    torch.testing.assert_close(runs[1][real], runs[0][real], **tolerance)
+    for (name, p_stock), p_ours in zip(stock.named_parameters(), ours.parameters()):
+        assert p_ours.grad is not None, name
+        torch.testing.assert_close(p_ours.grad, p_stock.grad, **tolerance, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("keep_window_size", [64, 5], ids=["topk_off", "topk_on"])
+def test_doge_logits_and_gradients_match_eager(keep_window_size):
+    stock, ours = doge_pair(torch.float64, keep_window_size)
+    assert_same_run(stock, ours, unique_tokens(2, 20), None, FLOAT64_TOLERANCE)
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left_padding", "right_padding"])
+def test_doge_padding_matches_eager(left):
+    stock, ours = doge_pair(torch.float32, keep_window_size=5)
+    mask = padding_mask([16, 11, 6], 16, left)
+    assert_same_run(stock, ours, unique_tokens(3, 16), mask, dict(rtol=2e-4, atol=2e-5))
+
+
+def test_doge_sliding_window_matches_eager():
+    stock, ours = doge_pair(torch.float64, keep_window_size=4, sliding_window=7)
+    assert_same_run(stock, ours, unique_tokens(2, 18), None, FLOAT64_TOLERANCE)
+
+
+def test_doge_generate_with_kv_cache_matches_eager():
+    stock, ours = doge_pair(torch.float32, keep_window_size=6, layers=3)
+    for model in (stock, ours):
+        model.model.layers[0].self_attn.keep_window_size = 1 << 20  # see the module docstring: ties
+    ids = unique_tokens(2, 12)
+    mask = padding_mask([12, 9], 12, left=True)
+    results = [model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=0) for model in (stock, ours)]
+    assert torch.equal(results[1].sequences, results[0].sequences)
+    for ours_scores, stock_scores in zip(results[1].scores, results[0].scores):
+        torch.testing.assert_close(ours_scores, stock_scores, rtol=2e-4, atol=2e-5)
+
+
+def test_llama_on_the_dmattn_attention_interface():
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="eager")
+    stock = LlamaForCausalLM(config)
+    ours = copy.deepcopy(stock)
+    ours.set_attn_implementation(ATTN_IMPLEMENTATION)
+    assert ours.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert_same_run(stock, ours, torch.randint(0, VOCAB, (3, 14)), padding_mask([14, 10, 5], 14, left=True),
+                    dict(rtol=2e-4, atol=2e-5))
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    results = [model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0) for model in (stock, ours)]
+    assert torch.equal(results[1], results[0])
+
+
+def largest_allocations(run):
+    """Sizes in bytes of every allocation torch's memory profiler saw during run(), largest first."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True) as prof:
+        run()
+    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation and event.extra_fields.alloc_size > 0:
+            sizes.append(event.extra_fields.alloc_size)
+        stack.extend(event.children)
+    return sorted(sizes, reverse=True)
+
+
+def test_doge_topk_path_allocates_nothing_of_size_sq_sk():
+    """Forward and backward at S = 4096 with top-k active: every allocation is far below S * S bytes."""
+    S = 4096
+    config = DogeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=16, keep_window_size=64,
+                        max_position_embeddings=S, attn_implementation="eager")
+    model = DogeForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.A.normal_()
+    use_dmattn_for_doge(model)
+    ids = torch.randint(0, 64, (1, S))
+    mask = torch.ones(1, S, dtype=torch.long)
+    sizes = largest_allocations(lambda: model(ids, attention_mask=mask, labels=ids).loss.backward())
+    # One bool (S, S) tensor is S * S bytes; the largest tensors here are (S, hidden) activations.
+    assert sizes[0] <= S * S // 16, f"largest allocation {sizes[0]} bytes at S = {S}"
