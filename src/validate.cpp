@@ -102,8 +102,10 @@ class Arg {
     return *this;
   }
 
-  // An output may not write one element through two indices of a broadcast dim.
+  // An output may not write one element through two indices of a broadcast dim
+  // (an empty output writes nothing, whatever its strides).
   const Arg& writable() const {
+    if (t_.numel() == 0) return *this;
     for (int d = 0; d < t_.ndim; ++d)
       if (t_.shape[d] > 1 && t_.stride[d] == 0)
         throw Error(Kind::kValue, name_ + ".stride[" + std::to_string(d) + "]",

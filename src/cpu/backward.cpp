@@ -1,6 +1,9 @@
-// CPU backward in two passes that recompute p_ij from lse, each owning its outputs
-// (no atomics, deterministic for any thread count):
+// CPU backward in two passes, each owning its outputs (no atomics, deterministic
+// for any thread count):
 //   dq pass:  one task per (batch, query head, row block), keys as in the forward.
+//             It first recomputes each row's softmax max and sum in A: a float32
+//             lse cannot hold them where |lse| is large (a bias of 1e30), the
+//             recomputed pair can. The dkv pass reads them from RowStats.
 //   dkv pass: one task per (batch, kv head, key block) owning dk and dv of those keys;
 //             where a dbias element sums over batches, kv heads or keys (a broadcast
 //             bias), the task widens to cover all of them, so that every dbias element
@@ -19,20 +22,37 @@
 namespace dmattn::cpu {
 namespace {
 
-// Per-row inputs of the backward for rows [row0, row0 + n) of (b, h): q, do, lse, delta.
+// Softmax max and 1 / sum of every (batch, query head, row), from the dq pass.
+template <class A>
+struct RowStats {
+  std::int64_t heads = 0, rows = 0;
+  std::vector<A> max, inv_sum;
+
+  explicit RowStats(const Problem& p)
+      : heads(p.heads), rows(p.seqlen_q),
+        max(static_cast<std::size_t>(p.batch * p.heads * p.seqlen_q)), inv_sum(max.size()) {}
+  std::size_t at(std::int64_t b, std::int64_t h, std::int64_t i) const {
+    return static_cast<std::size_t>((b * heads + h) * rows + i);
+  }
+};
+
+// Per-row inputs of the backward for local rows [i0, i0 + n) of (b, h): q, do,
+// delta = <do, o>, and the softmax statistics.
 template <class A>
 struct RowBlock {
-  std::vector<A> Q, dO, lse, delta;
+  std::vector<A> Q, dO, O, max, inv_sum, delta;
 
-  void load(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t row0, std::int64_t n) {
-    const std::int64_t D = p.head_dim;
-    Q.resize(n * D), dO.resize(n * D), lse.resize(n), delta.resize(n);
-    std::vector<A> O(n * D);
+  void load(const Problem& p, std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t n) {
+    const std::int64_t D = p.head_dim, row0 = p.q_start(b) + i0;
+    Q.resize(n * D), dO.resize(n * D), O.resize(n * D), max.resize(n), inv_sum.resize(n), delta.resize(n);
     load_rows(p.q, b, h, row0, n, D, Q.data());
     load_rows(p.dout, b, h, row0, n, D, dO.data());
     load_rows(p.out, b, h, row0, n, D, O.data());
     row_dots(n, D, dO.data(), O.data(), delta.data());
-    read(p.lse.data, p.lse.dtype, b * p.lse.sb + h * p.lse.sh + row0 * p.lse.sr, n, Strided{p.lse.sr}, lse.data());
+  }
+  void load_stats(const RowStats<A>& stats, std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t n) {
+    std::copy_n(&stats.max[stats.at(b, h, i0)], n, max.begin());
+    std::copy_n(&stats.inv_sum[stats.at(b, h, i0)], n, inv_sum.begin());
   }
 };
 
@@ -64,31 +84,46 @@ struct GradTile {
     matmul_xyt(nr, nc, D, ld, rows.Q.data(), kt.KT.data(), P.data());
     head.logits(i0, nr, keys, nc, ld, P.data(), T.data(), row.data());
     matmul_xyt(nr, nc, D, ld, rows.dO.data(), kt.VT.data(), G.data());
-    softmax_backward(nr, nc, ld, rows.lse.data(), rows.delta.data(), softcap, P.data(), G.data(), T.data());
+    softmax_backward(nr, nc, ld, rows.max.data(), rows.inv_sum.data(), rows.delta.data(), softcap, P.data(), G.data(),
+                     T.data());
   }
   const A* dS() const { return softcap ? T.data() : G.data(); }
 };
 
 template <class A>
-void dq_block(const Problem& p, const Selection& sel, std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t i1) {
+void dq_block(const Problem& p, const Selection& sel, RowStats<A>& stats, std::int64_t b, std::int64_t h,
+              std::int64_t i0, std::int64_t i1) {
   const HeadLogits<A> head(p, sel, b, h);
-  const std::int64_t D = p.head_dim, nr = i1 - i0, kvh = h / p.group(), qs = p.q_start(b);
+  const std::int64_t D = p.head_dim, nr = i1 - i0, kvh = h / p.group(), ld = kBlockKeys;
   RowBlock<A> rows;
-  rows.load(p, b, h, qs + i0, nr);
+  rows.load(p, b, h, i0, nr);
   std::vector<std::int64_t> keys;
-  std::vector<A> key_scratch, dQ(nr * D, A(0));
+  std::vector<A> key_scratch, dQ(nr * D, A(0)), L(nr * ld), T(nr * ld), row(ld), sum(nr, A(0)), alpha(nr);
   head.candidate_keys(i0, i1, keys, key_scratch);
   KeyTile<A> kt;
+  std::fill(rows.max.begin(), rows.max.end(), -std::numeric_limits<A>::infinity());
+  for (std::size_t k0 = 0; k0 < keys.size(); k0 += ld) {  // softmax statistics of the rows
+    const std::int64_t nc = std::min<std::int64_t>(ld, static_cast<std::int64_t>(keys.size() - k0));
+    kt.load(p, b, kvh, keys.data() + k0, nc);
+    matmul_xyt(nr, nc, D, ld, rows.Q.data(), kt.KT.data(), L.data());
+    head.logits(i0, nr, keys.data() + k0, nc, ld, L.data(), T.data(), row.data());
+    online_softmax(nr, nc, ld, L.data(), rows.max.data(), sum.data(), alpha.data());
+  }
+  for (std::int64_t r = 0; r < nr; ++r) {
+    rows.inv_sum[r] = sum[r] > A(0) ? A(1) / sum[r] : A(0);
+    stats.max[stats.at(b, h, i0 + r)] = rows.max[r];
+    stats.inv_sum[stats.at(b, h, i0 + r)] = rows.inv_sum[r];
+  }
   GradTile<A> tile;
-  for (std::size_t k0 = 0; k0 < keys.size(); k0 += kBlockKeys) {
-    const std::int64_t nc = std::min<std::int64_t>(kBlockKeys, static_cast<std::int64_t>(keys.size() - k0));
+  for (std::size_t k0 = 0; k0 < keys.size(); k0 += ld) {
+    const std::int64_t nc = std::min<std::int64_t>(ld, static_cast<std::int64_t>(keys.size() - k0));
     kt.load(p, b, kvh, keys.data() + k0, nc);
     tile.compute(p, head, rows, kt, i0, nr, keys.data() + k0, nc);
-    accumulate_wy(nr, nc, D, kBlockKeys, tile.dS(), kt.K.data(), dQ.data());
+    accumulate_wy(nr, nc, D, ld, tile.dS(), kt.K.data(), dQ.data());
   }
   const A scale = static_cast<A>(p.scale);
   for (A& x : dQ) x *= scale;
-  store_rows(p.dq, b, h, qs + i0, nr, D, dQ.data());
+  store_rows(p.dq, b, h, p.q_start(b) + i0, nr, D, dQ.data());
 }
 
 // A dkv task: batches [b0, b1), kv heads [kvh0, kvh1), key groups [g0, g1).
@@ -128,6 +163,7 @@ void key_group(const Selection& sel, std::int64_t b, std::int64_t h, std::int64_
 template <class A>
 struct BiasGradSlice {
   std::int64_t b_bias = 0, hb0 = 0, nhb = 0, rows = 0, cols = 0;
+  bool per_key = false;  // one column per key of the group, else one for all keys
   std::vector<A> acc;
 
   void init(const Problem& p, const DkvTask& t, std::int64_t columns) {
@@ -137,6 +173,7 @@ struct BiasGradSlice {
     nhb = bs.heads == p.heads ? p.group() : 1;
     rows = bs.rows;
     cols = columns;
+    per_key = bs.cols != 1;
     acc.assign(static_cast<std::size_t>(nhb * rows * cols), A(0));
   }
 
@@ -146,11 +183,11 @@ struct BiasGradSlice {
     const std::int64_t hb = p.operand_head(h, p.bias_shape.heads) - hb0;
     for (std::int64_t r = 0; r < nr; ++r) {
       A* dst = &acc[static_cast<std::size_t>((hb * rows + (rows == 1 ? 0 : i0 + r)) * cols)];
-      for (std::int64_t a = 0; a < na; ++a) dst[cols == 1 ? 0 : pos[a]] += dS[r * kBlockKeys + a];
+      for (std::int64_t a = 0; a < na; ++a) dst[per_key ? pos[a] : 0] += dS[r * kBlockKeys + a];
     }
   }
 
-  // Writes the slice; keys are the task's group (ignored when cols == 1).
+  // Writes the slice; keys are the task's group (unused without per_key).
   void store(const Problem& p, const std::vector<std::int64_t>& keys) const {
     const Operand& db = p.dbias;
     const std::int64_t ks = p.k_start(b_bias);
@@ -158,10 +195,10 @@ struct BiasGradSlice {
       for (std::int64_t i = 0; i < rows; ++i) {
         const std::int64_t base = b_bias * db.sb + (hb0 + hb) * db.sh + i * db.sr;
         const A* src = &acc[static_cast<std::size_t>((hb * rows + i) * cols)];
-        if (cols == 1) {
-          write(db.data, db.dtype, base, 1, Strided{0}, src);
-        } else {
+        if (per_key) {
           write(db.data, db.dtype, base + ks * db.sc, cols, Gathered{keys.data(), db.sc}, src);
+        } else {
+          write(db.data, db.dtype, base, 1, Strided{0}, src);
         }
       }
   }
@@ -202,7 +239,7 @@ void active_keys(const Selection& sel, std::int64_t b, std::int64_t h, const std
 // only the group's keys it may select, accumulates into tile-local sums and adds
 // them to the group's sums, so a key costs the row blocks that use it.
 template <class A>
-void dkv_task(const Problem& p, const Selection& sel, const DkvTask& t) {
+void dkv_task(const Problem& p, const Selection& sel, const RowStats<A>& stats, const DkvTask& t) {
   const std::int64_t D = p.head_dim, G = p.group(), ld = kBlockKeys;
   const A scale = static_cast<A>(p.scale);
   BiasGradSlice<A> dbias;
@@ -221,7 +258,7 @@ void dkv_task(const Problem& p, const Selection& sel, const DkvTask& t) {
     const std::int64_t nc = static_cast<std::int64_t>(keys.size());
     if (per_group) dbias.init(p, t, nc);
     for (std::int64_t b = t.b0; b < t.b1 && nc > 0; ++b) {
-      const std::int64_t qs = p.q_start(b), ks = p.k_start(b);
+      const std::int64_t ks = p.k_start(b);
       for (std::int64_t kvh = t.kvh0; kvh < t.kvh1; ++kvh) {
         std::fill(dK.begin(), dK.end(), A(0));
         std::fill(dV.begin(), dV.end(), A(0));
@@ -236,7 +273,8 @@ void dkv_task(const Problem& p, const Selection& sel, const DkvTask& t) {
             active.resize(pos.size());
             for (std::int64_t a = 0; a < na; ++a) active[a] = keys[pos[a]];
             kt.load(p, b, kvh, active.data(), na);
-            rows.load(p, b, h, qs + i0, nr);
+            rows.load(p, b, h, i0, nr);
+            rows.load_stats(stats, b, h, i0, nr);
             tile.compute(p, head, rows, kt, i0, nr, active.data(), na);
             std::fill(dK_tile.begin(), dK_tile.begin() + na * D, A(0));
             std::fill(dV_tile.begin(), dV_tile.begin() + na * D, A(0));
@@ -266,12 +304,13 @@ void dkv_task(const Problem& p, const Selection& sel, const DkvTask& t) {
 
 template <class A>
 void backward(const Problem& p, const Selection& sel) {
+  RowStats<A> stats(p);
   const std::int64_t q_blocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
   parallel_for(p.batch * p.heads * q_blocks, [&](std::int64_t task) {
     const std::int64_t blk = task % q_blocks, bh = task / q_blocks;
     const std::int64_t b = bh / p.heads, h = bh % p.heads;
     const std::int64_t sq = p.q_len(b), i0 = blk * kBlockRows;
-    if (i0 < sq) dq_block<A>(p, sel, b, h, i0, std::min(sq, i0 + kBlockRows));
+    if (i0 < sq) dq_block<A>(p, sel, stats, b, h, i0, std::min(sq, i0 + kBlockRows));
   });
   // Widen a task over every dimension a dbias element sums over.
   const BroadcastShape& bs = p.bias_shape;
@@ -286,7 +325,7 @@ void backward(const Problem& p, const Selection& sel) {
     if (nb == 1) t.b0 = 0, t.b1 = p.batch;
     if (nh == 1) t.kvh0 = 0, t.kvh1 = p.kv_heads;
     if (nk == 1) t.g0 = 0, t.g1 = k_groups;
-    dkv_task<A>(p, sel, t);
+    dkv_task<A>(p, sel, stats, t);
   });
 }
 

@@ -24,7 +24,7 @@ void forward_block(const Problem& p, const Selection& sel, std::int64_t b, std::
   const std::int64_t qs = p.q_start(b), ks = p.k_start(b);
 
   std::vector<A> Q(nr * D), KT(D * ld), V(ld * D), L(nr * ld), T(nr * ld), O(nr * D, A(0));
-  std::vector<A> m(nr, kNegInf), sum(nr, A(0)), scratch(std::max(ld, D));
+  std::vector<A> m(nr, kNegInf), sum(nr, A(0)), alpha(nr), scratch(std::max(ld, D));
   std::vector<std::int64_t> keys;
   std::vector<A> key_scratch;
   load_rows(p.q, b, h, qs + i0, nr, D, Q.data());
@@ -37,24 +37,9 @@ void forward_block(const Problem& p, const Selection& sel, std::int64_t b, std::
     for (std::int64_t c = 0; c < nc; ++c) load_rows(p.v, b, kvh, ks + kj[c], 1, D, V.data() + c * D);
     matmul_xyt(nr, nc, D, ld, Q.data(), KT.data(), L.data());
     head.logits(i0, nr, kj, nc, ld, L.data(), T.data(), scratch.data());
-    for (std::int64_t r = 0; r < nr; ++r) {
-      A* l = L.data() + r * ld;
-      const A block_max = *std::max_element(l, l + nc);
-      if (block_max == kNegInf) {
-        std::fill(l, l + nc, A(0));
-        continue;
-      }
-      const A m_new = std::max(m[r], block_max);
-      const A alpha = m[r] == kNegInf ? A(0) : std::exp(m[r] - m_new);
-      A s = A(0);
-      for (std::int64_t c = 0; c < nc; ++c) {
-        l[c] = l[c] == kNegInf ? A(0) : std::exp(l[c] - m_new);
-        s += l[c];
-      }
-      sum[r] = sum[r] * alpha + s;
-      for (std::int64_t d = 0; d < D; ++d) O[r * D + d] *= alpha;
-      m[r] = m_new;
-    }
+    online_softmax(nr, nc, ld, L.data(), m.data(), sum.data(), alpha.data());
+    for (std::int64_t r = 0; r < nr; ++r)
+      for (std::int64_t d = 0; d < D; ++d) O[r * D + d] *= alpha[r];
     accumulate_wy(nr, nc, D, ld, L.data(), V.data(), O.data());
   }
 

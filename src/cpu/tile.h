@@ -3,6 +3,7 @@
 // and free of reductions, which lets the compiler vectorise it.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -83,18 +84,46 @@ void accumulate_wtx(std::int64_t nr, std::int64_t nc, std::int64_t D, std::int64
   }
 }
 
-// Backward of the softmax on one tile. On entry L holds logits (-inf: not
-// allowed) and G holds dp_ij = <do_i, v_j>. On exit L holds p_ij = exp(l_ij - lse_i),
-// G holds dS_ij = p_ij (dp_ij - delta_i) (the bias gradient), and, with softcap,
-// T holds ds_ij = dS_ij (1 - tanh^2) (the score gradient; T held the tanh values).
+// One online-softmax step over a tile. On entry L holds logits (-inf: not
+// allowed); on exit L holds exp(l_ij - m_i) with the updated running max m_i,
+// sum_i is updated, and alpha_i = exp(m_old - m_new) rescales earlier sums.
 template <class A>
-void softmax_backward(std::int64_t nr, std::int64_t nc, std::int64_t ld, const A* lse, const A* delta, bool softcap,
-                      A* L, A* G, A* T) {
+void online_softmax(std::int64_t nr, std::int64_t nc, std::int64_t ld, A* L, A* m, A* sum, A* alpha) {
+  constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+  for (std::int64_t r = 0; r < nr; ++r) {
+    A* l = L + r * ld;
+    A block_max = kNegInf;
+    for (std::int64_t c = 0; c < nc; ++c) block_max = std::max(block_max, l[c]);
+    if (block_max == kNegInf) {
+      std::fill(l, l + nc, A(0));
+      alpha[r] = A(1);
+      continue;
+    }
+    const A m_new = std::max(m[r], block_max);
+    alpha[r] = m[r] == kNegInf ? A(0) : std::exp(m[r] - m_new);
+    A s = A(0);
+    for (std::int64_t c = 0; c < nc; ++c) {
+      l[c] = l[c] == kNegInf ? A(0) : std::exp(l[c] - m_new);
+      s += l[c];
+    }
+    sum[r] = sum[r] * alpha[r] + s;
+    m[r] = m_new;
+  }
+}
+
+// Backward of the softmax on one tile. On entry L holds logits (-inf: not
+// allowed) and G holds dp_ij = <do_i, v_j>. On exit L holds
+// p_ij = exp(l_ij - m_i) / sum_i, G holds dS_ij = p_ij (dp_ij - delta_i) (the
+// bias gradient), and, with softcap, T holds ds_ij = dS_ij (1 - tanh^2) (the
+// score gradient; T held the tanh values). Rows with m_i = -inf see no key.
+template <class A>
+void softmax_backward(std::int64_t nr, std::int64_t nc, std::int64_t ld, const A* m, const A* inv_sum,
+                      const A* delta, bool softcap, A* L, A* G, A* T) {
   constexpr A kNegInf = -std::numeric_limits<A>::infinity();
   for (std::int64_t r = 0; r < nr; ++r) {
     for (std::int64_t c = 0; c < nc; ++c) {
       const std::int64_t e = r * ld + c;
-      const A p = (L[e] == kNegInf || lse[r] == kNegInf) ? A(0) : std::exp(L[e] - lse[r]);
+      const A p = (L[e] == kNegInf || m[r] == kNegInf) ? A(0) : std::exp(L[e] - m[r]) * inv_sum[r];
       L[e] = p;
       G[e] = p == A(0) ? A(0) : p * (G[e] - delta[r]);
       if (softcap) T[e] = G[e] * (A(1) - T[e] * T[e]);
