@@ -15,7 +15,8 @@ Shape4 full_shape(const Case& c) { return {c.B, c.H, c.Sq, c.Sk}; }
 // Awkward (Sq, Sk, D), each plain and with causal, a key padding mask and a bias.
 std::vector<Case> size_cases(DType dtype) {
   const std::int64_t sizes[][3] = {{1, 1, 1},     {1, 7, 3},     {7, 1, 16},   {3, 65, 64},  {65, 3, 128},
-                                   {63, 63, 16},  {127, 65, 3},  {65, 127, 64}, {7, 127, 128}};
+                                   {63, 63, 16},  {127, 65, 3},  {65, 127, 64}, {7, 127, 128},
+                                   {200, 301, 16}};
   std::vector<Case> out;
   for (const auto& s : sizes) {
     Case c = make_case(dtype, s[0], s[1], s[2]);

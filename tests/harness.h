@@ -133,7 +133,8 @@ double max_abs_finite(const std::vector<double>& x);
 // (b) only what is stored rounded (o before the backward reads it, the
 // gradients, lse to its storage dtype), which is the error floor of any
 // implementation that returns results in the dtype. (b) covers outputs that
-// cancel (where (a)'s errors may cancel by chance), (a) the usual case.
+// cancel (where (a)'s errors may cancel by chance), (a) the usual case. A naive
+// computation that overflows the dtype (non-finite error) is left out.
 // Also checks that sliced outputs were not written outside their views.
 void expect_results_match(const Results& r, DType q_dtype, const Oracle& oracle);
 

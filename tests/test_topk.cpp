@@ -45,7 +45,8 @@ TEST_P(TopK, ConstantBiasUnderCausalIsASlidingWindow) {
 TEST_P(TopK, KeyOnlyBiasWithPaddingMask) {
   for (Values values : {Values::kUniform, Values::kTiers})
     for (std::int64_t w : {1, 4, 16})
-      for (const auto& [Sq, Sk] : {std::pair<std::int64_t, std::int64_t>{13, 17}, {17, 17}, {17, 13}}) {
+      for (const auto& [Sq, Sk] :
+           {std::pair<std::int64_t, std::int64_t>{13, 17}, {17, 17}, {17, 13}, {130, 257}}) {
         Case c = make_case(GetParam(), Sq, Sk, 16);
         c.options.causal = true;
         c.options.keep_window_size = w;
