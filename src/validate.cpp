@@ -277,7 +277,9 @@ Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options
     Arg(b, "bias").rank(varlen ? 2 : 4, b_layout).device(device);
     if (b.dtype != q.dtype && b.dtype != DType::kFloat32)
       throw Error(Kind::kType, "bias.dtype",
-                  std::string("float32 or ") + dtype_name(q.dtype) + " (the dtype of q)", dtype_name(b.dtype));
+                  q.dtype == DType::kFloat32 ? std::string("float32 (the dtype of q)")
+                                             : std::string("float32 or ") + dtype_name(q.dtype) + " (the dtype of q)",
+                  dtype_name(b.dtype));
     if (varlen) {
       Arg(b, "bias").dim(0, {in.k.shape[0], "total_k"})
           .broadcast_dim(1, {{s.H, "H"}, {s.Hk, "Hk"}, {1, "broadcast"}});
