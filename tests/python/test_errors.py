@@ -29,7 +29,7 @@ CASES = {
     "mask_not_broadcastable": (lambda: (*_qkv(), torch.ones(2, 3, 1, 6, dtype=torch.bool)), {}, ValueError,
                                "dmattn: mask.shape[1]: expected 4 (H), 2 (Hk) or 1 (broadcast)"),
     "bias_int": (lambda: (*_qkv(), None, torch.ones(2, 2, 1, 6, dtype=torch.int32)), {}, TypeError,
-                 "dmattn: bias.dtype: expected float32 or float32 (the dtype of q)"),
+                 "dmattn: bias.dtype: expected float32"),
     "bias_keys": (lambda: (*_qkv(), None, _bias((2, 2, 1, 5))), {}, ValueError, "dmattn: bias.shape[3]"),
     "topk_without_bias": (_qkv, dict(keep_window_size=2), ValueError,
                           "dmattn: keep_window_size: expected a bias to select keys by"),
