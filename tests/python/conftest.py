@@ -6,15 +6,10 @@ NotImplementedError ("not built"); such tests are then marked xfail with that
 message, so they turn into passes (strict xfail: failures) once kernels land.
 """
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-import dmattn  # noqa: E402
+import dmattn
 
 
 def _cuda_not_built_reason():

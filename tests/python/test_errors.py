@@ -49,7 +49,7 @@ def test_core_errors_surface_with_the_core_message(case):
         dmattn.attention(*make(), **options)
 
 
-def test_backward_error_leaves_no_partial_gradient():
+def test_backward_op_errors_name_the_argument():
     q, k, v = (t.requires_grad_() for t in _qkv())
     out = dmattn.attention(q, k, v)
     with pytest.raises(ValueError, match="dout"):
