@@ -72,6 +72,8 @@ def dmattn_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, 
     Returns (out (B, Sq, H, D), None): dmattn never materialises attention weights.
     """
     _check_dropout(dropout)
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("dmattn: s_aux: expected None (attention sinks are not supported), got a tensor")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                     _attention_mask(attention_mask), scale=scaling, softcap=softcap, causal=causal,
