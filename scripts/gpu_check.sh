@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One command on a machine with a GPU: builds dmattn (Release, CUDA on), checks
+# the CUDA forward against the CPU float64 oracle on the whole matrix
+# (tools/gpu_check.cpp), runs compute-sanitizer memcheck and racecheck on a small
+# subset, times the forward, and prints a summary. Downloads nothing.
+#
+#   scripts/gpu_check.sh [build-dir]          (default: build-gpu)
+#   env: DMATTN_CUDA_ARCHS (default "80;90a"), DMATTN_HEAD_DIMS (default "128"),
+#        DMATTN_CUTLASS_DIR (default: the nvidia-cutlass pip package's headers),
+#        OUT (where the logs go; default <build-dir>/gpu_check)
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$root/build-gpu}
+logs=${OUT:-$build/gpu_check}
+mkdir -p "$logs"
+
+config=(-DCMAKE_BUILD_TYPE=Release -DDMATTN_CUDA=ON -DDMATTN_BUILD_TESTS=OFF -DDMATTN_BUILD_TOOLS=ON
+        "-DDMATTN_CUDA_ARCHS=${DMATTN_CUDA_ARCHS:-80;90a}" "-DDMATTN_HEAD_DIMS=${DMATTN_HEAD_DIMS:-128}")
+[ -n "${DMATTN_CUTLASS_DIR:-}" ] && config+=("-DDMATTN_CUTLASS_DIR=$DMATTN_CUTLASS_DIR")
+command -v ninja >/dev/null && config+=(-G Ninja)
+start=$(date +%s)
+if ! { cmake -S "$root" -B "$build" "${config[@]}" &&
+       cmake --build "$build" -j"$(nproc)" --target dmattn_gpu_check; } >"$logs/build.log" 2>&1; then
+  tail -40 "$logs/build.log"
+  echo "gpu_check: BUILD FAILED (log: $logs/build.log)"
+  exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s on $(nproc) cores (archs ${DMATTN_CUDA_ARCHS:-80;90a})"
+
+check="$build/dmattn_gpu_check"
+"$check" 2>&1 | tee "$logs/check.log"
+check_rc=${PIPESTATUS[0]}
+
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+status=()
+for tool in memcheck racecheck; do
+  "$sanitizer" --tool "$tool" --error-exitcode 1 "$check" --small >"$logs/$tool.log" 2>&1
+  rc=$?
+  status+=("$tool: $([ $rc -eq 0 ] && echo clean || echo "FAILED (rc $rc)"); $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/$tool.log" | tail -1)")
+done
+
+"$check" --bench 2>&1 | tee "$logs/bench.log"
+
+echo "=== summary ==="
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/device: /'
+echo "check: $(tail -1 "$logs/check.log")"
+printf '%s\n' "${status[@]}"
+[ $check_rc -eq 0 ] && [[ "${status[*]}" != *FAILED* ]]

@@ -1,0 +1,36 @@
+// The CUDA forward: what the host side hands to a kernel instantiation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../problem.h"
+
+namespace dmattn::cuda {
+
+// A validated forward Problem reduced to what the kernel reads. Token operands
+// are indexed (b, head, global row, feature); mask and bias (b, operand head,
+// global query row, global key); lse (b, head, global query row).
+struct ForwardParams {
+  Operand q, k, v, out, lse, mask, bias;
+  bool bias_float32 = false;
+  // Query head h reads kv head h / group, mask head h / mask_group, bias head h / bias_group.
+  int group = 1, mask_group = 1, bias_group = 1;
+  int head_dim = 0;
+  std::int64_t seqlen_q = 0, seqlen_k = 0;  // batched: the lengths; varlen: the max lengths
+  const std::int32_t* cu_seqlens_q = nullptr;  // device pointers, varlen only
+  const std::int32_t* cu_seqlens_k = nullptr;
+  float scale = 1.0f, softcap = 0.0f;
+  bool causal = false;
+  std::int64_t window_left = -1, window_right = -1;
+  // 16-byte cp.async loads are legal for q, k, v rows (base and strides checked).
+  bool vector_q = false, vector_k = false, vector_v = false;
+};
+
+// Launches the forward for batch x heads on `stream`; kHeadDim >= head_dim
+// (smaller heads are zero-padded in shared memory). Throws on launch errors.
+template <class Element, int kHeadDim>
+void launch_forward(const ForwardParams& params, int batch, int heads, cudaStream_t stream);
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,574 @@
+// GPU check: the CUDA forward against the library's own float64 CPU backend.
+//
+//   dmattn_gpu_check            the whole matrix (sizes, dtypes, head dims, GQA,
+//                               mask/bias broadcasts and layouts, options, varlen)
+//   dmattn_gpu_check --small    a few small cases (for compute-sanitizer)
+//   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal
+//
+// Accuracy rule (SPEC 5): max |gpu - ref| <= 2 * max |lowp - ref| + 1e-5 on out,
+// where ref is the CPU backend in float64 and lowp the CPU backend run on the same
+// fp16/bf16 tensors (float32 accumulation, one rounding of o): a proxy for "the
+// naive computation in that dtype" that is, if anything, more accurate than one.
+// lse (float32): |gpu - ref| <= 2 * |lowp - ref| + 1e-4, and -inf exactly where ref
+// is -inf. Outputs are poisoned (NaN) before the call, and bytes of the output
+// buffers outside the views must stay poisoned. Host tensors and layouts come from
+// tests/tensor.h. Prints one line per case and "N passed, M failed"; exits 1 on failure.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dmattn/dmattn.h"
+#include "tensor.h"
+
+using dmattn::DType;
+using dmattn_test::HostTensor;
+using dmattn_test::Layout;
+using dmattn_test::Rng;
+using dmattn_test::Shape;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// Byte offset of a host tensor's view in its buffer: element 0 has the lowest
+// offset, so it is the first byte that a poisoned copy shows written.
+std::size_t view_offset(const HostTensor& t) {
+  if (t.numel() == 0) return 0;
+  HostTensor c = t;
+  c.poison();
+  c.set(0, 0.0);
+  const std::vector<unsigned char> b = c.bytes();
+  return static_cast<std::size_t>(std::find_if(b.begin(), b.end(), [](unsigned char x) { return x != 0xFF; }) -
+                                  b.begin());
+}
+
+// A device copy of a host tensor's whole buffer (padding included), viewed alike.
+class DeviceTensor {
+ public:
+  explicit DeviceTensor(const HostTensor& t) : host_(t), offset_(view_offset(t)) {
+    const std::vector<unsigned char> bytes = t.bytes();
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, std::max<std::size_t>(bytes.size(), 16)), "cudaMalloc");
+    data_.reset(p);
+    check_cuda(cudaMemcpy(p, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), "cudaMemcpy to device");
+    size_ = bytes.size();
+  }
+  dmattn::TensorView view() const {
+    dmattn::TensorView v = host_.view();
+    v.data = static_cast<unsigned char*>(data_.get()) + offset_;
+    v.device = {dmattn::DeviceType::kCUDA, 0};
+    return v;
+  }
+  // Logical elements (row-major), and whether bytes outside the view kept the poison.
+  std::vector<double> values(bool* padding_untouched) const {
+    std::vector<unsigned char> bytes(size_);
+    check_cuda(cudaMemcpy(bytes.data(), data_.get(), size_, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
+    const dmattn::TensorView v = host_.view();
+    const std::size_t es = dmattn::dtype_size(v.dtype);
+    std::vector<bool> in_view(size_ / es, false);
+    std::vector<double> out(static_cast<std::size_t>(host_.numel()));
+    for (std::int64_t i = 0; i < host_.numel(); ++i) {
+      std::int64_t rest = i, at = 0;
+      for (int d = v.ndim - 1; d >= 0; --d) at += (rest % v.shape[d]) * v.stride[d], rest /= v.shape[d];
+      const std::size_t byte = offset_ + static_cast<std::size_t>(at) * es;
+      in_view[byte / es] = true;
+      out[i] = decode(v.dtype, bytes.data() + byte);
+    }
+    *padding_untouched = true;
+    for (std::size_t e = 0; e < in_view.size(); ++e)
+      for (std::size_t b = 0; !in_view[e] && b < es; ++b)
+        if (bytes[e * es + b] != 0xFF) *padding_untouched = false;
+    return out;
+  }
+
+ private:
+  static double decode(DType dtype, const unsigned char* p) {
+    if (dtype == DType::kFloat32) {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    std::uint16_t h;
+    std::memcpy(&h, p, 2);
+    if (dtype == DType::kBFloat16) {
+      const std::uint32_t bits = std::uint32_t{h} << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
+    const double sign = (h & 0x8000) ? -1.0 : 1.0;  // float16
+    const int e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    if (e == 0x1F) return m ? std::nan("") : sign * kInf;
+    return e == 0 ? sign * std::ldexp(m, -24) : sign * std::ldexp(1024 + m, e - 25);
+  }
+  struct Free {
+    void operator()(void* p) const { cudaFree(p); }
+  };
+  HostTensor host_;
+  std::size_t offset_ = 0;
+  std::size_t size_ = 0;
+  std::unique_ptr<void, Free> data_;
+};
+
+// One problem of the matrix. Mask and bias shapes are 4-D broadcast shapes
+// (batched) or (total_k, Hb) (varlen bias); empty = absent.
+struct Case {
+  std::string name;
+  DType dtype = DType::kBFloat16;
+  std::int64_t B = 1, Sq = 1, Sk = 1, H = 4, Hk = 4, D = 128;
+  std::vector<std::int64_t> seqlens_q, seqlens_k;  // varlen when not empty
+  Shape mask_shape, bias_shape;
+  Layout mask_layout, bias_layout, qkv_layout, out_layout;
+  DType bias_dtype = DType::kBFloat16;
+  double mask_density = 0.75;
+  double bias_lo = -2.0, bias_hi = 2.0;
+  dmattn::Options options;
+  bool varlen() const { return !seqlens_q.empty(); }
+};
+
+struct Outcome {
+  bool pass = true;
+  std::string detail;
+};
+
+HostTensor dense_copy(const HostTensor& t, DType dtype) {
+  HostTensor c(dtype, t.shape());
+  const std::vector<double> v = t.values();
+  c.fill([&](std::int64_t i) { return v[i]; });
+  return c;
+}
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(a[i] - b[i]);
+    if (std::isnan(d)) return d;
+    m = std::max(m, d);
+  }
+  return m;
+}
+
+// cu_seqlens (B + 1 int32) of a list of lengths.
+std::vector<std::int32_t> cumulative(const std::vector<std::int64_t>& lengths) {
+  std::vector<std::int32_t> cu{0};
+  for (auto s : lengths) cu.push_back(cu.back() + static_cast<std::int32_t>(s));
+  return cu;
+}
+
+// lse error where both are finite; a mismatch of -inf (or any NaN) is an infinite error.
+double lse_error(const std::vector<double>& got, const std::vector<double>& ref) {
+  double m = 0.0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(got[i])) return std::nan("");
+    if (std::isinf(ref[i]) || std::isinf(got[i])) {
+      if (got[i] != ref[i]) return kInf;
+      continue;
+    }
+    m = std::max(m, std::fabs(got[i] - ref[i]));
+  }
+  return m;
+}
+
+Outcome run_case(const Case& c, Rng& rng) {
+  const bool varlen = c.varlen();
+  std::int64_t total_q = 0, total_k = 0;
+  for (auto s : c.seqlens_q) total_q += s;
+  for (auto s : c.seqlens_k) total_k += s;
+  const Shape q_shape = varlen ? Shape{total_q, c.H, c.D} : Shape{c.B, c.Sq, c.H, c.D};
+  const Shape k_shape = varlen ? Shape{total_k, c.Hk, c.D} : Shape{c.B, c.Sk, c.Hk, c.D};
+  const Shape lse_shape = varlen ? Shape{c.H, total_q} : Shape{c.B, c.H, c.Sq};
+
+  HostTensor q(c.dtype, q_shape, c.qkv_layout), k(c.dtype, k_shape, c.qkv_layout), v(c.dtype, k_shape, c.qkv_layout);
+  q.fill([&](std::int64_t) { return rng.uniform(-2.0, 2.0); });
+  k.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
+  v.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
+  std::optional<HostTensor> mask, bias;
+  if (!c.mask_shape.empty()) {
+    mask.emplace(DType::kBool, c.mask_shape, c.mask_layout, false);
+    mask->fill([&](std::int64_t) { return rng.bernoulli(c.mask_density) ? 1.0 : 0.0; });
+  }
+  if (!c.bias_shape.empty()) {
+    bias.emplace(c.bias_dtype, c.bias_shape, c.bias_layout, false);
+    bias->fill([&](std::int64_t) { return rng.uniform(c.bias_lo, c.bias_hi); });
+  }
+
+  // The float64 oracle and the low-precision CPU run.
+  auto cpu_run = [&](DType dtype, DType lse_dtype, bool same_tensors, std::vector<double>* out_values,
+                     std::vector<double>* lse_values) {
+    const HostTensor qc = same_tensors ? q : dense_copy(q, dtype), kc = same_tensors ? k : dense_copy(k, dtype),
+                     vc = same_tensors ? v : dense_copy(v, dtype);
+    std::optional<HostTensor> bc;
+    if (bias) bc = same_tensors ? *bias : dense_copy(*bias, dtype);
+    HostTensor out(dtype, q_shape), lse(lse_dtype, lse_shape);
+    dmattn::Inputs in{qc.view(), kc.view(), vc.view(), std::nullopt, std::nullopt};
+    if (mask) in.mask = mask->view();
+    if (bc) in.bias = bc->view();
+    dmattn::Options o = c.options;
+    if (varlen) {
+      std::vector<std::int32_t> cq = cumulative(c.seqlens_q), ck = cumulative(c.seqlens_k);
+      const std::int64_t nb = static_cast<std::int64_t>(cq.size());
+      dmattn::VarlenLayout layout{dmattn::TensorView::contiguous(cq.data(), DType::kInt32, {nb}),
+                                  dmattn::TensorView::contiguous(ck.data(), DType::kInt32, {nb}),
+                                  *std::max_element(c.seqlens_q.begin(), c.seqlens_q.end()),
+                                  *std::max_element(c.seqlens_k.begin(), c.seqlens_k.end())};
+      dmattn::varlen_forward(in, layout, out.view(), lse.view(), o);
+    } else {
+      dmattn::forward(in, out.view(), lse.view(), o);
+    }
+    *out_values = out.values();
+    *lse_values = lse.values();
+  };
+  std::vector<double> ref_out, ref_lse, lp_out, lp_lse;
+  cpu_run(DType::kFloat64, DType::kFloat64, false, &ref_out, &ref_lse);
+  cpu_run(c.dtype, DType::kFloat32, true, &lp_out, &lp_lse);
+
+  // The GPU run on device copies of the same buffers.
+  const DeviceTensor dq(q), dk(k), dv(v);
+  std::optional<DeviceTensor> dmask, dbias;
+  if (mask) dmask.emplace(*mask);
+  if (bias) dbias.emplace(*bias);
+  HostTensor out_host(c.dtype, q_shape, c.out_layout), lse_host(DType::kFloat32, lse_shape);
+  out_host.poison();
+  lse_host.poison();
+  const DeviceTensor dout(out_host), dlse(lse_host);
+  dmattn::Inputs in{dq.view(), dk.view(), dv.view(), std::nullopt, std::nullopt};
+  if (dmask) in.mask = dmask->view();
+  if (dbias) in.bias = dbias->view();
+  std::unique_ptr<void, decltype(&cudaFree)> cu_dev(nullptr, cudaFree);
+  if (varlen) {
+    std::vector<std::int32_t> cu = cumulative(c.seqlens_q);
+    const std::vector<std::int32_t> ck = cumulative(c.seqlens_k);
+    cu.insert(cu.end(), ck.begin(), ck.end());
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, cu.size() * 4), "cudaMalloc");
+    cu_dev.reset(p);
+    check_cuda(cudaMemcpy(p, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    const std::int64_t nb = static_cast<std::int64_t>(c.seqlens_q.size()) + 1;
+    auto* cq = static_cast<std::int32_t*>(p);
+    dmattn::VarlenLayout layout{dmattn::TensorView::contiguous(cq, DType::kInt32, {nb}, {dmattn::DeviceType::kCUDA, 0}),
+                                dmattn::TensorView::contiguous(cq + nb, DType::kInt32, {nb}, {dmattn::DeviceType::kCUDA, 0}),
+                                *std::max_element(c.seqlens_q.begin(), c.seqlens_q.end()),
+                                *std::max_element(c.seqlens_k.begin(), c.seqlens_k.end())};
+    dmattn::varlen_forward(in, layout, dout.view(), dlse.view(), c.options);
+  } else {
+    dmattn::forward(in, dout.view(), dlse.view(), c.options);
+  }
+  check_cuda(cudaDeviceSynchronize(), "forward kernel");
+  bool out_pad = true, lse_pad = true;
+  const std::vector<double> gpu_out = dout.values(&out_pad), gpu_lse = dlse.values(&lse_pad);
+
+  const double err = max_abs_diff(gpu_out, ref_out), lp_err = max_abs_diff(lp_out, ref_out);
+  const double lerr = lse_error(gpu_lse, ref_lse), lp_lerr = lse_error(lp_lse, ref_lse);
+  Outcome r;
+  r.pass = err <= 2.0 * lp_err + 1e-5 && lerr <= 2.0 * lp_lerr + 1e-4 && out_pad && lse_pad;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "out err %.3g (lowp %.3g)  lse err %.3g (lowp %.3g)%s", err, lp_err, lerr, lp_lerr,
+                out_pad && lse_pad ? "" : "  WROTE OUTSIDE THE VIEW");
+  r.detail = buf;
+  return r;
+}
+
+std::string dtype_tag(DType d) { return d == DType::kBFloat16 ? "bf16" : d == DType::kFloat16 ? "fp16" : "f32"; }
+
+// Every broadcast shape of a mask/bias of (B, H, Sq, Sk) with kv heads Hk.
+std::vector<Shape> broadcast_shapes(std::int64_t B, std::int64_t H, std::int64_t Hk, std::int64_t Sq, std::int64_t Sk) {
+  std::vector<Shape> shapes;
+  for (std::int64_t b : {B, std::int64_t{1}})
+    for (std::int64_t h : {H, Hk, std::int64_t{1}})
+      for (std::int64_t r : {Sq, std::int64_t{1}})
+        for (std::int64_t k : {Sk, std::int64_t{1}}) shapes.push_back({b, h, r, k});
+  return shapes;
+}
+
+std::vector<Case> matrix(bool small) {
+  std::vector<Case> cases;
+  const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
+  int n = 0;
+  auto base = [&](std::int64_t sq, std::int64_t sk, DType dt) {
+    Case c;
+    c.dtype = dt, c.bias_dtype = dt;
+    c.Sq = sq, c.Sk = sk;
+    c.B = 1 + n % 2;
+    c.H = heads[n % 3][0], c.Hk = heads[n % 3][1];
+    ++n;
+    return c;
+  };
+  auto name = [](const Case& c, const std::string& what) {
+    auto list = [](const std::vector<std::int64_t>& v) {
+      std::string s;
+      for (auto x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+      return "[" + s + "]";
+    };
+    const std::string sizes = c.varlen() ? " seqlens q" + list(c.seqlens_q) + " k" + list(c.seqlens_k)
+                                         : " B" + std::to_string(c.B) + " Sq" + std::to_string(c.Sq) + " Sk" +
+                                               std::to_string(c.Sk);
+    return what + " " + dtype_tag(c.dtype) + sizes + " H" + std::to_string(c.H) + "/" + std::to_string(c.Hk) + " D" +
+           std::to_string(c.D) + (c.options.causal ? " causal" : "");
+  };
+  auto num = [](double x) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", x);
+    return std::string(buf);
+  };
+  if (small) {
+    for (bool causal : {false, true}) {
+      Case c = base(65, 127, DType::kBFloat16);
+      c.options.causal = causal;
+      c.mask_shape = {c.B, 1, c.Sq, c.Sk};
+      c.bias_shape = {1, c.Hk, 1, c.Sk};
+      c.qkv_layout.sliced = causal;
+      c.name = name(c, "small mask+bias");
+      cases.push_back(c);
+    }
+    Case v = base(1, 1, DType::kFloat16);
+    v.seqlens_q = {5, 70}, v.seqlens_k = {9, 130};
+    v.bias_shape = {139, v.Hk};
+    v.options.causal = true;
+    v.name = name(v, "small varlen");
+    cases.push_back(v);
+    return cases;
+  }
+  // Sizes: awkward lengths, both dtypes, causal or not.
+  const std::int64_t sizes[][2] = {{1, 1},   {1, 7},    {7, 1},     {7, 7},     {63, 65},   {65, 63},
+                                   {127, 127}, {1, 1000}, {63, 1000}, {1000, 63}, {1000, 1000}, {127, 4095}};
+  for (auto& s : sizes)
+    for (DType dt : {DType::kBFloat16, DType::kFloat16})
+      for (bool causal : {false, true}) {
+        Case c = base(s[0], s[1], dt);
+        c.options.causal = causal;
+        c.name = name(c, "sizes");
+        cases.push_back(c);
+      }
+  // Head dims below the compiled one are zero-padded.
+  for (std::int64_t d : {8, 32, 64, 72, 120})
+    for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+      Case c = base(65, 130, dt);
+      c.D = d;
+      c.options.causal = d % 16 == 0;
+      c.name = name(c, "head_dim");
+      cases.push_back(c);
+    }
+  // Every broadcast form of the mask and of the bias, in every layout.
+  int form = 0;
+  for (const Shape& s : broadcast_shapes(2, 8, 2, 65, 127)) {
+    Case c = base(65, 127, form % 2 ? DType::kFloat16 : DType::kBFloat16);
+    c.B = 2, c.H = 8, c.Hk = 2;
+    c.mask_shape = s;
+    c.mask_layout.sliced = form % 3 == 1;
+    c.mask_layout.permuted = form % 3 == 2;
+    if (form % 4 == 3) {  // the full shape, broadcast dims as stride-0 views
+      const Shape full = {2, 8, 65, 127};
+      for (int d = 0; d < 4; ++d) c.mask_layout.expanded[d] = s[d] == 1, c.mask_shape[d] = full[d];
+    }
+    c.options.causal = form % 2 == 0;
+    c.name = name(c, "mask " + dmattn_test::shape_str(s) + " " + dmattn_test::layout_str(c.mask_layout));
+    cases.push_back(c);
+    Case b = c;
+    b.mask_shape.clear();
+    b.bias_shape = c.mask_shape;
+    b.bias_dtype = form % 2 ? DType::kFloat32 : b.dtype;
+    b.bias_layout = c.mask_layout;
+    b.name = name(b, "bias " + dtype_tag(b.bias_dtype) + " " + dmattn_test::shape_str(s) + " " +
+                         dmattn_test::layout_str(b.bias_layout));
+    cases.push_back(b);
+    ++form;
+  }
+  // Mask and bias together, sparse masks (fully masked rows), extreme biases.
+  for (double density : {0.9, 0.3, 0.02}) {
+    Case c = base(127, 200, DType::kBFloat16);
+    c.mask_shape = {c.B, c.H, c.Sq, c.Sk};
+    c.bias_shape = {c.B, c.Hk, c.Sq, c.Sk};
+    c.mask_density = density;
+    c.name = name(c, "mask+bias density " + num(density));
+    cases.push_back(c);
+  }
+  for (double lo : {-1e30, -3e38}) {
+    Case c = base(65, 100, DType::kBFloat16);
+    c.bias_shape = {1, 1, c.Sq, c.Sk};
+    c.bias_dtype = DType::kFloat32;
+    c.bias_lo = lo, c.bias_hi = lo * 0.5;
+    c.name = name(c, "huge negative bias " + num(lo));
+    cases.push_back(c);
+  }
+  // Options: sliding windows, softcap, scale, with Sq != Sk both ways.
+  const std::int64_t windows[][2] = {{16, 0}, {0, 16}, {30, -1}, {-1, 5}, {100, 100}, {0, 0}};
+  int w = 0;
+  for (auto& win : windows)
+    for (auto& s : {std::array<std::int64_t, 2>{65, 300}, std::array<std::int64_t, 2>{300, 65}}) {
+      Case c = base(s[0], s[1], w % 2 ? DType::kFloat16 : DType::kBFloat16);
+      c.options.sliding_window = {win[0], win[1]};
+      c.options.causal = w % 3 == 0;
+      c.bias_shape = w % 2 ? Shape{} : Shape{1, c.H, 1, c.Sk};
+      c.name = name(c, "window (" + std::to_string(win[0]) + "," + std::to_string(win[1]) + ")");
+      cases.push_back(c);
+      ++w;
+    }
+  for (double cap : {5.0, 30.0})
+    for (bool causal : {false, true}) {
+      Case c = base(100, 257, DType::kBFloat16);
+      c.options.softcap = cap;
+      c.options.scale = 0.3;
+      c.options.causal = causal;
+      c.bias_shape = {c.B, 1, c.Sq, c.Sk};
+      c.name = name(c, "softcap " + num(cap) + " scale 0.3");
+      cases.push_back(c);
+    }
+  // Layouts of q, k, v and out: sliced (misaligned, the scalar path) and permuted.
+  for (int l = 0; l < 4; ++l) {
+    Case c = base(130, 190, l % 2 ? DType::kFloat16 : DType::kBFloat16);
+    c.qkv_layout.sliced = l & 1;
+    c.qkv_layout.permuted = l & 2;
+    c.out_layout = c.qkv_layout;
+    c.options.causal = true;
+    c.mask_shape = {1, 1, 1, c.Sk};
+    c.name = name(c, "layout " + dmattn_test::layout_str(c.qkv_layout));
+    cases.push_back(c);
+  }
+  // Varlen with a key-only bias of every head count and both dtypes.
+  const std::vector<std::vector<std::int64_t>> seqs_q = {{1, 65, 0, 130}, {200}, {7, 7, 7}, {128, 1, 300}};
+  const std::vector<std::vector<std::int64_t>> seqs_k = {{7, 200, 5, 130}, {200}, {1, 63, 0}, {128, 300, 64}};
+  for (std::size_t i = 0; i < seqs_q.size(); ++i)
+    for (int variant = 0; variant < 2; ++variant) {
+      Case c = base(1, 1, variant ? DType::kFloat16 : DType::kBFloat16);
+      c.seqlens_q = seqs_q[i], c.seqlens_k = seqs_k[i];
+      std::int64_t total_k = 0;
+      for (auto s : c.seqlens_k) total_k += s;
+      const std::int64_t hb[3] = {1, c.Hk, c.H};
+      c.bias_shape = {total_k, hb[(i + variant) % 3]};
+      c.bias_dtype = variant ? DType::kFloat32 : c.dtype;
+      c.bias_layout.sliced = variant;
+      c.options.causal = i % 2 == 0;
+      if (i == 3) c.options.sliding_window = {40, variant ? 0 : 10};
+      c.name = name(c, "varlen #" + std::to_string(i) + " bias heads " + std::to_string(c.bias_shape[1]));
+      cases.push_back(c);
+    }
+  // Long: Sq = Sk = 4095 with a key-only bias, and a windowed 1000 x 4095.
+  {
+    Case c = base(4095, 4095, DType::kBFloat16);
+    c.B = 1, c.H = 4, c.Hk = 2;
+    c.options.causal = true;
+    c.bias_shape = {1, c.Hk, 1, c.Sk};
+    c.name = name(c, "long key-only bias");
+    cases.push_back(c);
+    Case w2 = base(1000, 4095, DType::kFloat16);
+    w2.B = 1, w2.H = 2, w2.Hk = 1;
+    w2.options.sliding_window = {300, 20};
+    w2.mask_shape = {1, 1, w2.Sq, w2.Sk};
+    w2.name = name(w2, "long window+mask");
+    cases.push_back(w2);
+  }
+  // Empty keys: every row fully masked.
+  {
+    Case c = base(5, 0, DType::kBFloat16);
+    c.name = name(c, "no keys");
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+// keep_window_size is refused on CUDA (top-k arrives later) with a clear error.
+Outcome keep_window_refused(Rng& rng) {
+  HostTensor q(DType::kBFloat16, {1, 8, 2, 64}), bias(DType::kBFloat16, {1, 2, 1, 8}), out(DType::kBFloat16, {1, 8, 2, 64}),
+      lse(DType::kFloat32, {1, 2, 8});
+  q.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
+  bias.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
+  const DeviceTensor dq(q), db(bias), dout(out), dlse(lse);
+  dmattn::Options o;
+  o.keep_window_size = 4;
+  Outcome r;
+  try {
+    dmattn::forward({dq.view(), dq.view(), dq.view(), std::nullopt, db.view()}, dout.view(), dlse.view(), o);
+    r.pass = false, r.detail = "no error thrown";
+  } catch (const dmattn::Error& e) {
+    r.pass = e.kind() == dmattn::Error::Kind::kUnsupported && e.argument() == "keep_window_size";
+    r.detail = e.what();
+  }
+  return r;
+}
+
+int check(bool small) {
+  Rng rng;
+  std::printf("dmattn gpu check: %s\n", rng.trace().c_str());
+  int passed = 0, failed = 0;
+  for (const Case& c : matrix(small)) {
+    Outcome r;
+    try {
+      r = run_case(c, rng);
+    } catch (const std::exception& e) {
+      r.pass = false;
+      r.detail = std::string("threw: ") + e.what();
+    }
+    (r.pass ? passed : failed)++;
+    std::printf("%s  %-90s %s\n", r.pass ? "PASS" : "FAIL", c.name.c_str(), r.detail.c_str());
+    std::fflush(stdout);
+  }
+  const Outcome refused = keep_window_refused(rng);
+  (refused.pass ? passed : failed)++;
+  std::printf("%s  %-90s %s\n", refused.pass ? "PASS" : "FAIL", "keep_window_size refused on CUDA",
+              refused.detail.c_str());
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
+
+int bench() {
+  Rng rng;
+  const std::int64_t B = 1, H = 32, Hk = 8, D = 128;
+  for (std::int64_t S : {4096, 16384})
+    for (bool with_bias : {false, true}) {
+      HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
+      for (HostTensor* t : {&q, &k, &v}) t->fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
+      HostTensor bias(DType::kBFloat16, {B, Hk, 1, S}), out(DType::kBFloat16, {B, S, H, D}), lse(DType::kFloat32, {B, H, S});
+      bias.fill([&](std::int64_t) { return rng.uniform(-2.0, 0.0); });
+      const DeviceTensor dq(q), dk(k), dv(v), db(bias), dout(out), dlse(lse);
+      dmattn::Inputs in{dq.view(), dk.view(), dv.view(), std::nullopt, std::nullopt};
+      if (with_bias) in.bias = db.view();
+      dmattn::Options o;
+      o.causal = true;
+      cudaEvent_t start, stop;
+      check_cuda(cudaEventCreate(&start), "event");
+      check_cuda(cudaEventCreate(&stop), "event");
+      for (int i = 0; i < 3; ++i) dmattn::forward(in, dout.view(), dlse.view(), o);
+      const int iters = S > 8192 ? 10 : 30;
+      check_cuda(cudaEventRecord(start), "record");
+      for (int i = 0; i < iters; ++i) dmattn::forward(in, dout.view(), dlse.view(), o);
+      check_cuda(cudaEventRecord(stop), "record");
+      check_cuda(cudaEventSynchronize(stop), "sync");
+      float ms = 0.0f;
+      check_cuda(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+      ms /= iters;
+      const double flops = 4.0 * B * H * D * double(S) * double(S) / 2.0;
+      std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s %.3f ms  %.1f TFLOP/s\n",
+                  static_cast<long long>(S), with_bias ? "key-only bias" : "no mask", ms, flops / (ms * 1e-3) / 1e12);
+    }
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, 0), "properties");
+  std::printf("device: %s\n", prop.name);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  try {
+    if (mode == "--bench") return bench();
+    return check(mode == "--small");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dmattn_gpu_check: %s\n", e.what());
+    return 2;
+  }
+}
