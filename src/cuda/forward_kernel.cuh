@@ -211,28 +211,45 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     const int lo = p.window_left < 0 ? -kTileFar : clamp_to_tile(row0 + offset - col0 - p.window_left);
     const int hi = p.causal ? diag : kTileFar;
     const int right = p.window_right < 0 ? kTileFar : clamp_to_tile(row0 + offset - col0 + p.window_right);
-    const std::uint8_t* mask_tile = has_mask ? mask + row0 * p.mask.sr + col0 * p.mask.sc : nullptr;
-    const std::int64_t bias_tile = bias_base + row0 * p.bias.sr + col0 * p.bias.sc;
+    // One pass per feature, each behind a block-uniform branch, so that a tile
+    // pays only for the features it uses (no per-element predication).
+    auto update = [&](auto&& f) {
 #pragma unroll
-    for (int e = 0; e < size(acc_s); ++e) {
-      const int r = get<0>(tScS(e)), c = get<1>(tScS(e));
-      float l = acc_s(e) * scale;
-      if (softcap > 0.0f) l = softcap * tanhf(l * inv_softcap);
-      if (has_bias && r < rows && c < cols) {
-        const std::int64_t at = bias_tile + r * p.bias.sr + c * p.bias.sc;
-        l += p.bias_float32 ? static_cast<const float*>(p.bias.data)[at]
-                            : static_cast<float>(static_cast<const Element*>(p.bias.data)[at]);
+      for (int e = 0; e < size(acc_s); ++e) acc_s(e) = f(acc_s(e), get<0>(tScS(e)), get<1>(tScS(e)));
+    };
+    if (softcap > 0.0f)
+      update([&](float x, int, int) { return softcap * tanhf(x * scale * inv_softcap); });
+    else
+      update([&](float x, int, int) { return x * scale; });
+    if (has_bias) {
+      const std::int64_t bias_tile = bias_base + row0 * p.bias.sr + col0 * p.bias.sc;
+      auto add_bias = [&](auto* bias) {
+        update([&](float x, int r, int c) {
+          return r < rows && c < cols ? x + static_cast<float>(bias[bias_tile + r * p.bias.sr + c * p.bias.sc]) : x;
+        });
+      };
+      if (p.bias_float32)
+        add_bias(static_cast<const float*>(p.bias.data));
+      else
+        add_bias(static_cast<const Element*>(p.bias.data));
+    }
+    if (!whole) {
+      update([&](float x, int r, int c) {
+        return r < rows && c < cols && c <= r + hi && c >= r + lo && c <= r + right ? x : -kInf;
+      });
+      if (has_mask) {
+        const std::uint8_t* mask_tile = mask + row0 * p.mask.sr + col0 * p.mask.sc;
+        update([&](float x, int r, int c) {
+          return r < rows && c < cols && mask_tile[r * p.mask.sr + c * p.mask.sc] != 0 ? x : -kInf;
+        });
       }
-      if (!whole) {
-        const bool allowed = r < rows && c < cols && c <= r + hi && c >= r + lo && c <= r + right &&
-                             (!has_mask || mask_tile[r * p.mask.sr + c * p.mask.sc] != 0);
-        if (!allowed) l = -kInf;
-      }
-      acc_s(e) = l;
     }
 
     // Online softmax: masked entries are -inf and add exactly 0; a row with no
-    // allowed key so far keeps max -inf and sum 0.
+    // allowed key so far keeps max -inf and sum 0. O is rescaled only when some
+    // row max of the warp moved (after the first tiles it rarely does).
+    float correction[kRows];
+    bool moved = false;
 #pragma unroll
     for (int m = 0; m < size<1>(acc_s); ++m) {
 #pragma unroll
@@ -245,23 +262,30 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
           for (int c = 0; c < 2; ++c) mx = fmaxf(mx, acc_s(make_coord(c, half), m, nn));
         mx = quad_max(mx);
         const float base = mx == -kInf ? 0.0f : mx;
-        const float correction = exp2f((row_max[r] - base) * kLog2e);
+        correction[r] = exp2f((row_max[r] - base) * kLog2e);
+        moved |= correction[r] != 1.0f;
         row_max[r] = mx;
         float sum = 0.0f;
 #pragma unroll
         for (int nn = 0; nn < size<2>(acc_s); ++nn)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            float& s = acc_s(make_coord(c, half), m, nn);
-            s = exp2f((s - base) * kLog2e);
-            sum += s;
+            float& x = acc_s(make_coord(c, half), m, nn);
+            x = exp2f((x - base) * kLog2e);
+            sum += x;
           }
-        row_sum[r] = row_sum[r] * correction + sum;
-#pragma unroll
-        for (int dd = 0; dd < size<2>(acc_o); ++dd)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) acc_o(make_coord(c, half), m, dd) *= correction;
+        row_sum[r] = row_sum[r] * correction[r] + sum;
       }
+    }
+    if (__any_sync(0xffffffff, moved)) {
+#pragma unroll
+      for (int m = 0; m < size<1>(acc_o); ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int dd = 0; dd < size<2>(acc_o); ++dd)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) acc_o(make_coord(c, half), m, dd) *= correction[2 * m + half];
     }
 
     // P in the A-operand register layout: MMA tiles 2k and 2k + 1 of S form the
