@@ -120,7 +120,10 @@ int main() {
       {"out", &out}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}, {"dbias", &dbias}};
   for (const auto& [name, t] : results) {
     const auto [err, rounding] = t->errors();
-    const bool pass = err <= 2 * rounding + 1e-5;  // within twice the bf16 rounding of the exact result
+    // The bf16 result is the exact one rounded once, plus float32 accumulation and,
+    // in the backward, the bf16-rounded out inside delta = <do, o> (as in
+    // FlashAttention): a few bf16 roundings of the largest value, at most.
+    const bool pass = err <= 4 * rounding + 1e-5;
     ok = ok && pass;
     std::printf("  %-6s max |bf16 - float64| = %.3g  (bf16 rounding of the exact result: %.3g)  %s\n", name, err,
                 rounding, pass ? "ok" : "FAIL");
