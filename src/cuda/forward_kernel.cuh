@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
 #include <cmath>
@@ -88,6 +89,14 @@ __device__ void load_tile(SmemTensor& s, const typename Config::Element* g, std:
 constexpr int kTileFar = 1 << 20;
 __device__ inline int clamp_to_tile(std::int64_t x) {
   return static_cast<int>(x < -kTileFar ? -kTileFar : (x > kTileFar ? kTileFar : x));
+}
+
+// 2^x on the special-function unit alone; results below the normal range flush
+// to 0, far below anything that changes a float32 softmax sum.
+__device__ inline float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ inline float quad_max(float x) {
@@ -262,7 +271,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
           for (int c = 0; c < 2; ++c) mx = fmaxf(mx, acc_s(make_coord(c, half), m, nn));
         mx = quad_max(mx);
         const float base = mx == -kInf ? 0.0f : mx;
-        correction[r] = exp2f((row_max[r] - base) * kLog2e);
+        correction[r] = exp2_ftz((row_max[r] - base) * kLog2e);
         moved |= correction[r] != 1.0f;
         row_max[r] = mx;
         float sum = 0.0f;
@@ -271,7 +280,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             float& x = acc_s(make_coord(c, half), m, nn);
-            x = exp2f((x - base) * kLog2e);
+            x = exp2_ftz((x - base) * kLog2e);
             sum += x;
           }
         row_sum[r] = row_sum[r] * correction[r] + sum;
@@ -290,13 +299,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 
     // P in the A-operand register layout: MMA tiles 2k and 2k + 1 of S form the
     // 16 keys of k-step k.
-    Tensor rP = make_tensor<Element>(make_layout(acc_s.shape()));
-#pragma unroll
-    for (int e = 0; e < size(acc_s); ++e) rP(e) = static_cast<Element>(acc_s(e));
+    constexpr int kS = decltype(size(acc_s))::value;
     constexpr int kM = decltype(size<1>(acc_s))::value, kN = decltype(size<2>(acc_s))::value;
-    Tensor tOrP = make_tensor(rP.data(), make_layout(make_shape(make_shape(_2{}, _2{}, _2{}), Int<kM>{}, Int<kN / 2>{}),
-                                                     make_stride(make_stride(_1{}, _2{}, Int<4 * kM>{}), _4{},
-                                                                 Int<8 * kM>{})));
+    cutlass::Array<Element, kS> p_lowp = cutlass::NumericArrayConverter<Element, float, kS>{}(
+        *reinterpret_cast<const cutlass::Array<float, kS>*>(acc_s.data()));
+    const auto p_layout = make_layout(make_shape(make_shape(_2{}, _2{}, _2{}), Int<kM>{}, Int<kN / 2>{}),
+                                      make_stride(make_stride(_1{}, _2{}, Int<4 * kM>{}), _4{}, Int<8 * kM>{}));
+    Tensor tOrP = make_tensor(make_rmem_ptr<Element>(p_lowp.data()), p_layout);
 
     cp_async_wait<0>();
     __syncthreads();  // V[n] landed; every thread is done with K[n]
