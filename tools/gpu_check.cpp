@@ -135,6 +135,9 @@ struct Case {
   Layout mask_layout, bias_layout, qkv_layout, out_layout;
   DType bias_dtype = DType::kBFloat16;
   double mask_density = 0.75;
+  // Structured masks that leave whole tiles empty or full: kBands allows bands of
+  // 160 rows x 96 keys (one in three), kKeyPadding a per-batch prefix of the keys.
+  enum class MaskPattern { kRandom, kBands, kKeyPadding } mask_pattern = MaskPattern::kRandom;
   double bias_lo = -2.0, bias_hi = 2.0;
   dmattn::Options options;
   bool varlen() const { return !seqlens_q.empty(); }
@@ -199,7 +202,17 @@ Outcome run_case(const Case& c, Rng& rng) {
   std::optional<HostTensor> mask, bias;
   if (!c.mask_shape.empty()) {
     mask.emplace(DType::kBool, c.mask_shape, c.mask_layout, false);
-    mask->fill([&](std::int64_t) { return rng.bernoulli(c.mask_density) ? 1.0 : 0.0; });
+    const Shape& ms = c.mask_shape;
+    const std::int64_t padded_len = std::max<std::int64_t>(1, c.Sk * 3 / 5);
+    mask->fill([&](std::int64_t index) {
+      const std::int64_t j = index % ms[3], i = index / ms[3] % ms[2], b = index / (ms[1] * ms[2] * ms[3]);
+      switch (c.mask_pattern) {
+        case Case::MaskPattern::kBands: return (i / 160 + j / 96) % 3 == 0 ? 1.0 : 0.0;
+        case Case::MaskPattern::kKeyPadding: return j < padded_len + 77 * b ? 1.0 : 0.0;
+        case Case::MaskPattern::kRandom: break;
+      }
+      return rng.bernoulli(c.mask_density) ? 1.0 : 0.0;
+    });
   }
   if (!c.bias_shape.empty()) {
     bias.emplace(c.bias_dtype, c.bias_shape, c.bias_layout, false);
@@ -334,6 +347,12 @@ std::vector<Case> matrix(bool small) {
       c.name = name(c, "small mask+bias");
       cases.push_back(c);
     }
+    Case m = base(300, 300, DType::kBFloat16);
+    m.mask_pattern = Case::MaskPattern::kBands;
+    m.mask_shape = {1, m.Hk, m.Sq, m.Sk};
+    m.options.causal = true;
+    m.name = name(m, "small mask bands");
+    cases.push_back(m);
     Case v = base(1, 1, DType::kFloat16);
     v.seqlens_q = {5, 70}, v.seqlens_k = {9, 130};
     v.bias_shape = {139, v.Hk};
@@ -394,6 +413,19 @@ std::vector<Case> matrix(bool small) {
     c.bias_shape = {c.B, c.Hk, c.Sq, c.Sk};
     c.mask_density = density;
     c.name = name(c, "mask+bias density " + num(density));
+    cases.push_back(c);
+  }
+  // Structured masks: empty tiles are skipped, full tiles skip the mask work.
+  for (int variant = 0; variant < 6; ++variant) {
+    Case c = base(1000, variant < 3 ? 1000 : 777, variant % 2 ? DType::kFloat16 : DType::kBFloat16);
+    c.B = 2, c.H = 4, c.Hk = 2;
+    const bool bands = variant % 3 != 2;
+    c.mask_pattern = bands ? Case::MaskPattern::kBands : Case::MaskPattern::kKeyPadding;
+    c.mask_shape = bands ? Shape{variant == 1 ? 1 : c.B, c.Hk, c.Sq, c.Sk} : Shape{c.B, 1, 1, c.Sk};
+    c.options.causal = variant % 2 == 0;
+    if (variant == 4) c.options.sliding_window = {300, 0};
+    c.bias_shape = variant == 3 ? Shape{1, c.H, 1, c.Sk} : Shape{};
+    c.name = name(c, std::string(bands ? "mask bands " : "mask key padding ") + dmattn_test::shape_str(c.mask_shape));
     cases.push_back(c);
   }
   for (double lo : {-1e30, -3e38}) {

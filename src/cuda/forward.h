@@ -26,10 +26,19 @@ struct ForwardParams {
   std::int64_t window_left = -1, window_right = -1;
   // 16-byte cp.async loads are legal for q, k, v rows (base and strides checked).
   bool vector_q = false, vector_k = false, vector_v = false;
+  // Mask tile classes (kTileEmpty / kTilePartial / kTileFull), written by a pre-pass
+  // before the forward: one byte per (mask batch, mask head, query block, key block),
+  // at b * tiles_sb + (h / mask_group) * tiles_sh + query_block * tiles_sm + key_block.
+  // A mask broadcast over batches or query rows has tiles_sb or tiles_sm = 0.
+  std::uint8_t* mask_tiles = nullptr;
+  std::int64_t tiles_sb = 0, tiles_sh = 0, tiles_sm = 0;
 };
 
-// Launches the forward for batch x heads on `stream`; kHeadDim >= head_dim
-// (smaller heads are zero-padded in shared memory). Throws on launch errors.
+enum : std::uint8_t { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
+
+// Launches the forward for batch x heads on `stream` (with a mask, first the
+// pass that classifies its tiles, in stream-ordered scratch memory); kHeadDim >=
+// head_dim (smaller heads are zero-padded in shared memory). Throws on CUDA errors.
 template <class Element, int kHeadDim>
 void launch_forward(const ForwardParams& params, int batch, int heads, cudaStream_t stream);
 

@@ -108,6 +108,29 @@ __device__ inline float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// The mask pre-pass: block (n, m, z) classifies the mask tile of key block n and
+// query block m (m = 0 when the mask is broadcast over rows) of mask batch and
+// head z as empty (no key allowed: the forward skips it, loads included), full
+// (every in-range key allowed: no mask work) or partial.
+template <int kBlockM, int kBlockN, int kThreads>
+__global__ void __launch_bounds__(kThreads) classify_mask_tiles(const ForwardParams p, int mask_heads) {
+  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM, col0 = std::int64_t{blockIdx.x} * kBlockN;
+  const int rows = p.mask.sr == 0 ? 1 : static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0));
+  const int cols = static_cast<int>(min(std::int64_t{kBlockN}, p.seqlen_k - col0));
+  const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
+  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh +
+                     row0 * p.mask.sr + col0 * p.mask.sc;
+  bool any = false, all = true;
+  for (int e = threadIdx.x; e < rows * cols; e += kThreads) {
+    const bool allowed = mask[(e / cols) * p.mask.sr + (e % cols) * p.mask.sc] != 0;
+    any |= allowed, all &= allowed;
+  }
+  any = __syncthreads_or(any), all = __syncthreads_and(all);
+  if (threadIdx.x == 0)
+    p.mask_tiles[mb * p.tiles_sb + mh * p.tiles_sh + blockIdx.y * p.tiles_sm + blockIdx.x] =
+        !any ? kTileEmpty : (all ? kTileFull : kTilePartial);
+}
+
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const ForwardParams p) {
   using namespace cute;
@@ -143,6 +166,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + ks * p.k.sr;
   const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + hk * p.v.sh + ks * p.v.sr;
   const bool has_mask = p.mask.data != nullptr, has_bias = p.bias.data != nullptr;
+  const std::uint8_t* tile_class =
+      has_mask ? p.mask_tiles + b * p.tiles_sb + (h / p.mask_group) * p.tiles_sh + row0 / kBlockM * p.tiles_sm : nullptr;
+  // The key blocks are visited from n_end - 1 down to n_first; next_block(n) is the
+  // next one below n with an allowed key (n_first - 1 when none is left).
+  auto next_block = [&](int n) {
+    --n;
+    while (has_mask && n >= n_first && tile_class[n] == kTileEmpty) --n;
+    return n;
+  };
   const auto* mask = static_cast<const std::uint8_t*>(p.mask.data);
   if (has_mask) mask += b * p.mask.sb + (h / p.mask_group) * p.mask.sh + qs * p.mask.sr + ks * p.mask.sc;
   std::int64_t bias_base = 0;
@@ -182,14 +214,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   for (int r = 0; r < kRows; ++r) row_max[r] = -kInf, row_sum[r] = 0.0f;
 
   const int d = p.head_dim;
-  if (n_end > n_first) {
+  int n = next_block(n_end);
+  if (n >= n_first) {
     load_tile<Config>(sQ, q, p.q.sr, sq - row0, d, p.vector_q);
-    load_tile<Config>(sK, k + std::int64_t{n_end - 1} * kBlockN * p.k.sr, p.k.sr, sk - std::int64_t{n_end - 1} * kBlockN,
-                      d, p.vector_k);
+    load_tile<Config>(sK, k + std::int64_t{n} * kBlockN * p.k.sr, p.k.sr, sk - std::int64_t{n} * kBlockN, d, p.vector_k);
   }
   const float scale = p.scale, softcap = p.softcap, inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
 
-  for (int n = n_end - 1; n >= n_first; --n) {
+  while (n >= n_first) {
+    const int n_next = next_block(n);
     const std::int64_t col0 = std::int64_t{n} * kBlockN;
     cp_async_wait<0>();
     __syncthreads();  // K[n] landed; every thread is done with V[n + 1]
@@ -209,9 +242,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     }
 
     // Logits, then the allowed set: a tile wholly inside the causal band, the
-    // window and the keys, with no mask, needs no per-element test. Tile-local
-    // coordinates stay 32-bit: the limits below are clamped to the tile.
-    const bool whole = !has_mask && col0 + kBlockN <= sk &&
+    // window and the keys, whose mask tile is full, needs no per-element test.
+    // Tile-local coordinates stay 32-bit: the limits below are clamped to the tile.
+    const bool mask_full = !has_mask || tile_class[n] == kTileFull;
+    const bool whole = mask_full && col0 + kBlockN <= sk &&
                        (!p.causal || col0 + kBlockN - 1 <= row0 + offset) &&
                        (p.window_left < 0 || col0 >= row_last + offset - p.window_left) &&
                        (p.window_right < 0 || col0 + kBlockN - 1 <= row0 + offset + p.window_right);
@@ -233,9 +267,23 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     if (has_bias) {
       const std::int64_t bias_tile = bias_base + row0 * p.bias.sr + col0 * p.bias.sc;
       auto add_bias = [&](auto* bias) {
-        update([&](float x, int r, int c) {
-          return r < rows && c < cols ? x + static_cast<float>(bias[bias_tile + r * p.bias.sr + c * p.bias.sc]) : x;
-        });
+        if (p.bias.sr == 0) {  // one value per key (a key-only bias): read once per column
+#pragma unroll
+          for (int nn = 0; nn < size<2>(acc_s); ++nn)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int col = get<1>(tScS(make_coord(c, 0), 0, nn));
+              const float value = col < cols ? static_cast<float>(bias[bias_tile + col * p.bias.sc]) : 0.0f;
+#pragma unroll
+              for (int m = 0; m < size<1>(acc_s); ++m)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) acc_s(make_coord(c, half), m, nn) += value;
+            }
+        } else {
+          update([&](float x, int r, int c) {
+            return r < rows && c < cols ? x + static_cast<float>(bias[bias_tile + r * p.bias.sr + c * p.bias.sc]) : x;
+          });
+        }
       };
       if (p.bias_float32)
         add_bias(static_cast<const float*>(p.bias.data));
@@ -246,7 +294,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       update([&](float x, int r, int c) {
         return r < rows && c < cols && c <= r + hi && c >= r + lo && c <= r + right ? x : -kInf;
       });
-      if (has_mask) {
+      if (!mask_full) {
         const std::uint8_t* mask_tile = mask + row0 * p.mask.sr + col0 * p.mask.sc;
         update([&](float x, int r, int c) {
           return r < rows && c < cols && mask_tile[r * p.mask.sr + c * p.mask.sc] != 0 ? x : -kInf;
@@ -309,14 +357,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 
     cp_async_wait<0>();
     __syncthreads();  // V[n] landed; every thread is done with K[n]
-    if (n > n_first)
-      load_tile<Config>(sK, k + (col0 - kBlockN) * p.k.sr, p.k.sr, sk - (col0 - kBlockN), d, p.vector_k);
+    if (n_next >= n_first) {
+      const std::int64_t next0 = std::int64_t{n_next} * kBlockN;
+      load_tile<Config>(sK, k + next0 * p.k.sr, p.k.sr, sk - next0, d, p.vector_k);
+    }
     copy(copy_v, tOsVt(_, _, 0), tOrVtv(_, _, 0));
 #pragma unroll
     for (int kk = 0; kk < size<2>(tOrP); ++kk) {
       if (kk + 1 < size<2>(tOrP)) copy(copy_v, tOsVt(_, _, kk + 1), tOrVtv(_, _, kk + 1));
       gemm(mma, tOrP(_, _, kk), tOrVt(_, _, kk), acc_o);
     }
+    n = n_next;
   }
 
   // Epilogue: o = acc / sum (0 for a row with no allowed key), lse = max + log(sum).
@@ -346,20 +397,42 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   }
 }
 
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("dmattn: CUDA forward: ") + what + ": " + cudaGetErrorString(err));
+}
+
 template <class Element, int kHeadDim>
-void launch_forward(const ForwardParams& params, int batch, int heads, cudaStream_t stream) {
+void launch_forward(const ForwardParams& in, int batch, int heads, cudaStream_t stream) {
   using Config = ForwardConfig<Element, kHeadDim>;
+  ForwardParams params = in;
+  if (params.mask.data != nullptr && params.seqlen_k > 0) {
+    // One byte per tile; a mask broadcast over batches (stride 0) or rows keeps one.
+    const std::int64_t tiles_m = params.mask.sr == 0 ? 1 : (params.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
+    const std::int64_t tiles_n = (params.seqlen_k + Config::kBlockN - 1) / Config::kBlockN;
+    const int mask_heads = heads / params.mask_group, mask_batches = params.mask.sb == 0 ? 1 : batch;
+    params.tiles_sm = tiles_m == 1 ? 0 : tiles_n;
+    params.tiles_sh = tiles_m * tiles_n;
+    params.tiles_sb = mask_batches == 1 ? 0 : mask_heads * params.tiles_sh;
+    const std::int64_t bytes = std::int64_t{mask_batches} * mask_heads * params.tiles_sh;
+    check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&params.mask_tiles), static_cast<std::size_t>(bytes), stream),
+               "cudaMallocAsync (mask tile classes)");
+    const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
+                    static_cast<unsigned>(mask_batches * mask_heads));
+    classify_mask_tiles<Config::kBlockM, Config::kBlockN, Config::kThreads>
+        <<<grid, Config::kThreads, 0, stream>>>(params, mask_heads);
+  }
   auto kernel = forward_kernel<Config>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
   if (err == cudaSuccess) {
     const dim3 grid(static_cast<unsigned>((params.seqlen_q + Config::kBlockM - 1) / Config::kBlockM),
                     static_cast<unsigned>(heads), static_cast<unsigned>(batch));
     kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(params);
     err = cudaGetLastError();
   }
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("dmattn: CUDA forward (head dim ") + std::to_string(kHeadDim) +
-                             ") failed to launch: " + cudaGetErrorString(err));
+  if (params.mask_tiles != nullptr) cudaFreeAsync(params.mask_tiles, stream);
+  check_cuda(err, ("launch (head dim " + std::to_string(kHeadDim) + ")").c_str());
 }
 
 }  // namespace dmattn::cuda
