@@ -353,6 +353,11 @@ std::vector<Case> matrix(bool small) {
     m.options.causal = true;
     m.name = name(m, "small mask bands");
     cases.push_back(m);
+    Case dec = base(2, 600, DType::kBFloat16);
+    dec.options.causal = true;
+    dec.bias_shape = {1, dec.Hk, 1, dec.Sk};
+    dec.name = name(dec, "small decode (split-KV)");
+    cases.push_back(dec);
     Case v = base(1, 1, DType::kFloat16);
     v.seqlens_q = {5, 70}, v.seqlens_k = {9, 130};
     v.bias_shape = {139, v.Hk};
@@ -488,10 +493,11 @@ std::vector<Case> matrix(bool small) {
       c.name = name(c, "varlen #" + std::to_string(i) + " bias heads " + std::to_string(c.bias_shape[1]));
       cases.push_back(c);
     }
-  // Long: Sq = Sk = 4095 with a key-only bias, and a windowed 1000 x 4095.
+  // Long: Sq = Sk = 4095 with a key-only bias (a grid of 256 CTAs: no key split),
+  // and a windowed 1000 x 4095 (a small grid: split-KV).
   {
     Case c = base(4095, 4095, DType::kBFloat16);
-    c.B = 1, c.H = 4, c.Hk = 2;
+    c.B = 1, c.H = 8, c.Hk = 2;
     c.options.causal = true;
     c.bias_shape = {1, c.Hk, 1, c.Sk};
     c.name = name(c, "long key-only bias");
@@ -502,6 +508,18 @@ std::vector<Case> matrix(bool small) {
     w2.mask_shape = {1, 1, w2.Sq, w2.Sk};
     w2.name = name(w2, "long window+mask");
     cases.push_back(w2);
+  }
+  // Decode: a few query rows over many keys (split-KV and the combine step).
+  const std::int64_t decode[][2] = {{1, 65537}, {16, 4095}, {7, 20000}, {3, 9000}};
+  for (int i = 0; i < 4; ++i) {
+    Case c = base(decode[i][0], decode[i][1], i % 2 ? DType::kFloat16 : DType::kBFloat16);
+    c.B = 1 + i % 2, c.H = 8, c.Hk = 2;
+    c.options.causal = i != 2;
+    if (i == 0) c.bias_shape = {1, c.Hk, 1, c.Sk};
+    if (i == 2) c.mask_pattern = Case::MaskPattern::kKeyPadding, c.mask_shape = {c.B, 1, 1, c.Sk};
+    if (i == 3) c.options.sliding_window = {2000, 0};
+    c.name = name(c, "decode");
+    cases.push_back(c);
   }
   // Empty keys: every row fully masked.
   {
@@ -556,36 +574,55 @@ int check(bool small) {
   return failed == 0 ? 0 : 1;
 }
 
+// Mean time of one forward in ms (CUDA events, after warm-up).
+float time_forward(const dmattn::Inputs& in, const DeviceTensor& out, const DeviceTensor& lse,
+                   const dmattn::Options& o, int iters) {
+  cudaEvent_t start, stop;
+  check_cuda(cudaEventCreate(&start), "event");
+  check_cuda(cudaEventCreate(&stop), "event");
+  for (int i = 0; i < 3; ++i) dmattn::forward(in, out.view(), lse.view(), o);
+  check_cuda(cudaEventRecord(start), "record");
+  for (int i = 0; i < iters; ++i) dmattn::forward(in, out.view(), lse.view(), o);
+  check_cuda(cudaEventRecord(stop), "record");
+  check_cuda(cudaEventSynchronize(stop), "sync");
+  float ms = 0.0f;
+  check_cuda(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms / iters;
+}
+
 int bench() {
   Rng rng;
   const std::int64_t B = 1, H = 32, Hk = 8, D = 128;
+  auto random = [&](HostTensor& t) { t.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); }); };
   for (std::int64_t S : {4096, 16384})
     for (bool with_bias : {false, true}) {
       HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
-      for (HostTensor* t : {&q, &k, &v}) t->fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
+      random(q), random(k), random(v);
       HostTensor bias(DType::kBFloat16, {B, Hk, 1, S}), out(DType::kBFloat16, {B, S, H, D}), lse(DType::kFloat32, {B, H, S});
-      bias.fill([&](std::int64_t) { return rng.uniform(-2.0, 0.0); });
+      random(bias);
       const DeviceTensor dq(q), dk(k), dv(v), db(bias), dout(out), dlse(lse);
       dmattn::Inputs in{dq.view(), dk.view(), dv.view(), std::nullopt, std::nullopt};
       if (with_bias) in.bias = db.view();
       dmattn::Options o;
       o.causal = true;
-      cudaEvent_t start, stop;
-      check_cuda(cudaEventCreate(&start), "event");
-      check_cuda(cudaEventCreate(&stop), "event");
-      for (int i = 0; i < 3; ++i) dmattn::forward(in, dout.view(), dlse.view(), o);
-      const int iters = S > 8192 ? 10 : 30;
-      check_cuda(cudaEventRecord(start), "record");
-      for (int i = 0; i < iters; ++i) dmattn::forward(in, dout.view(), dlse.view(), o);
-      check_cuda(cudaEventRecord(stop), "record");
-      check_cuda(cudaEventSynchronize(stop), "sync");
-      float ms = 0.0f;
-      check_cuda(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-      ms /= iters;
+      const float ms = time_forward(in, dout, dlse, o, S > 8192 ? 10 : 30);
       const double flops = 4.0 * B * H * D * double(S) * double(S) / 2.0;
       std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s %.3f ms  %.1f TFLOP/s\n",
                   static_cast<long long>(S), with_bias ? "key-only bias" : "no mask", ms, flops / (ms * 1e-3) / 1e12);
     }
+  // Decode: one query row over Sk keys; bound by reading K and V.
+  for (std::int64_t Sk : {16384, 131072}) {
+    HostTensor q(DType::kBFloat16, {B, 1, H, D}), k(DType::kBFloat16, {B, Sk, Hk, D}), v(DType::kBFloat16, {B, Sk, Hk, D});
+    random(q), random(k), random(v);
+    HostTensor out(DType::kBFloat16, {B, 1, H, D}), lse(DType::kFloat32, {B, H, 1});
+    const DeviceTensor dq(q), dk(k), dv(v), dout(out), dlse(lse);
+    const float ms = time_forward({dq.view(), dk.view(), dv.view(), std::nullopt, std::nullopt}, dout, dlse, {}, 50);
+    const double bytes = 2.0 * B * Sk * Hk * D * 2;
+    std::printf("bench bf16 decode B=1 Sq=1 H=32 Hk=8 D=128 Sk=%lld  %.4f ms  %.0f GB/s of K and V\n",
+                static_cast<long long>(Sk), ms, bytes / (ms * 1e-3) / 1e9);
+  }
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, 0), "properties");
   std::printf("device: %s\n", prop.name);

@@ -32,6 +32,14 @@ struct ForwardParams {
   // A mask broadcast over batches or query rows has tiles_sb or tiles_sm = 0.
   std::uint8_t* mask_tiles = nullptr;
   std::int64_t tiles_sb = 0, tiles_sh = 0, tiles_sm = 0;
+  // Split-KV, for grids too small to fill the GPU (decode): split s of a query
+  // block takes its s-th share of the key blocks and writes float32 partials,
+  // o normalised by its own sum and lse, at partial row
+  // ((s * B + b) * H + h) * seqlen_q + i (o_partial rows of head_dim); a combine
+  // kernel merges the splits into out and lse. num_splits = 1: no split.
+  int num_splits = 1;
+  float* o_partial = nullptr;
+  float* lse_partial = nullptr;
 };
 
 enum : std::uint8_t { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };

@@ -8,6 +8,7 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -142,8 +143,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 
   // Query blocks in reverse: under causal masking the last rows have the most
   // keys, and starting them first shortens the tail of the grid.
-  const int h = blockIdx.y, b = blockIdx.z;
-  const std::int64_t row0 = std::int64_t{gridDim.x - 1 - blockIdx.x} * kBlockM;
+  const int h = blockIdx.y, b = blockIdx.z, split = blockIdx.x % p.num_splits;
+  const std::int64_t row0 = std::int64_t{gridDim.x / p.num_splits - 1 - blockIdx.x / p.num_splits} * kBlockM;
   std::int64_t qs = 0, ks = 0, sq = p.seqlen_q, sk = p.seqlen_k;
   if (p.cu_seqlens_q != nullptr) {
     qs = p.cu_seqlens_q[b], sq = p.cu_seqlens_q[b + 1] - qs;
@@ -159,8 +160,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   std::int64_t key_hi = sk;
   if (p.causal) key_hi = min(key_hi, row_last + offset + 1);
   if (p.window_right >= 0) key_hi = min(key_hi, row_last + offset + p.window_right + 1);
-  const int n_first = static_cast<int>(key_lo / kBlockN);
-  const int n_end = key_hi > key_lo ? static_cast<int>((key_hi + kBlockN - 1) / kBlockN) : n_first;
+  const int block_first = static_cast<int>(key_lo / kBlockN);
+  const int block_end = key_hi > key_lo ? static_cast<int>((key_hi + kBlockN - 1) / kBlockN) : block_first;
+  // This split's share of the key blocks: [n_first, n_end).
+  const int per_split = (block_end - block_first + p.num_splits - 1) / p.num_splits;
+  const int n_first = min(block_end, block_first + split * per_split);
+  const int n_end = min(block_end, n_first + per_split);
 
   const auto* q = static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + (qs + row0) * p.q.sr;
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + ks * p.k.sr;
@@ -383,6 +388,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       const int row = get<0>(tOcO(make_coord(0, half), m, 0));
       if (row0 + row >= sq) continue;
+      const float row_lse = sum > 0.0f ? row_max[r] + logf(sum) : -kInf;
+      if (p.num_splits > 1) {
+        const std::int64_t partial_row =
+            ((std::int64_t{split} * gridDim.z + b) * gridDim.y + h) * p.seqlen_q + row0 + row;
+#pragma unroll
+        for (int dd = 0; dd < size<2>(acc_o); ++dd)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = get<1>(tOcO(make_coord(c, half), m, dd));
+            if (col < d) p.o_partial[partial_row * d + col] = acc_o(make_coord(c, half), m, dd) * inv;
+          }
+        if (threadIdx.x % 4 == 0) p.lse_partial[partial_row] = row_lse;
+        continue;
+      }
 #pragma unroll
       for (int dd = 0; dd < size<2>(acc_o); ++dd)
 #pragma unroll
@@ -391,10 +410,52 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
           if (col < d) out[row * p.out.sr + col] = static_cast<Element>(acc_o(make_coord(c, half), m, dd) * inv);
         }
       if (lse != nullptr && threadIdx.x % 4 == 0)
-        lse[b * p.lse.sb + h * p.lse.sh + (qs + row0 + row) * p.lse.sr] =
-            sum > 0.0f ? row_max[r] + logf(sum) : -kInf;
+        lse[b * p.lse.sb + h * p.lse.sh + (qs + row0 + row) * p.lse.sr] = row_lse;
     }
   }
+}
+
+// Merges the split-KV partials: one warp per (b, h, query row) of the grid
+// (B * H * seqlen_q rows), o = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s).
+template <class Element>
+__global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int batch, int heads) {
+  constexpr float kInf = INFINITY;
+  const std::int64_t row = std::int64_t{blockIdx.x} * 4 + threadIdx.x / 32;  // (b * H + h) * seqlen_q + i
+  const std::int64_t rows = std::int64_t{batch} * heads * p.seqlen_q;
+  if (row >= rows) return;
+  const std::int64_t i = row % p.seqlen_q;
+  const int h = static_cast<int>(row / p.seqlen_q % heads), b = static_cast<int>(row / p.seqlen_q / heads);
+  std::int64_t qs = 0, sq = p.seqlen_q;
+  if (p.cu_seqlens_q != nullptr) qs = p.cu_seqlens_q[b], sq = p.cu_seqlens_q[b + 1] - qs;
+  if (i >= sq) return;
+  const int lane = threadIdx.x % 32, d = p.head_dim;
+  float top = -kInf;
+  for (int s = 0; s < p.num_splits; ++s) top = fmaxf(top, p.lse_partial[s * rows + row]);
+  float sum = 0.0f;
+  if (top != -kInf)
+    for (int s = 0; s < p.num_splits; ++s) sum += expf(p.lse_partial[s * rows + row] - top);
+  auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (qs + i) * p.out.sr;
+  for (int col = lane; col < d; col += 32) {
+    float o = 0.0f;
+    if (top != -kInf)
+      for (int s = 0; s < p.num_splits; ++s) {
+        const float w = expf(p.lse_partial[s * rows + row] - top) / sum;
+        o += w * p.o_partial[(s * rows + row) * d + col];
+      }
+    out[col] = static_cast<Element>(o);
+  }
+  if (p.lse.data != nullptr && lane == 0)
+    static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (qs + i) * p.lse.sr] =
+        top == -kInf ? -kInf : top + logf(sum);
+}
+
+// Key splits for a grid of `ctas` CTAs over `key_blocks` key blocks: enough for
+// about two waves on `sms` SMs, at least 4 key blocks (128+ keys) a split so that
+// the partials stay cheap next to the work, and at most 32.
+inline int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms) {
+  if (ctas >= sms || key_blocks < 8) return 1;
+  const std::int64_t want = (2 * sms + ctas - 1) / ctas;
+  return static_cast<int>(std::max<std::int64_t>(1, std::min({want, key_blocks / 4, std::int64_t{32}})));
 }
 
 inline void check_cuda(cudaError_t err, const char* what) {
@@ -421,16 +482,33 @@ void launch_forward(const ForwardParams& in, int batch, int heads, cudaStream_t 
     classify_mask_tiles<Config::kBlockM, Config::kBlockN, Config::kThreads>
         <<<grid, Config::kThreads, 0, stream>>>(params, mask_heads);
   }
-  auto kernel = forward_kernel<Config>;
+  const std::int64_t blocks_m = (params.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
+  int device = 0, sms = 1;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  params.num_splits = choose_splits(blocks_m * heads * batch, (params.seqlen_k + Config::kBlockN - 1) / Config::kBlockN, sms);
+  const std::int64_t partial_rows = std::int64_t{params.num_splits} * batch * heads * params.seqlen_q;
   cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess && params.num_splits > 1) {
+    err = cudaMallocAsync(reinterpret_cast<void**>(&params.o_partial),
+                          static_cast<std::size_t>(partial_rows * (params.head_dim + 1)) * sizeof(float), stream);
+    params.lse_partial = params.o_partial + partial_rows * params.head_dim;
+  }
+  auto kernel = forward_kernel<Config>;
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
   if (err == cudaSuccess) {
-    const dim3 grid(static_cast<unsigned>((params.seqlen_q + Config::kBlockM - 1) / Config::kBlockM),
-                    static_cast<unsigned>(heads), static_cast<unsigned>(batch));
+    const dim3 grid(static_cast<unsigned>(blocks_m * params.num_splits), static_cast<unsigned>(heads),
+                    static_cast<unsigned>(batch));
     kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(params);
     err = cudaGetLastError();
   }
+  if (err == cudaSuccess && params.num_splits > 1) {
+    const auto rows = partial_rows / params.num_splits;
+    combine_splits<Element><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(params, batch, heads);
+    err = cudaGetLastError();
+  }
+  if (params.o_partial != nullptr) cudaFreeAsync(params.o_partial, stream);
   if (params.mask_tiles != nullptr) cudaFreeAsync(params.mask_tiles, stream);
   check_cuda(err, ("launch (head dim " + std::to_string(kHeadDim) + ")").c_str());
 }
