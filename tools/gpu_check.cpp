@@ -140,6 +140,7 @@ struct Case {
   enum class MaskPattern { kRandom, kBands, kKeyPadding } mask_pattern = MaskPattern::kRandom;
   double bias_lo = -2.0, bias_hi = 2.0;
   dmattn::Options options;
+  bool with_lse = true;  // false: no lse tensor (options.return_lse = false)
   bool varlen() const { return !seqlens_q.empty(); }
 };
 
@@ -261,6 +262,10 @@ Outcome run_case(const Case& c, Rng& rng) {
   dmattn::Inputs in{dq.view(), dk.view(), dv.view(), std::nullopt, std::nullopt};
   if (dmask) in.mask = dmask->view();
   if (dbias) in.bias = dbias->view();
+  dmattn::Options options = c.options;
+  options.return_lse = c.with_lse;
+  const std::optional<dmattn::TensorView> gpu_lse_view =
+      c.with_lse ? std::optional<dmattn::TensorView>(dlse.view()) : std::nullopt;
   std::unique_ptr<void, decltype(&cudaFree)> cu_dev(nullptr, cudaFree);
   if (varlen) {
     std::vector<std::int32_t> cu = cumulative(c.seqlens_q);
@@ -276,18 +281,20 @@ Outcome run_case(const Case& c, Rng& rng) {
                                 dmattn::TensorView::contiguous(cq + nb, DType::kInt32, {nb}, {dmattn::DeviceType::kCUDA, 0}),
                                 *std::max_element(c.seqlens_q.begin(), c.seqlens_q.end()),
                                 *std::max_element(c.seqlens_k.begin(), c.seqlens_k.end())};
-    dmattn::varlen_forward(in, layout, dout.view(), dlse.view(), c.options);
+    dmattn::varlen_forward(in, layout, dout.view(), gpu_lse_view, options);
   } else {
-    dmattn::forward(in, dout.view(), dlse.view(), c.options);
+    dmattn::forward(in, dout.view(), gpu_lse_view, options);
   }
   check_cuda(cudaDeviceSynchronize(), "forward kernel");
   bool out_pad = true, lse_pad = true;
   const std::vector<double> gpu_out = dout.values(&out_pad), gpu_lse = dlse.values(&lse_pad);
 
   const double err = max_abs_diff(gpu_out, ref_out), lp_err = max_abs_diff(lp_out, ref_out);
-  const double lerr = lse_error(gpu_lse, ref_lse), lp_lerr = lse_error(lp_lse, ref_lse);
+  // Without lse, its buffer must stay poisoned (all NaN) and is not compared.
+  const bool lse_untouched = c.with_lse || std::all_of(gpu_lse.begin(), gpu_lse.end(), [](double x) { return std::isnan(x); });
+  const double lerr = c.with_lse ? lse_error(gpu_lse, ref_lse) : 0.0, lp_lerr = lse_error(lp_lse, ref_lse);
   Outcome r;
-  r.pass = err <= 2.0 * lp_err + 1e-5 && lerr <= 2.0 * lp_lerr + 1e-4 && out_pad && lse_pad;
+  r.pass = err <= 2.0 * lp_err + 1e-5 && lerr <= 2.0 * lp_lerr + 1e-4 && out_pad && lse_pad && lse_untouched;
   char buf[256];
   std::snprintf(buf, sizeof buf, "out err %.3g (lowp %.3g)  lse err %.3g (lowp %.3g)%s", err, lp_err, lerr, lp_lerr,
                 out_pad && lse_pad ? "" : "  WROTE OUTSIDE THE VIEW");
@@ -521,10 +528,19 @@ std::vector<Case> matrix(bool small) {
     c.name = name(c, "decode");
     cases.push_back(c);
   }
-  // Empty keys: every row fully masked.
-  {
-    Case c = base(5, 0, DType::kBFloat16);
-    c.name = name(c, "no keys");
+  // No lse output, without and with split-KV.
+  for (std::int64_t sk : {100, 3000}) {
+    Case c = base(3, sk, DType::kBFloat16);
+    c.with_lse = false;
+    c.options.causal = true;
+    c.name = name(c, "no lse");
+    cases.push_back(c);
+  }
+  // Empty problems: no keys (every row fully masked, with or without a mask), no queries.
+  for (int variant = 0; variant < 3; ++variant) {
+    Case c = base(variant == 2 ? 0 : 5, variant == 2 ? 5 : 0, DType::kBFloat16);
+    if (variant == 1) c.mask_shape = {c.B, 1, c.Sq, c.Sk};
+    c.name = name(c, variant == 2 ? "no queries" : variant ? "no keys, mask" : "no keys");
     cases.push_back(c);
   }
   return cases;
