@@ -78,7 +78,7 @@ double now_ms() {
 int main() {
   const dmattn::BuildInfo info = dmattn::build_info();
   std::printf("dmattn %s, CUDA backend: %s\n", info.version, info.cuda ? info.cuda_architectures : "not built");
-  std::printf("device: cpu (the CUDA kernels arrive with a later release)\n");
+  std::printf("device: cpu (the CUDA backward and top-k arrive with later releases)\n");
   std::printf("problem: B=%lld S=%lld H=%lld Hk=%lld D=%lld, causal, key-only bias A*softplus(dt), keep_window_size=%lld\n",
               (long long)kB, (long long)kS, (long long)kH, (long long)kHk, (long long)kD, (long long)kKeep);
 
