@@ -368,8 +368,10 @@ def report(results, out_dir):
         "every system (dmattn: as `mask` with the bias; SDPA: folded into a materialised (B, 32, S, S) bias "
         "with -inf; Flex: a mask_mod reading it). ms: median of CUDA-event times after a warm-up. TFLOP/s: "
         f"4 * D * allowed (query, key) pairs (fwd+bwd: {FWD_BWD_FLOP_FACTOR} times that). GB/s (decode): bytes "
-        "of K and V / time. Peak: memory a system allocates beyond the shared inputs (its materialised bias or "
-        "block mask included). max |d|: largest absolute difference of a peer's forward output from dmattn's.",
+        "of K and V / time. Peak: the most memory a system held beyond the shared inputs over its warm-up and "
+        "timed calls: two outputs alive at once (the warm-up's, kept for the check, and a timed call's), its "
+        "materialised bias or block mask, its workspace; fwd+bwd adds the gradients. max |d|: largest absolute "
+        "difference of a peer's forward output from dmattn's.",
         "",
         "| case | S | system | fwd ms | fwd TFLOP/s | fwd GB/s | fwd peak MiB | fwd+bwd ms | fwd+bwd TFLOP/s "
         "| fwd+bwd peak MiB | max abs d vs dmattn | reference: H200, others, not re-run (fwd / fwd+bwd ms) |",
@@ -415,6 +417,7 @@ def report(results, out_dir):
     for kind, entries in SEED_REFERENCE.items():
         lines += [f"| {kind} | {label} | {value} |" for label, value, _ in entries]
     lines += ["", "![fwd TFLOP/s and decode GB/s](benchmarks-gpu.png)", ""]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "benchmarks-gpu.md").write_text("\n".join(lines))
     plot(results, Path(out_dir) / "benchmarks-gpu.png")
 
