@@ -528,6 +528,24 @@ std::vector<Case> matrix(bool small) {
     c.name = name(c, "decode");
     cases.push_back(c);
   }
+  // Decode with one query row and grouped kv heads: the query heads of a kv head
+  // are folded into the rows of one CTA. Per-head, per-kv-head and shared masks
+  // and biases, strided q/out, MQA, no lse; a sliding window is not folded.
+  const Shape decode_forms[][2] = {{{2, 8, 1, 3000}, {1, 8, 1, 3000}}, {{2, 2, 1, 3000}, {2, 1, 1, 3000}},
+                                   {{1, 1, 1, 3000}, {2, 2, 1, 3000}}, {{}, {1, 8, 1, 1}}};
+  for (int i = 0; i < 6; ++i) {
+    Case c = base(1, 3000, i % 2 ? DType::kFloat16 : DType::kBFloat16);
+    c.B = 2, c.H = 8, c.Hk = i == 4 ? 1 : 2;
+    c.options.causal = i % 3 != 1;
+    if (i < 4) c.mask_shape = decode_forms[i][0], c.bias_shape = decode_forms[i][1];
+    if (i == 4) c.bias_shape = {2, 8, 1, 3000};
+    c.bias_dtype = i % 2 ? DType::kFloat32 : c.dtype;
+    c.qkv_layout.permuted = i == 1, c.out_layout.sliced = i == 2;
+    c.with_lse = i != 3;
+    if (i == 5) c.options.sliding_window = {700, 0};
+    c.name = name(c, "decode, query heads folded" + std::string(i == 5 ? " (window: not folded)" : ""));
+    cases.push_back(c);
+  }
   // No lse output, without and with split-KV.
   for (std::int64_t sk : {100, 3000}) {
     Case c = base(3, sk, DType::kBFloat16);

@@ -36,10 +36,35 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
+// Decode with grouped kv heads: one query row (batched, no sliding window) and
+// G = H / Hk > 1 query heads per kv head. The G query heads of kv head h' become
+// the G query rows of one head h': row i of head h' is query head h' * G + i, so
+// a row steps by the head stride and a head by G of them. One CTA then reads
+// each K and V tile once for all G heads instead of once per head. Causal is
+// dropped: bottom-right aligned, the single row sees every key. A mask or bias
+// with H heads gets the same head-to-row view; one with Hk heads (or one) is
+// shared by the G rows (row stride 0). Returns the number of heads to launch.
+std::int64_t fold_query_heads(const Problem& p, cuda::ForwardParams& params) {
+  const std::int64_t G = p.group();
+  if (p.seqlen_q != 1 || G == 1 || p.varlen() || p.window_left >= 0 || p.window_right >= 0) return p.heads;
+  for (Operand* t : {&params.q, &params.out, &params.lse}) t->sr = t->sh, t->sh *= G;
+  const auto fold_operand = [&](Operand& t, std::int64_t operand_heads) {
+    t.sr = operand_heads == p.heads ? t.sh : 0;
+    if (operand_heads == p.heads) t.sh *= G;
+    return static_cast<int>(operand_heads == 1 ? p.kv_heads : 1);  // kv heads per operand head
+  };
+  if (p.mask.present()) params.mask_group = fold_operand(params.mask, p.mask_shape.heads);
+  if (p.bias.present()) params.bias_group = fold_operand(params.bias, p.bias_shape.heads);
+  params.group = 1;
+  params.seqlen_q = G;
+  params.causal = false;
+  return p.kv_heads;
+}
+
 template <int kHeadDim>
-void launch(const Problem& p, const cuda::ForwardParams& params) {
+void launch(const Problem& p, const cuda::ForwardParams& params, std::int64_t launch_heads) {
   const auto stream = static_cast<cudaStream_t>(p.stream);
-  const int batch = static_cast<int>(p.batch), heads = static_cast<int>(p.heads);
+  const int batch = static_cast<int>(p.batch), heads = static_cast<int>(launch_heads);
   if (p.q.dtype == DType::kBFloat16)
     cuda::launch_forward<cutlass::bfloat16_t, kHeadDim>(params, batch, heads, stream);
   else
@@ -64,11 +89,12 @@ void run_forward(const Problem& p) {
   params.scale = static_cast<float>(p.scale), params.softcap = static_cast<float>(p.softcap);
   params.causal = p.causal;
   params.window_left = p.window_left, params.window_right = p.window_right;
-  params.vector_q = vector_loads(p.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
+  const std::int64_t launch_heads = fold_query_heads(p, params);
+  params.vector_q = vector_loads(params.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
 
   const DeviceGuard guard(p.device.index);
 #define DMATTN_CUDA_HEAD_DIM(D) \
-  if (p.head_dim <= (D)) return launch<D>(p, params);
+  if (p.head_dim <= (D)) return launch<D>(p, params, launch_heads);
 #include "forward_head_dims.inc"
 #undef DMATTN_CUDA_HEAD_DIM
   throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
