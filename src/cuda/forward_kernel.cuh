@@ -20,15 +20,20 @@
 
 namespace dmattn::cuda {
 
-template <class Element_, int kHeadDim_>
+// 128 query rows up to D = 128: the O accumulator (128 x D floats over 128
+// threads) then takes ~128 registers a thread; wider heads halve the rows.
+template <int kHeadDim>
+constexpr int default_block_m() {
+  return kHeadDim <= 128 ? 128 : 64;
+}
+
+template <class Element_, int kHeadDim_, int kBlockM_ = default_block_m<kHeadDim_>()>
 struct ForwardConfig {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  // 128 query rows up to D = 128: the O accumulator (128 x D floats over 128
-  // threads) then takes ~128 registers a thread; wider heads halve the rows.
   // 64 keys a tile spilled ~900 bytes at D = 128 (S and P of 128 x 64 on top of
   // O); 32 keys fit in the 255 registers.
-  static constexpr int kBlockM = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kHeadDim <= 64 ? 64 : 32;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
@@ -464,9 +469,10 @@ inline void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("dmattn: CUDA forward: ") + what + ": " + cudaGetErrorString(err));
 }
 
-template <class Element, int kHeadDim>
-void launch_forward(const ForwardParams& in, int batch, int heads, cudaStream_t stream) {
-  using Config = ForwardConfig<Element, kHeadDim>;
+template <class Config>
+void launch_config(const ForwardParams& in, int batch, int heads, cudaStream_t stream) {
+  using Element = typename Config::Element;
+  constexpr int kHeadDim = Config::kHeadDim;
   ForwardParams params = in;
   if (params.mask.data != nullptr && params.seqlen_k > 0) {
     // One byte per tile; a mask broadcast over batches (stride 0) or rows keeps one.
@@ -513,6 +519,18 @@ void launch_forward(const ForwardParams& in, int batch, int heads, cudaStream_t 
   if (params.o_partial != nullptr) cudaFreeAsync(params.o_partial, stream);
   if (params.mask_tiles != nullptr) cudaFreeAsync(params.mask_tiles, stream);
   check_cuda(err, ("launch (head dim " + std::to_string(kHeadDim) + ")").c_str());
+}
+
+// Few query rows (decode, and decode with folded query heads) take the smallest
+// tile the four warps make, 64 rows: half the wasted rows of the 128-row tile.
+template <class Element, int kHeadDim>
+void launch_forward(const ForwardParams& params, int batch, int heads, cudaStream_t stream) {
+  using Full = ForwardConfig<Element, kHeadDim>;
+  using Short = ForwardConfig<Element, kHeadDim, 16 * Full::kWarps>;
+  if constexpr (Short::kBlockM < Full::kBlockM) {
+    if (params.seqlen_q <= Short::kBlockM) return launch_config<Short>(params, batch, heads, stream);
+  }
+  launch_config<Full>(params, batch, heads, stream);
 }
 
 }  // namespace dmattn::cuda
