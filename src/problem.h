@@ -57,6 +57,13 @@ struct Problem {
   std::int64_t group() const { return heads / kv_heads; }  // query heads per kv head
   // Head of a mask or bias with `n` heads (H, Hk or 1) that query head h reads.
   std::int64_t operand_head(std::int64_t h, std::int64_t n) const { return h / (heads / n); }
+  // Element offset of the (batch b, query head h) slice of the mask or the bias.
+  std::int64_t mask_base(std::int64_t b, std::int64_t h) const {
+    return b * mask.sb + operand_head(h, mask_shape.heads) * mask.sh;
+  }
+  std::int64_t bias_base(std::int64_t b, std::int64_t h) const {
+    return b * bias.sb + operand_head(h, bias_shape.heads) * bias.sh;
+  }
 };
 
 }  // namespace dmattn

@@ -58,12 +58,8 @@ template <class A>
 class HeadLogits {
  public:
   HeadLogits(const Problem& p, const Selection& sel, std::int64_t b, std::int64_t h)
-      : p_(p), sel_(sel), b_(b), h_(h), g_(p, b), qs_(p.q_start(b)), ks_(p.k_start(b)) {
-    if (p.mask.present())
-      mask_base_ = b * p.mask.sb + p.operand_head(h, p.mask_shape.heads) * p.mask.sh;
-    if (p.bias.present())
-      bias_base_ = b * p.bias.sb + p.operand_head(h, p.bias_shape.heads) * p.bias.sh;
-  }
+      : p_(p), sel_(sel), b_(b), h_(h), g_(p, b), qs_(p.q_start(b)), ks_(p.k_start(b)),
+        mask_base_(p.mask_base(b, h)), bias_base_(p.bias_base(b, h)) {}
 
   const Geometry& geometry() const { return g_; }
 
@@ -144,7 +140,7 @@ class HeadLogits {
   std::int64_t b_, h_;
   Geometry g_;
   std::int64_t qs_, ks_;
-  std::int64_t mask_base_ = 0, bias_base_ = 0;
+  std::int64_t mask_base_, bias_base_;
 };
 
 }  // namespace dmattn::cpu

@@ -65,9 +65,7 @@ void key_intervals(const Geometry& g, const double* bias, const double* key_mask
 // Per-row thresholds of one head: the w-th strongest allowed (bias, key) of each row.
 void row_thresholds(const Problem& p, const Geometry& g, std::int64_t b, std::int64_t h, Threshold* out) {
   const std::int64_t qs = p.q_start(b), ks = p.k_start(b);
-  const std::int64_t bias_base = b * p.bias.sb + p.operand_head(h, p.bias_shape.heads) * p.bias.sh;
-  const std::int64_t mask_base =
-      p.mask.present() ? b * p.mask.sb + p.operand_head(h, p.mask_shape.heads) * p.mask.sh : 0;
+  const std::int64_t bias_base = p.bias_base(b, h), mask_base = p.mask_base(b, h);
   std::vector<double> bias(static_cast<std::size_t>(g.sk)), mask(static_cast<std::size_t>(g.sk));
   std::vector<std::pair<double, std::int64_t>> cand;
   const auto stronger = [](const auto& x, const auto& y) { return beats(x.first, x.second, y.first, y.second); };
@@ -114,12 +112,12 @@ Selection select_topk(const Problem& p) {
     }
     const std::int64_t ks = p.k_start(b);
     std::vector<double> bias(static_cast<std::size_t>(g.sk)), mask;
-    read(p.bias.data, p.bias.dtype, b * p.bias.sb + p.operand_head(h, p.bias_shape.heads) * p.bias.sh + ks * p.bias.sc,
+    read(p.bias.data, p.bias.dtype, p.bias_base(b, h) + ks * p.bias.sc,
          g.sk, Strided{p.bias.sc}, bias.data());
     if (p.mask.present()) {
       mask.resize(static_cast<std::size_t>(g.sk));
       read(p.mask.data, DType::kBool,
-           b * p.mask.sb + p.operand_head(h, p.mask_shape.heads) * p.mask.sh + ks * p.mask.sc, g.sk,
+           p.mask_base(b, h) + ks * p.mask.sc, g.sk,
            Strided{p.mask.sc}, mask.data());
     }
     key_intervals(g, bias.data(), p.mask.present() ? mask.data() : nullptr, p.keep_window_size,
