@@ -1,0 +1,389 @@
+// Top-k selection on the GPU (see selection.h). Semantics follow
+// src/cpu/selection.cpp exactly: a key j of row i is selected iff it is allowed
+// and fewer than w allowed keys of the row beat it, where k beats j iff
+// (bias_k, k) > (bias_j, j) (larger bias, ties to the larger key index).
+#include "selection.h"
+
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <climits>
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+#include <stdexcept>
+#include <string>
+
+namespace dmattn::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr std::uint32_t kMaskedOrder = 0xFFFFFFFFu;  // complemented order bits of a key no row may see
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("dmattn: top-k selection: ") + what + ": " + cudaGetErrorString(err));
+}
+
+int ceil_log2(std::int64_t n) {
+  int bits = 0;
+  while ((std::int64_t{1} << bits) < n) ++bits;
+  return bits;
+}
+
+unsigned blocks_for(std::int64_t threads) { return static_cast<unsigned>((threads + kThreads - 1) / kThreads); }
+
+// What the kernels read of a Problem; selection head s of batch b reads the
+// bias and mask of query head s * group.
+struct Params {
+  Operand bias, mask;  // mask.data == nullptr: no mask
+  std::int64_t heads = 0, group = 1, bias_group = 1, mask_group = 1;
+  std::int64_t seqlen_q = 0, seqlen_k = 0;
+  const std::int32_t* cu_seqlens_q = nullptr;
+  const std::int32_t* cu_seqlens_k = nullptr;
+  bool causal = false;
+  std::int64_t window_left = -1, window_right = -1;
+  std::int64_t w = 0;
+};
+
+// One sequence of a batch entry: global starts and local lengths.
+struct Sequence {
+  std::int64_t qs, ks, sq, sk;
+};
+
+__device__ Sequence sequence(const Params& p, std::int64_t b) {
+  if (p.cu_seqlens_q == nullptr) return {0, 0, p.seqlen_q, p.seqlen_k};
+  return {p.cu_seqlens_q[b], p.cu_seqlens_k[b], p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b],
+          p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b]};
+}
+
+// First row that may see key j (causal and right window, bottom-right aligned).
+__device__ std::int64_t first_row(const Params& p, const Sequence& s, std::int64_t j) {
+  std::int64_t r = 0;
+  if (p.causal) r = max(r, j - (s.sk - s.sq));
+  if (p.window_right >= 0) r = max(r, j - (s.sk - s.sq) - p.window_right);
+  return min(r, s.sq);
+}
+
+__device__ float load_bias(const Operand& bias, std::int64_t offset) {
+  switch (bias.dtype) {
+    case DType::kFloat16:
+      return __half2float(static_cast<const __half*>(bias.data)[offset]);
+    case DType::kBFloat16:
+      return __uint_as_float(std::uint32_t{static_cast<const std::uint16_t*>(bias.data)[offset]} << 16);
+    default:
+      return static_cast<const float*>(bias.data)[offset];
+  }
+}
+
+__device__ bool load_mask(const Operand& mask, std::int64_t offset) {
+  return mask.data == nullptr || static_cast<const std::uint8_t*>(mask.data)[offset] != 0;
+}
+
+// Order-preserving unsigned image of a float: a > b iff bits(a) > bits(b); -0 and +0 are one value.
+__device__ std::uint32_t order_bits(float x) {
+  const std::uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ float from_order_bits(std::uint32_t e) {
+  return __uint_as_float((e & 0x80000000u) ? (e & 0x7FFFFFFFu) : ~e);
+}
+
+// ---- intervals -------------------------------------------------------------
+// A chunk holds `segments` selection heads (b, s) starting at g0, each padded to
+// n keys (n % 32 == 0, n <= 2^kb). Sort key of key j of local segment t:
+//   t << (32 + kb) | ~order_bits(bias_j) << kb | (2^kb - 1 - j)
+// so an ascending sort lists each head's keys strongest first (ties: larger j
+// first), and keys no row may see (masked, or past the sequence) last.
+struct Chunk {
+  std::int64_t g0 = 0, segments = 0, n = 0;
+  int kb = 0;
+  __host__ __device__ std::int64_t items() const { return segments * n; }
+  __host__ __device__ std::int64_t words() const { return items() / 32; }
+};
+
+__device__ std::int64_t key_index(const Chunk& c, std::uint64_t key) {
+  const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
+  return static_cast<std::int64_t>(low - (key & low));
+}
+
+__global__ void interval_keys(Params p, Chunk c, std::uint64_t* keys) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= c.items()) return;
+  const std::int64_t t = i / c.n, j = i % c.n, g = c.g0 + t;
+  const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
+  const Sequence s = sequence(p, b);
+  std::uint32_t order = kMaskedOrder;
+  if (j < s.sk &&
+      load_mask(p.mask, b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.ks + j) * p.mask.sc))
+    order = ~order_bits(load_bias(p.bias, b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.ks + j) * p.bias.sc));
+  const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
+  keys[i] = (static_cast<std::uint64_t>(t) << (32 + c.kb)) | (std::uint64_t{order} << c.kb) |
+            (low - static_cast<std::uint64_t>(j));
+}
+
+__global__ void sorted_indices(Chunk c, const std::uint64_t* keys, std::uint32_t* values) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < c.items()) values[i] = static_cast<std::uint32_t>(key_index(c, keys[i]));
+}
+
+// Wavelet matrix over each segment's sorted key indices (kb levels, level l
+// splits on bit kb - 1 - l). Level l is a bit vector in words of 32 plus an
+// exclusive prefix count of ones per word over the whole chunk (words() + 1
+// entries). The next level's order is the stable partition: zeros, then ones.
+struct Wavelet {
+  const std::uint32_t* bits;  // [kb][words]
+  const std::uint32_t* ones;  // [kb][words + 1]
+
+  // Ones before position pos (0..n) of segment t at level l.
+  __device__ std::int64_t rank1(const Chunk& c, int l, std::int64_t t, std::int64_t pos) const {
+    const std::int64_t w0 = t * (c.n / 32);
+    const std::uint32_t* pre = ones + l * (c.words() + 1);
+    std::int64_t r = pre[w0 + pos / 32] - pre[w0];
+    if (pos % 32 != 0) r += __popc(bits[l * c.words() + w0 + pos / 32] & ((1u << (pos % 32)) - 1));
+    return r;
+  }
+  // The k-th smallest (k >= 1) key index among sorted positions [0, r) of segment t.
+  __device__ std::int64_t kth_smallest(const Chunk& c, std::int64_t t, std::int64_t r, std::int64_t k) const {
+    std::int64_t lo = 0, hi = r, value = 0;
+    for (int l = 0; l < c.kb; ++l) {
+      const std::int64_t ones_lo = rank1(c, l, t, lo), ones_hi = rank1(c, l, t, hi);
+      const std::int64_t zeros = (hi - lo) - (ones_hi - ones_lo);
+      if (k <= zeros) {
+        lo -= ones_lo, hi -= ones_hi;
+      } else {
+        const std::int64_t all_zeros = c.n - rank1(c, l, t, c.n);
+        k -= zeros;
+        lo = all_zeros + ones_lo, hi = all_zeros + ones_hi;
+        value |= std::int64_t{1} << (c.kb - 1 - l);
+      }
+    }
+    return value;
+  }
+};
+
+// Bit vector of one level (one warp per word; items() % 32 == 0).
+__global__ void level_bits(Chunk c, int l, const std::uint32_t* values, std::uint32_t* bits, std::uint32_t* ones) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= c.items()) return;
+  const std::uint32_t word = __ballot_sync(0xFFFFFFFFu, (values[i] >> (c.kb - 1 - l)) & 1u);
+  if (threadIdx.x % 32 == 0) {
+    bits[l * c.words() + i / 32] = word;
+    ones[i / 32] = __popc(word);
+  }
+}
+
+// The next level's order: stable partition of each segment by the level's bit.
+__global__ void level_partition(Chunk c, int l, Wavelet wm, const std::uint32_t* values, std::uint32_t* next) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= c.items()) return;
+  const std::int64_t t = i / c.n, pos = i % c.n;
+  const std::uint32_t v = values[i];
+  const std::int64_t before = wm.rank1(c, l, t, pos);
+  const std::int64_t dst = (v >> (c.kb - 1 - l)) & 1u ? c.n - wm.rank1(c, l, t, c.n) + before : pos - before;
+  next[t * c.n + dst] = v;
+}
+
+// Key at sorted position r of its head: it has r beaters; rows stop selecting it
+// at the first row that sees the w-th smallest beater index.
+__global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t* keys, KeyRows* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= c.items()) return;
+  const std::uint64_t key = keys[i];
+  const std::int64_t t = i / c.n, r = i % c.n, j = key_index(c, key), g = c.g0 + t;
+  if (j >= p.seqlen_k) return;  // padding of the chunk layout
+  KeyRows rows{0, 0};
+  if (static_cast<std::uint32_t>(key >> c.kb) != kMaskedOrder) {
+    const Sequence s = sequence(p, g / p.heads);
+    const std::int64_t start = first_row(p, s, j);
+    const std::int64_t end = r < p.w ? s.sq : first_row(p, s, wm.kth_smallest(c, t, r, p.w));
+    if (start < end) rows = {static_cast<std::int32_t>(start), static_cast<std::int32_t>(end)};
+  }
+  out[g * p.seqlen_k + j] = rows;
+}
+
+void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStream_t stream) {
+  const std::int64_t total = batch * p.heads;
+  Chunk full;
+  full.n = (std::max<std::int64_t>(p.seqlen_k, 1) + 31) / 32 * 32;
+  full.kb = std::max(ceil_log2(full.n), 1);
+  // Segment ids take the top bits of the 64-bit sort key; items are counted in int.
+  full.segments = std::min({total, std::int64_t{1} << (32 - full.kb), std::int64_t{INT_MAX} / full.n});
+  Chunk last = full;
+  last.segments = total % full.segments == 0 ? full.segments : total % full.segments;
+  const auto sort_bits = [](const Chunk& c) { return 32 + c.kb + ceil_log2(c.segments); };
+
+  std::size_t temp_bytes = 0;
+  for (const Chunk& c : {full, last}) {
+    std::size_t sort_bytes = 0, scan_bytes = 0;
+    check(cub::DeviceRadixSort::SortKeys(nullptr, sort_bytes, static_cast<const std::uint64_t*>(nullptr),
+                                         static_cast<std::uint64_t*>(nullptr), static_cast<int>(c.items()), 0,
+                                         sort_bits(c), stream),
+          "radix sort size");
+    check(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<const std::uint32_t*>(nullptr),
+                                        static_cast<std::uint32_t*>(nullptr), static_cast<int>(c.words() + 1), stream),
+          "scan size");
+    temp_bytes = std::max({temp_bytes, sort_bytes, scan_bytes});
+  }
+  const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const auto items = static_cast<std::size_t>(full.items()), words = static_cast<std::size_t>(full.words());
+  const std::size_t sizes[] = {items * 8, items * 8, items * 4, items * 4, full.kb * words * 4,
+                               full.kb * (words + 1) * 4, (words + 1) * 4, temp_bytes};
+  std::size_t scratch_bytes = 0;
+  for (std::size_t s : sizes) scratch_bytes += aligned(s);
+  char* scratch = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), scratch_bytes, stream), "cudaMallocAsync");
+  char* at = scratch;
+  const auto take = [&](std::size_t bytes) {
+    char* r = at;
+    at += aligned(bytes);
+    return r;
+  };
+  auto* keys_in = reinterpret_cast<std::uint64_t*>(take(sizes[0]));
+  auto* keys = reinterpret_cast<std::uint64_t*>(take(sizes[1]));
+  auto* values = reinterpret_cast<std::uint32_t*>(take(sizes[2]));
+  auto* next = reinterpret_cast<std::uint32_t*>(take(sizes[3]));
+  auto* bits = reinterpret_cast<std::uint32_t*>(take(sizes[4]));
+  auto* ones = reinterpret_cast<std::uint32_t*>(take(sizes[5]));
+  auto* word_ones = reinterpret_cast<std::uint32_t*>(take(sizes[6]));
+  void* temp = take(sizes[7]);
+
+  for (std::int64_t g0 = 0; g0 < total; g0 += full.segments) {
+    Chunk c = g0 + full.segments >= total ? last : full;
+    c.g0 = g0;
+    const unsigned blocks = blocks_for(c.items());
+    interval_keys<<<blocks, kThreads, 0, stream>>>(p, c, keys_in);
+    std::size_t bytes = temp_bytes;
+    check(cub::DeviceRadixSort::SortKeys(temp, bytes, keys_in, keys, static_cast<int>(c.items()), 0, sort_bits(c),
+                                         stream),
+          "radix sort");
+    sorted_indices<<<blocks, kThreads, 0, stream>>>(c, keys, values);
+    check(cudaMemsetAsync(word_ones + c.words(), 0, 4, stream), "cudaMemsetAsync");
+    const Wavelet wm{bits, ones};
+    for (int l = 0; l < c.kb; ++l) {
+      level_bits<<<blocks, kThreads, 0, stream>>>(c, l, values, bits, word_ones);
+      bytes = temp_bytes;
+      check(cub::DeviceScan::ExclusiveSum(temp, bytes, word_ones, ones + l * (c.words() + 1),
+                                          static_cast<int>(c.words() + 1), stream),
+            "scan");
+      if (l + 1 == c.kb) break;
+      level_partition<<<blocks, kThreads, 0, stream>>>(c, l, wm, values, next);
+      std::swap(values, next);
+    }
+    key_intervals<<<blocks, kThreads, 0, stream>>>(p, c, wm, keys, out);
+    check(cudaGetLastError(), "interval kernels");
+  }
+  check(cudaFreeAsync(scratch, stream), "cudaFreeAsync");
+}
+
+// ---- thresholds ------------------------------------------------------------
+// One CTA per (b, s, row): radix select, 8 bits per pass from the top, of the
+// w-th largest key (order_bits(bias_ij) << kbits | j) among the row's allowed keys.
+__global__ void __launch_bounds__(kThreads) row_thresholds(Params p, int kbits, RowThreshold* out) {
+  using Scan = cub::BlockScan<std::uint32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ std::uint32_t hist[256];
+  __shared__ std::uint64_t found;  // the digits chosen so far
+  __shared__ std::int64_t rank;    // rank of the sought key among the candidates left (1 = largest)
+
+  const std::int64_t row = blockIdx.x, g = row / p.seqlen_q, i = row % p.seqlen_q;
+  const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
+  const Sequence s = sequence(p, b);
+  RowThreshold result{-__int_as_float(0x7F800000), -1};
+  std::int64_t lo = 0, hi = 0;
+  if (i < s.sq) {
+    const std::int64_t offset = s.sk - s.sq;
+    lo = p.window_left < 0 ? 0 : min(max(i + offset - p.window_left, std::int64_t{0}), s.sk);
+    hi = s.sk;
+    if (p.causal) hi = min(hi, i + offset + 1);
+    if (p.window_right >= 0) hi = min(hi, i + offset + p.window_right + 1);
+  }
+  if (hi - lo > p.w) {
+    const std::int64_t bias_row = b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.qs + i) * p.bias.sr;
+    const std::int64_t mask_row = b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.qs + i) * p.mask.sr;
+    const int top = (32 + kbits + 7) / 8 * 8;
+    if (threadIdx.x == 0) found = 0, rank = p.w;
+    std::uint64_t known = 0;  // the bits that `found` holds
+    bool selecting = true;
+    for (int shift = top - 8; shift >= 0 && selecting; shift -= 8) {
+      hist[threadIdx.x] = 0;
+      __syncthreads();
+      const std::uint64_t prefix = found;
+      const std::int64_t k = rank;
+      for (std::int64_t j = lo + threadIdx.x; j < hi; j += kThreads) {
+        if (!load_mask(p.mask, mask_row + (s.ks + j) * p.mask.sc)) continue;
+        const std::uint64_t key =
+            std::uint64_t{order_bits(load_bias(p.bias, bias_row + (s.ks + j) * p.bias.sc))} << kbits |
+            static_cast<std::uint64_t>(j);
+        if ((key & known) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+      }
+      __syncthreads();
+      // Thread x holds digit 255 - x: inclusive sums count the candidates from the top.
+      const std::uint32_t count = hist[255 - threadIdx.x];
+      std::uint32_t above = 0, candidates = 0;
+      Scan(scan_storage).InclusiveSum(count, above, candidates);
+      if (shift == top - 8 && candidates <= p.w) {
+        selecting = false;  // at most w allowed keys: the row keeps them all (same on every thread)
+      } else if (above >= k && above - count < k) {
+        found = prefix | std::uint64_t{255u - threadIdx.x} << shift;
+        rank = k - (above - count);
+      }
+      known |= std::uint64_t{255} << shift;
+      __syncthreads();
+    }
+    if (selecting) result = {from_order_bits(static_cast<std::uint32_t>(found >> kbits)),
+                             static_cast<std::int32_t>(found & ((std::uint64_t{1} << kbits) - 1))};
+  }
+  if (threadIdx.x == 0) out[row] = result;
+}
+
+}  // namespace
+
+DeviceSelection select_topk(const Problem& p) {
+  DeviceSelection sel;
+  if (p.keep_window_size == 0) return sel;
+  if (p.bias.dtype != DType::kFloat32 && p.bias.dtype != DType::kFloat16 && p.bias.dtype != DType::kBFloat16)
+    throw Error(Error::Kind::kUnsupported, "bias.dtype", "float32, float16 or bfloat16 for the CUDA top-k",
+                dtype_name(p.bias.dtype));
+  const bool key_only = p.bias_shape.rows == 1 && (!p.mask.present() || p.mask_shape.rows == 1);
+  sel.mode = key_only && p.window_left < 0 ? DeviceSelection::kIntervals : DeviceSelection::kThresholds;
+  sel.heads = std::max(p.bias_shape.heads, p.mask.present() ? p.mask_shape.heads : std::int64_t{1});
+  sel.group = p.heads / sel.heads;
+  sel.per_head = sel.mode == DeviceSelection::kIntervals ? p.seqlen_k : p.seqlen_q;
+
+  Params params;
+  params.bias = p.bias, params.mask = p.mask;
+  params.heads = sel.heads, params.group = sel.group;
+  params.bias_group = p.heads / p.bias_shape.heads;
+  params.mask_group = p.heads / p.mask_shape.heads;
+  params.seqlen_q = p.seqlen_q, params.seqlen_k = p.seqlen_k;
+  params.cu_seqlens_q = p.cu_seqlens_q, params.cu_seqlens_k = p.cu_seqlens_k;
+  params.causal = p.causal;
+  params.window_left = p.window_left, params.window_right = p.window_right;
+  params.w = p.keep_window_size;
+
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  const std::int64_t entries = p.batch * sel.heads * sel.per_head;
+  if (entries == 0) return sel;
+  if (sel.mode == DeviceSelection::kIntervals) {
+    check(cudaMallocAsync(reinterpret_cast<void**>(&sel.intervals), entries * sizeof(KeyRows), stream),
+          "cudaMallocAsync");
+    select_intervals(params, p.batch, sel.intervals, stream);
+  } else {
+    check(cudaMallocAsync(reinterpret_cast<void**>(&sel.thresholds), entries * sizeof(RowThreshold), stream),
+          "cudaMallocAsync");
+    row_thresholds<<<static_cast<unsigned>(entries), kThreads, 0, stream>>>(
+        params, std::max(ceil_log2(p.seqlen_k), 1), sel.thresholds);
+    check(cudaGetLastError(), "row_thresholds");
+  }
+  return sel;
+}
+
+void free_selection(DeviceSelection& sel, cudaStream_t stream) {
+  if (sel.intervals != nullptr) check(cudaFreeAsync(sel.intervals, stream), "cudaFreeAsync");
+  if (sel.thresholds != nullptr) check(cudaFreeAsync(sel.thresholds, stream), "cudaFreeAsync");
+  sel.intervals = nullptr;
+  sel.thresholds = nullptr;
+}
+
+}  // namespace dmattn::cuda
