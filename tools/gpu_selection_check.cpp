@@ -4,8 +4,8 @@
 //
 //   dmattn_gpu_selection_check            the whole matrix
 //   dmattn_gpu_selection_check --small    a few small cases (for compute-sanitizer)
-//   dmattn_gpu_selection_check --bench    interval selection time, B=1, H=32, Hk=8,
-//                                         bf16 bias (1, 8, 1, S), causal, w=1024
+//   dmattn_gpu_selection_check --bench    selection time, B=1, H=32, Hk=8, causal, w=1024,
+//                                         bf16 bias (1, 8, 1, S) and (1, 8, S, S)
 //
 // Problems are built directly (no q, k, v: the selection reads only the bias,
 // the mask and the geometry). Bias and mask are tests/tensor.h host tensors in
@@ -131,13 +131,20 @@ struct Result {
   std::string detail;
 };
 
-Result run_case(const Case& c, Rng& rng, cudaStream_t stream) {
+// The operands of a case and its Problem on the host (for the CPU) and on the device.
+struct Built {
+  Mirrored bias;
+  std::unique_ptr<Mirrored> mask;
+  Problem host, device;
+};
+
+Built build(const Case& c, Rng& rng, cudaStream_t stream) {
   const std::int64_t bias_rows = c.bias_per_row ? c.sq : 1;
   const double constant = rng.uniform(-1.0, 1.0);
   const std::vector<double> few = {-1.0, -0.0, 0.0, 2.0};
-  const Mirrored bias = make_operand(c.dtype, {c.bias_batch, c.bias_heads, bias_rows, c.sk}, rng,
-                                    [&](std::int64_t) { return draw_value(c, rng, constant, few); });
-  std::unique_ptr<Mirrored> mask;
+  Built t{make_operand(c.dtype, {c.bias_batch, c.bias_heads, bias_rows, c.sk}, rng,
+                       [&](std::int64_t) { return draw_value(c, rng, constant, few); }),
+          nullptr, {}, {}};
   dmattn::BroadcastShape mask_shape;
   if (c.mask != MaskKind::kNone) {
     const bool per_row = c.mask == MaskKind::kPerRow;
@@ -145,7 +152,7 @@ Result run_case(const Case& c, Rng& rng, cudaStream_t stream) {
     // Key padding: a random valid length per (b, head) with a few holes; per row: random.
     std::vector<std::int64_t> valid(static_cast<std::size_t>(mask_shape.batch * mask_shape.heads));
     for (auto& v : valid) v = rng.integer(0, c.sk);
-    mask = std::make_unique<Mirrored>(make_operand(
+    t.mask = std::make_unique<Mirrored>(make_operand(
         DType::kBool, {mask_shape.batch, mask_shape.heads, mask_shape.rows, c.sk}, rng, [&](std::int64_t idx) {
           if (per_row) return rng.bernoulli(0.7) ? 1.0 : 0.0;
           const std::int64_t j = idx % c.sk, bh = idx / c.sk;
@@ -153,23 +160,26 @@ Result run_case(const Case& c, Rng& rng, cudaStream_t stream) {
         }));
   }
 
-  Problem p;
+  Problem& p = t.host;
   p.batch = c.batch, p.heads = c.heads, p.kv_heads = c.kv_heads, p.head_dim = 8;
   p.seqlen_q = c.sq, p.seqlen_k = c.sk;
-  p.bias = bias.view(false);
+  p.bias = t.bias.view(false);
   p.bias_shape = {c.bias_batch, c.bias_heads, bias_rows, c.sk};
-  if (mask) p.mask = mask->view(false), p.mask_shape = mask_shape;
+  if (t.mask) p.mask = t.mask->view(false), p.mask_shape = mask_shape;
   p.causal = c.causal;
   p.window_left = c.left, p.window_right = c.right;
   p.keep_window_size = c.w;
-  const dmattn::cpu::Selection want = dmattn::cpu::select_topk(p);
+  t.device = p;
+  t.device.bias = t.bias.view(true);
+  if (t.mask) t.device.mask = t.mask->view(true);
+  t.device.device = {dmattn::DeviceType::kCUDA, 0};
+  t.device.stream = stream;
+  return t;
+}
 
-  Problem pd = p;
-  pd.bias = bias.view(true);
-  if (mask) pd.mask = mask->view(true);
-  pd.device = {dmattn::DeviceType::kCUDA, 0};
-  pd.stream = stream;
-  dmattn::cuda::DeviceSelection got = dmattn::cuda::select_topk(pd);
+Result compare(const Case& c, const Built& t, cudaStream_t stream) {
+  const dmattn::cpu::Selection want = dmattn::cpu::select_topk(t.host);
+  dmattn::cuda::DeviceSelection got = dmattn::cuda::select_topk(t.device);
   const bool intervals = got.mode == dmattn::cuda::DeviceSelection::kIntervals;
   if ((want.mode == dmattn::cpu::Selection::kIntervals) != intervals)
     return {false, "mode differs from the CPU's"};
@@ -282,7 +292,7 @@ int check(bool small) {
   for (const Case& c : matrix(rng, small)) {
     Result r;
     try {
-      r = run_case(c, rng, stream);
+      r = compare(c, build(c, rng, stream), stream);
     } catch (const std::exception& e) {
       r = {false, std::string("exception: ") + e.what()};
     }
@@ -294,8 +304,8 @@ int check(bool small) {
   return failed == 0 ? 0 : 1;
 }
 
-// Time of the interval selection (sort, wavelet matrix, queries, allocations),
-// checked against the CPU first.
+// Time of the selection (allocations included), launched on a stream and
+// replayed as a CUDA graph, checked against the CPU first.
 int bench() {
   Rng rng;
   cudaStream_t stream;
@@ -304,31 +314,49 @@ int bench() {
   check_cuda(cudaEventCreate(&start), "event");
   check_cuda(cudaEventCreate(&stop), "event");
   int failed = 0;
-  for (std::int64_t s : {16384, 65536, 131072}) {
+  std::vector<Case> cases;
+  for (std::int64_t s : {16384, 65536, 131072}) {  // intervals: key-only bias (1, 8, 1, S)
     Case c;
-    c.batch = 1, c.heads = 32, c.kv_heads = 8, c.bias_batch = 1, c.bias_heads = 8;
+    c.heads = 32, c.kv_heads = 8, c.bias_heads = 8;
     c.sq = c.sk = s, c.w = 1024, c.causal = true, c.dtype = DType::kBFloat16;
-    const Result r = run_case(c, rng, stream);
+    cases.push_back(c);
+  }
+  Case rows = cases[0];  // thresholds: per-row bias (1, 8, S, S)
+  rows.sq = rows.sk = 2048, rows.bias_per_row = true;
+  cases.push_back(rows);
+  for (const Case& c : cases) {
+    const Built t = build(c, rng, stream);
+    const Result r = compare(c, t, stream);
     failed += !r.pass;
-    const Mirrored bias =
-        make_operand(c.dtype, {1, 8, 1, s}, rng, [&](std::int64_t) { return rng.uniform(-4.0, 4.0); });
-    Problem p;
-    p.batch = 1, p.heads = 32, p.kv_heads = 8, p.head_dim = 128, p.seqlen_q = p.seqlen_k = s;
-    p.bias = bias.view(true), p.bias_shape = {1, 8, 1, s};
-    p.causal = true, p.keep_window_size = 1024;
-    p.device = {dmattn::DeviceType::kCUDA, 0}, p.stream = stream;
-    constexpr int kWarmup = 3, kReps = 20;
-    for (int rep = 0; rep < kWarmup + kReps; ++rep) {
-      if (rep == kWarmup) check_cuda(cudaEventRecord(start, stream), "record");
-      dmattn::cuda::DeviceSelection sel = dmattn::cuda::select_topk(p);
+    // Mean time per call of `enqueue` on the stream, after a warm-up.
+    const auto time_ms = [&](const std::function<void()>& enqueue) {
+      constexpr int kWarmup = 3, kReps = 20;
+      for (int rep = 0; rep < kWarmup; ++rep) enqueue();
+      check_cuda(cudaEventRecord(start, stream), "record");
+      for (int rep = 0; rep < kReps; ++rep) enqueue();
+      check_cuda(cudaEventRecord(stop, stream), "record");
+      check_cuda(cudaEventSynchronize(stop), "sync");
+      float ms = 0;
+      check_cuda(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+      return ms / kReps;
+    };
+    const auto select = [&] {
+      dmattn::cuda::DeviceSelection sel = dmattn::cuda::select_topk(t.device);
       dmattn::cuda::free_selection(sel, stream);
-    }
-    check_cuda(cudaEventRecord(stop, stream), "record");
-    check_cuda(cudaEventSynchronize(stop), "sync");
-    float ms = 0;
-    check_cuda(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    std::printf("bench intervals B=1 Hk=8 S=%lld w=1024 bf16 causal: %.3f ms per call (%s: %s)\n", (long long)s,
-                ms / kReps, r.pass ? "PASS" : "FAIL", r.detail.c_str());
+    };
+    const float stream_ms = time_ms(select);
+    // The same call captured into a CUDA graph (no host sync inside, allocations as graph nodes).
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+    select();
+    check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    const float graph_ms = time_ms([&] { check_cuda(cudaGraphLaunch(exec, stream), "graph launch"); });
+    check_cuda(cudaGraphExecDestroy(exec), "graph");
+    check_cuda(cudaGraphDestroy(graph), "graph");
+    std::printf("bench %s: %.3f ms per call, %.3f ms as a CUDA graph (%s: %s)\n", c.str().c_str(), stream_ms,
+                graph_ms, r.pass ? "PASS" : "FAIL", r.detail.c_str());
   }
   check_cuda(cudaStreamDestroy(stream), "stream");
   return failed == 0 ? 0 : 1;

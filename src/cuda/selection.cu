@@ -10,7 +10,7 @@
 #include <climits>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_scan.cuh>
+#include <cub/agent/single_pass_scan_operators.cuh>
 #include <stdexcept>
 #include <string>
 
@@ -94,12 +94,23 @@ __device__ float from_order_bits(std::uint32_t e) {
 // n keys (n % 32 == 0, n <= 2^kb). Sort key of key j of local segment t:
 //   t << (32 + kb) | ~order_bits(bias_j) << kb | (2^kb - 1 - j)
 // so an ascending sort lists each head's keys strongest first (ties: larger j
-// first), and keys no row may see (masked, or past the sequence) last.
+// first), and keys no row may see (masked, or past the sequence) last. Every
+// j in [0, n) appears once per segment.
+constexpr int kTile = 1024;  // positions per CTA when building a wavelet level
+using TileState = cub::ScanTileState<std::uint32_t>;
+
 struct Chunk {
   std::int64_t g0 = 0, segments = 0, n = 0;
   int kb = 0;
   __host__ __device__ std::int64_t items() const { return segments * n; }
   __host__ __device__ std::int64_t words() const { return items() / 32; }
+  __host__ __device__ std::int64_t tiles() const { return (n + kTile - 1) / kTile; }  // per segment
+  // Zeros of level l: the segment holds every value of [0, n) once, so this is
+  // the count of v < n whose bit kb - 1 - l is clear.
+  __device__ std::int64_t zeros(int l) const {
+    const int b = kb - 1 - l;
+    return (n >> (b + 1) << b) + min(n & ((std::int64_t{2} << b) - 1), std::int64_t{1} << b);
+  }
 };
 
 __device__ std::int64_t key_index(const Chunk& c, std::uint64_t key) {
@@ -122,26 +133,19 @@ __global__ void interval_keys(Params p, Chunk c, std::uint64_t* keys) {
             (low - static_cast<std::uint64_t>(j));
 }
 
-__global__ void sorted_indices(Chunk c, const std::uint64_t* keys, std::uint32_t* values) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < c.items()) values[i] = static_cast<std::uint32_t>(key_index(c, keys[i]));
-}
-
-// Wavelet matrix over each segment's sorted key indices (kb levels, level l
-// splits on bit kb - 1 - l). Level l is a bit vector in words of 32 plus an
-// exclusive prefix count of ones per word over the whole chunk (words() + 1
-// entries). The next level's order is the stable partition: zeros, then ones.
+// Wavelet matrix over each segment's sorted key indices (kb levels; level l
+// splits on bit kb - 1 - l; the next level's order is the stable partition,
+// zeros first). Level l is a bit vector in words of 32 and, per word, the ones
+// before it in its segment.
 struct Wavelet {
-  const std::uint32_t* bits;  // [kb][words]
-  const std::uint32_t* ones;  // [kb][words + 1]
+  std::uint32_t* bits;  // [kb][words]
+  std::uint32_t* ones;  // [kb][words]
 
   // Ones before position pos (0..n) of segment t at level l.
   __device__ std::int64_t rank1(const Chunk& c, int l, std::int64_t t, std::int64_t pos) const {
-    const std::int64_t w0 = t * (c.n / 32);
-    const std::uint32_t* pre = ones + l * (c.words() + 1);
-    std::int64_t r = pre[w0 + pos / 32] - pre[w0];
-    if (pos % 32 != 0) r += __popc(bits[l * c.words() + w0 + pos / 32] & ((1u << (pos % 32)) - 1));
-    return r;
+    if (pos == c.n) return c.n - c.zeros(l);
+    const std::int64_t w = l * c.words() + (t * c.n + pos) / 32;
+    return ones[w] + __popc(bits[w] & ((1u << (pos % 32)) - 1));
   }
   // The k-th smallest (k >= 1) key index among sorted positions [0, r) of segment t.
   __device__ std::int64_t kth_smallest(const Chunk& c, std::int64_t t, std::int64_t r, std::int64_t k) const {
@@ -152,9 +156,8 @@ struct Wavelet {
       if (k <= zeros) {
         lo -= ones_lo, hi -= ones_hi;
       } else {
-        const std::int64_t all_zeros = c.n - rank1(c, l, t, c.n);
         k -= zeros;
-        lo = all_zeros + ones_lo, hi = all_zeros + ones_hi;
+        lo = c.zeros(l) + ones_lo, hi = c.zeros(l) + ones_hi;
         value |= std::int64_t{1} << (c.kb - 1 - l);
       }
     }
@@ -162,26 +165,46 @@ struct Wavelet {
   }
 };
 
-// Bit vector of one level (one warp per word; items() % 32 == 0).
-__global__ void level_bits(Chunk c, int l, const std::uint32_t* values, std::uint32_t* bits, std::uint32_t* ones) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= c.items()) return;
-  const std::uint32_t word = __ballot_sync(0xFFFFFFFFu, (values[i] >> (c.kb - 1 - l)) & 1u);
-  if (threadIdx.x % 32 == 0) {
-    bits[l * c.words() + i / 32] = word;
-    ones[i / 32] = __popc(word);
+// One level per launch: a CTA takes kTile positions of one segment, counts the
+// ones before each position with a single-pass scan (decoupled look-back over
+// the segment's earlier CTAs; the segment's first CTA starts the chain), writes
+// the level's words and counts and scatters the values into the next level's
+// order. Level 0 reads the sorted keys; `next` is unused at the last level.
+__global__ void __launch_bounds__(kTile) wavelet_level(Chunk c, int l, TileState state, Wavelet wm,
+                                                       const std::uint64_t* keys, const std::uint32_t* values,
+                                                       std::uint32_t* next) {
+  using Scan = cub::BlockScan<std::uint32_t, kTile>;
+  using Prefix = cub::TilePrefixCallbackOp<std::uint32_t, ::cuda::std::plus<>, TileState>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ typename Prefix::TempStorage prefix_storage;
+  const int tile = blockIdx.x;
+  const std::int64_t t = tile / c.tiles(), pos = tile % c.tiles() * kTile + threadIdx.x, i = t * c.n + pos;
+  const bool inside = pos < c.n;  // whole warps: n % 32 == 0
+  std::uint32_t v = 0;
+  if (inside) v = l == 0 ? static_cast<std::uint32_t>(key_index(c, keys[i])) : values[i];
+  const std::uint32_t bit = (v >> (c.kb - 1 - l)) & 1u;
+  std::uint32_t before = 0;
+  if (tile % c.tiles() == 0) {
+    std::uint32_t total = 0;
+    Scan(scan_storage).ExclusiveSum(bit, before, total);
+    if (threadIdx.x == 0) state.SetInclusive(tile, total);
+  } else {
+    Prefix prefix(state, prefix_storage, ::cuda::std::plus<>{}, tile);
+    Scan(scan_storage).ExclusiveSum(bit, before, prefix);
   }
+  if (!inside) return;
+  const std::uint32_t word = __ballot_sync(0xFFFFFFFFu, bit);
+  if (threadIdx.x % 32 == 0) {
+    wm.bits[l * c.words() + i / 32] = word;
+    wm.ones[l * c.words() + i / 32] = before;
+  }
+  if (l + 1 < c.kb) next[t * c.n + (bit ? c.zeros(l) + before : pos - before)] = v;
 }
 
-// The next level's order: stable partition of each segment by the level's bit.
-__global__ void level_partition(Chunk c, int l, Wavelet wm, const std::uint32_t* values, std::uint32_t* next) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= c.items()) return;
-  const std::int64_t t = i / c.n, pos = i % c.n;
-  const std::uint32_t v = values[i];
-  const std::int64_t before = wm.rank1(c, l, t, pos);
-  const std::int64_t dst = (v >> (c.kb - 1 - l)) & 1u ? c.n - wm.rank1(c, l, t, c.n) + before : pos - before;
-  next[t * c.n + dst] = v;
+__global__ void init_tile_states(char* states, std::size_t stride, int tiles) {
+  TileState state;
+  state.Init(tiles, states + blockIdx.y * stride, stride);
+  state.InitializeStatus(tiles);
 }
 
 // Key at sorted position r of its head: it has r beaters; rows stop selecting it
@@ -202,6 +225,7 @@ __global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t
   out[g * p.seqlen_k + j] = rows;
 }
 
+// Scratch: O(n log n) bits per head (the levels), 24 bytes per key besides.
 void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStream_t stream) {
   const std::int64_t total = batch * p.heads;
   Chunk full;
@@ -213,22 +237,23 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
   last.segments = total % full.segments == 0 ? full.segments : total % full.segments;
   const auto sort_bits = [](const Chunk& c) { return 32 + c.kb + ceil_log2(c.segments); };
 
-  std::size_t temp_bytes = 0;
+  std::size_t sort_bytes = 0;
   for (const Chunk& c : {full, last}) {
-    std::size_t sort_bytes = 0, scan_bytes = 0;
-    check(cub::DeviceRadixSort::SortKeys(nullptr, sort_bytes, static_cast<const std::uint64_t*>(nullptr),
+    std::size_t bytes = 0;
+    check(cub::DeviceRadixSort::SortKeys(nullptr, bytes, static_cast<const std::uint64_t*>(nullptr),
                                          static_cast<std::uint64_t*>(nullptr), static_cast<int>(c.items()), 0,
                                          sort_bits(c), stream),
           "radix sort size");
-    check(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<const std::uint32_t*>(nullptr),
-                                        static_cast<std::uint32_t*>(nullptr), static_cast<int>(c.words() + 1), stream),
-          "scan size");
-    temp_bytes = std::max({temp_bytes, sort_bytes, scan_bytes});
+    sort_bytes = std::max(sort_bytes, bytes);
   }
+  const int tiles = static_cast<int>(full.segments * full.tiles());
+  std::size_t state_bytes = 0;
+  check(TileState::AllocationSize(tiles, state_bytes), "tile state size");
   const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  state_bytes = aligned(state_bytes);
   const auto items = static_cast<std::size_t>(full.items()), words = static_cast<std::size_t>(full.words());
-  const std::size_t sizes[] = {items * 8, items * 8, items * 4, items * 4, full.kb * words * 4,
-                               full.kb * (words + 1) * 4, (words + 1) * 4, temp_bytes};
+  const std::size_t sizes[] = {items * 8, items * 8, items * 4, items * 4, 2 * full.kb * words * 4,
+                               full.kb * state_bytes, sort_bytes};
   std::size_t scratch_bytes = 0;
   for (std::size_t s : sizes) scratch_bytes += aligned(s);
   char* scratch = nullptr;
@@ -243,31 +268,27 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
   auto* keys = reinterpret_cast<std::uint64_t*>(take(sizes[1]));
   auto* values = reinterpret_cast<std::uint32_t*>(take(sizes[2]));
   auto* next = reinterpret_cast<std::uint32_t*>(take(sizes[3]));
-  auto* bits = reinterpret_cast<std::uint32_t*>(take(sizes[4]));
-  auto* ones = reinterpret_cast<std::uint32_t*>(take(sizes[5]));
-  auto* word_ones = reinterpret_cast<std::uint32_t*>(take(sizes[6]));
-  void* temp = take(sizes[7]);
+  auto* levels = reinterpret_cast<std::uint32_t*>(take(sizes[4]));
+  char* states = take(sizes[5]);
+  void* sort_temp = take(sizes[6]);
 
   for (std::int64_t g0 = 0; g0 < total; g0 += full.segments) {
     Chunk c = g0 + full.segments >= total ? last : full;
     c.g0 = g0;
     const unsigned blocks = blocks_for(c.items());
     interval_keys<<<blocks, kThreads, 0, stream>>>(p, c, keys_in);
-    std::size_t bytes = temp_bytes;
-    check(cub::DeviceRadixSort::SortKeys(temp, bytes, keys_in, keys, static_cast<int>(c.items()), 0, sort_bits(c),
-                                         stream),
+    std::size_t bytes = sort_bytes;
+    check(cub::DeviceRadixSort::SortKeys(sort_temp, bytes, keys_in, keys, static_cast<int>(c.items()), 0,
+                                         sort_bits(c), stream),
           "radix sort");
-    sorted_indices<<<blocks, kThreads, 0, stream>>>(c, keys, values);
-    check(cudaMemsetAsync(word_ones + c.words(), 0, 4, stream), "cudaMemsetAsync");
-    const Wavelet wm{bits, ones};
+    const int chunk_tiles = static_cast<int>(c.segments * c.tiles());
+    init_tile_states<<<dim3((chunk_tiles + kThreads - 1) / kThreads, c.kb), kThreads, 0, stream>>>(
+        states, state_bytes, chunk_tiles);
+    const Wavelet wm{levels, levels + c.kb * c.words()};
     for (int l = 0; l < c.kb; ++l) {
-      level_bits<<<blocks, kThreads, 0, stream>>>(c, l, values, bits, word_ones);
-      bytes = temp_bytes;
-      check(cub::DeviceScan::ExclusiveSum(temp, bytes, word_ones, ones + l * (c.words() + 1),
-                                          static_cast<int>(c.words() + 1), stream),
-            "scan");
-      if (l + 1 == c.kb) break;
-      level_partition<<<blocks, kThreads, 0, stream>>>(c, l, wm, values, next);
+      TileState state;
+      check(state.Init(chunk_tiles, states + l * state_bytes, state_bytes), "tile state");
+      wavelet_level<<<chunk_tiles, kTile, 0, stream>>>(c, l, state, wm, keys, values, next);
       std::swap(values, next);
     }
     key_intervals<<<blocks, kThreads, 0, stream>>>(p, c, wm, keys, out);
