@@ -135,17 +135,17 @@ __global__ void interval_keys(Params p, Chunk c, std::uint64_t* keys) {
 
 // Wavelet matrix over each segment's sorted key indices (kb levels; level l
 // splits on bit kb - 1 - l; the next level's order is the stable partition,
-// zeros first). Level l is a bit vector in words of 32 and, per word, the ones
-// before it in its segment.
+// zeros first). Level l is, per word of 32 positions, the bits and the ones
+// before the word in its segment: one 8-byte load per rank.
 struct Wavelet {
-  std::uint32_t* bits;  // [kb][words]
-  std::uint32_t* ones;  // [kb][words]
+  uint2* levels;  // [kb][words]: {bits, ones before}
 
   // Ones before position pos (0..n) of segment t at level l.
   __device__ std::int64_t rank1(const Chunk& c, int l, std::int64_t t, std::int64_t pos) const {
+    if (pos == 0) return 0;
     if (pos == c.n) return c.n - c.zeros(l);
-    const std::int64_t w = l * c.words() + (t * c.n + pos) / 32;
-    return ones[w] + __popc(bits[w] & ((1u << (pos % 32)) - 1));
+    const uint2 word = levels[l * c.words() + (t * c.n + pos) / 32];
+    return word.y + __popc(word.x & ((1u << (pos % 32)) - 1));
   }
   // The k-th smallest (k >= 1) key index among sorted positions [0, r) of segment t.
   __device__ std::int64_t kth_smallest(const Chunk& c, std::int64_t t, std::int64_t r, std::int64_t k) const {
@@ -194,10 +194,7 @@ __global__ void __launch_bounds__(kTile) wavelet_level(Chunk c, int l, TileState
   }
   if (!inside) return;
   const std::uint32_t word = __ballot_sync(0xFFFFFFFFu, bit);
-  if (threadIdx.x % 32 == 0) {
-    wm.bits[l * c.words() + i / 32] = word;
-    wm.ones[l * c.words() + i / 32] = before;
-  }
+  if (threadIdx.x % 32 == 0) wm.levels[l * c.words() + i / 32] = make_uint2(word, before);
   if (l + 1 < c.kb) next[t * c.n + (bit ? c.zeros(l) + before : pos - before)] = v;
 }
 
@@ -252,7 +249,7 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
   const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
   state_bytes = aligned(state_bytes);
   const auto items = static_cast<std::size_t>(full.items()), words = static_cast<std::size_t>(full.words());
-  const std::size_t sizes[] = {items * 8, items * 8, items * 4, items * 4, 2 * full.kb * words * 4,
+  const std::size_t sizes[] = {items * 8, items * 8, items * 4, items * 4, full.kb * words * sizeof(uint2),
                                full.kb * state_bytes, sort_bytes};
   std::size_t scratch_bytes = 0;
   for (std::size_t s : sizes) scratch_bytes += aligned(s);
@@ -268,7 +265,7 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
   auto* keys = reinterpret_cast<std::uint64_t*>(take(sizes[1]));
   auto* values = reinterpret_cast<std::uint32_t*>(take(sizes[2]));
   auto* next = reinterpret_cast<std::uint32_t*>(take(sizes[3]));
-  auto* levels = reinterpret_cast<std::uint32_t*>(take(sizes[4]));
+  const Wavelet wm{reinterpret_cast<uint2*>(take(sizes[4]))};
   char* states = take(sizes[5]);
   void* sort_temp = take(sizes[6]);
 
@@ -284,7 +281,6 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
     const int chunk_tiles = static_cast<int>(c.segments * c.tiles());
     init_tile_states<<<dim3((chunk_tiles + kThreads - 1) / kThreads, c.kb), kThreads, 0, stream>>>(
         states, state_bytes, chunk_tiles);
-    const Wavelet wm{levels, levels + c.kb * c.words()};
     for (int l = 0; l < c.kb; ++l) {
       TileState state;
       check(state.Init(chunk_tiles, states + l * state_bytes, state_bytes), "tile state");
