@@ -18,7 +18,6 @@ namespace dmattn::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr std::uint32_t kMaskedOrder = 0xFFFFFFFFu;  // complemented order bits of a key no row may see
 
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("dmattn: top-k selection: ") + what + ": " + cudaGetErrorString(err));
@@ -89,19 +88,33 @@ __device__ float from_order_bits(std::uint32_t e) {
   return __uint_as_float((e & 0x80000000u) ? (e & 0x7FFFFFFFu) : ~e);
 }
 
+// The same order on the bias dtype's own bits: 16 for float16 and bfloat16
+// (sign-magnitude like float32), 32 for float32. Fewer sort bits.
+int order_width(DType dtype) { return dtype == DType::kFloat32 ? 32 : 16; }
+
+__device__ std::uint32_t order_key(const Operand& bias, std::int64_t offset) {
+  if (bias.dtype == DType::kFloat32) return order_bits(static_cast<const float*>(bias.data)[offset]);
+  std::uint32_t h = static_cast<const std::uint16_t*>(bias.data)[offset];
+  if (h == 0x8000u) h = 0;
+  return (h & 0x8000u) ? (~h & 0xFFFFu) : (h | 0x8000u);
+}
+
 // ---- intervals -------------------------------------------------------------
 // A chunk holds `segments` selection heads (b, s) starting at g0, each padded to
-// n keys (n % 32 == 0, n <= 2^kb). Sort key of key j of local segment t:
-//   t << (32 + kb) | ~order_bits(bias_j) << kb | (2^kb - 1 - j)
+// n keys (n % 32 == 0, n <= 2^kb). Sort key of key j of local segment t, with
+// ob = order_width(bias dtype):
+//   t << (ob + kb) | ~order_key(bias_j) << kb | (2^kb - 1 - j)     (ob-bit field)
 // so an ascending sort lists each head's keys strongest first (ties: larger j
-// first), and keys no row may see (masked, or past the sequence) last. Every
-// j in [0, n) appears once per segment.
-constexpr int kTile = 1024;  // positions per CTA when building a wavelet level
+// first), and keys no row may see (masked, or past the sequence; order field
+// all ones) last. Every j in [0, n) appears once per segment.
+constexpr int kLevelThreads = 512, kLevelItems = 4;
+constexpr int kTile = kLevelThreads * kLevelItems;  // positions per CTA when building a wavelet level
 using TileState = cub::ScanTileState<std::uint32_t>;
 
 struct Chunk {
   std::int64_t g0 = 0, segments = 0, n = 0;
-  int kb = 0;
+  int kb = 0, ob = 32;
+  __host__ __device__ std::uint32_t masked() const { return static_cast<std::uint32_t>((std::uint64_t{1} << ob) - 1); }
   __host__ __device__ std::int64_t items() const { return segments * n; }
   __host__ __device__ std::int64_t words() const { return items() / 32; }
   __host__ __device__ std::int64_t tiles() const { return (n + kTile - 1) / kTile; }  // per segment
@@ -124,12 +137,12 @@ __global__ void interval_keys(Params p, Chunk c, std::uint64_t* keys) {
   const std::int64_t t = i / c.n, j = i % c.n, g = c.g0 + t;
   const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
   const Sequence s = sequence(p, b);
-  std::uint32_t order = kMaskedOrder;
+  std::uint32_t order = c.masked();
   if (j < s.sk &&
       load_mask(p.mask, b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.ks + j) * p.mask.sc))
-    order = ~order_bits(load_bias(p.bias, b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.ks + j) * p.bias.sc));
+    order = ~order_key(p.bias, b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.ks + j) * p.bias.sc) & c.masked();
   const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
-  keys[i] = (static_cast<std::uint64_t>(t) << (32 + c.kb)) | (std::uint64_t{order} << c.kb) |
+  keys[i] = (static_cast<std::uint64_t>(t) << (c.ob + c.kb)) | (std::uint64_t{order} << c.kb) |
             (low - static_cast<std::uint64_t>(j));
 }
 
@@ -166,36 +179,60 @@ struct Wavelet {
 };
 
 // One level per launch: a CTA takes kTile positions of one segment, counts the
-// ones before each position with a single-pass scan (decoupled look-back over
-// the segment's earlier CTAs; the segment's first CTA starts the chain), writes
-// the level's words and counts and scatters the values into the next level's
-// order. Level 0 reads the sorted keys; `next` is unused at the last level.
-__global__ void __launch_bounds__(kTile) wavelet_level(Chunk c, int l, TileState state, Wavelet wm,
-                                                       const std::uint64_t* keys, const std::uint32_t* values,
-                                                       std::uint32_t* next) {
-  using Scan = cub::BlockScan<std::uint32_t, kTile>;
+// ones before each position, writes the level's words and counts and scatters
+// the values into the next level's order. Item k of thread x is position
+// k * kLevelThreads + x of the tile, so each warp holds one word per item; one
+// block scan of the items' bits packed in 16-bit fields counts within the tile,
+// and a single-pass scan over tiles (decoupled look-back over the segment's
+// earlier CTAs; the segment's first CTA starts the chain) adds the tiles before.
+// Level 0 reads the sorted keys; `next` is unused at the last level.
+__global__ void __launch_bounds__(kLevelThreads) wavelet_level(Chunk c, int l, TileState state, Wavelet wm,
+                                                               const std::uint64_t* keys,
+                                                               const std::uint32_t* values, std::uint32_t* next) {
+  using Scan = cub::BlockScan<std::uint64_t, kLevelThreads>;
   using Prefix = cub::TilePrefixCallbackOp<std::uint32_t, ::cuda::std::plus<>, TileState>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ typename Prefix::TempStorage prefix_storage;
-  const int tile = blockIdx.x;
-  const std::int64_t t = tile / c.tiles(), pos = tile % c.tiles() * kTile + threadIdx.x, i = t * c.n + pos;
-  const bool inside = pos < c.n;  // whole warps: n % 32 == 0
-  std::uint32_t v = 0;
-  if (inside) v = l == 0 ? static_cast<std::uint32_t>(key_index(c, keys[i])) : values[i];
-  const std::uint32_t bit = (v >> (c.kb - 1 - l)) & 1u;
-  std::uint32_t before = 0;
-  if (tile % c.tiles() == 0) {
-    std::uint32_t total = 0;
-    Scan(scan_storage).ExclusiveSum(bit, before, total);
-    if (threadIdx.x == 0) state.SetInclusive(tile, total);
-  } else {
-    Prefix prefix(state, prefix_storage, ::cuda::std::plus<>{}, tile);
-    Scan(scan_storage).ExclusiveSum(bit, before, prefix);
+  __shared__ std::uint32_t tile_prefix;
+  const int tile = blockIdx.x, shift = c.kb - 1 - l;
+  const std::int64_t t = tile / c.tiles(), first = tile % c.tiles() * kTile;
+  std::uint32_t v[kLevelItems];
+  std::uint64_t bits = 0;
+  for (int k = 0; k < kLevelItems; ++k) {
+    const std::int64_t pos = first + k * kLevelThreads + threadIdx.x, i = t * c.n + pos;
+    v[k] = 0;
+    if (pos < c.n) v[k] = l == 0 ? static_cast<std::uint32_t>(key_index(c, keys[i])) : values[i];
+    bits |= std::uint64_t{(v[k] >> shift) & 1u} << (16 * k);
   }
-  if (!inside) return;
-  const std::uint32_t word = __ballot_sync(0xFFFFFFFFu, bit);
-  if (threadIdx.x % 32 == 0) wm.levels[l * c.words() + i / 32] = make_uint2(word, before);
-  if (l + 1 < c.kb) next[t * c.n + (bit ? c.zeros(l) + before : pos - before)] = v;
+  std::uint64_t before = 0, rows = 0;  // per item: ones before the thread in its row; ones per row
+  Scan(scan_storage).ExclusiveSum(bits, before, rows);
+  if (threadIdx.x < 32) {
+    std::uint32_t total = 0;
+    for (int k = 0; k < kLevelItems; ++k) total += (rows >> (16 * k)) & 0xFFFFu;
+    if (tile % c.tiles() == 0) {
+      if (threadIdx.x == 0) {
+        state.SetInclusive(tile, total);
+        tile_prefix = 0;
+      }
+    } else {
+      Prefix prefix(state, prefix_storage, ::cuda::std::plus<>{}, tile);
+      const std::uint32_t earlier = prefix(total);
+      if (threadIdx.x == 0) tile_prefix = earlier;
+    }
+  }
+  __syncthreads();
+  std::uint32_t row_start = tile_prefix;
+  for (int k = 0; k < kLevelItems; ++k) {
+    const std::int64_t pos = first + k * kLevelThreads + threadIdx.x, i = t * c.n + pos;
+    if (pos < c.n) {  // whole warps: n % 32 == 0
+      const std::uint32_t bit = (bits >> (16 * k)) & 1u;
+      const std::uint32_t ones = row_start + static_cast<std::uint32_t>((before >> (16 * k)) & 0xFFFFu);
+      const std::uint32_t word = __ballot_sync(0xFFFFFFFFu, bit);
+      if (threadIdx.x % 32 == 0) wm.levels[l * c.words() + i / 32] = make_uint2(word, ones);
+      if (l + 1 < c.kb) next[t * c.n + (bit ? c.zeros(l) + ones : pos - ones)] = v[k];
+    }
+    row_start += static_cast<std::uint32_t>((rows >> (16 * k)) & 0xFFFFu);
+  }
 }
 
 __global__ void init_tile_states(char* states, std::size_t stride, int tiles) {
@@ -213,7 +250,7 @@ __global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t
   const std::int64_t t = i / c.n, r = i % c.n, j = key_index(c, key), g = c.g0 + t;
   if (j >= p.seqlen_k) return;  // padding of the chunk layout
   KeyRows rows{0, 0};
-  if (static_cast<std::uint32_t>(key >> c.kb) != kMaskedOrder) {
+  if (((key >> c.kb) & c.masked()) != c.masked()) {
     const Sequence s = sequence(p, g / p.heads);
     const std::int64_t start = first_row(p, s, j);
     const std::int64_t end = r < p.w ? s.sq : first_row(p, s, wm.kth_smallest(c, t, r, p.w));
@@ -228,11 +265,12 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
   Chunk full;
   full.n = (std::max<std::int64_t>(p.seqlen_k, 1) + 31) / 32 * 32;
   full.kb = std::max(ceil_log2(full.n), 1);
+  full.ob = order_width(p.bias.dtype);
   // Segment ids take the top bits of the 64-bit sort key; items are counted in int.
-  full.segments = std::min({total, std::int64_t{1} << (32 - full.kb), std::int64_t{INT_MAX} / full.n});
+  full.segments = std::min({total, std::int64_t{1} << (64 - full.ob - full.kb), std::int64_t{INT_MAX} / full.n});
   Chunk last = full;
   last.segments = total % full.segments == 0 ? full.segments : total % full.segments;
-  const auto sort_bits = [](const Chunk& c) { return 32 + c.kb + ceil_log2(c.segments); };
+  const auto sort_bits = [](const Chunk& c) { return c.ob + c.kb + ceil_log2(c.segments); };
 
   std::size_t sort_bytes = 0;
   for (const Chunk& c : {full, last}) {
@@ -284,7 +322,7 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
     for (int l = 0; l < c.kb; ++l) {
       TileState state;
       check(state.Init(chunk_tiles, states + l * state_bytes, state_bytes), "tile state");
-      wavelet_level<<<chunk_tiles, kTile, 0, stream>>>(c, l, state, wm, keys, values, next);
+      wavelet_level<<<chunk_tiles, kLevelThreads, 0, stream>>>(c, l, state, wm, keys, values, next);
       std::swap(values, next);
     }
     key_intervals<<<blocks, kThreads, 0, stream>>>(p, c, wm, keys, out);
