@@ -1,0 +1,444 @@
+// Top-k selection on the GPU (see selection.h). Semantics follow
+// src/cpu/selection.cpp exactly: a key j of row i is selected iff it is allowed
+// and fewer than w allowed keys of the row beat it, where k beats j iff
+// (bias_k, k) > (bias_j, j) (larger bias, ties to the larger key index).
+#include "selection.h"
+
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <climits>
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/agent/single_pass_scan_operators.cuh>
+#include <stdexcept>
+#include <string>
+
+namespace dmattn::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("dmattn: top-k selection: ") + what + ": " + cudaGetErrorString(err));
+}
+
+int ceil_log2(std::int64_t n) {
+  int bits = 0;
+  while ((std::int64_t{1} << bits) < n) ++bits;
+  return bits;
+}
+
+unsigned blocks_for(std::int64_t threads) { return static_cast<unsigned>((threads + kThreads - 1) / kThreads); }
+
+// What the kernels read of a Problem; selection head s of batch b reads the
+// bias and mask of query head s * group.
+struct Params {
+  Operand bias, mask;  // mask.data == nullptr: no mask
+  std::int64_t heads = 0, group = 1, bias_group = 1, mask_group = 1;
+  std::int64_t seqlen_q = 0, seqlen_k = 0;
+  const std::int32_t* cu_seqlens_q = nullptr;
+  const std::int32_t* cu_seqlens_k = nullptr;
+  bool causal = false;
+  std::int64_t window_left = -1, window_right = -1;
+  std::int64_t w = 0;
+};
+
+// One sequence of a batch entry: global starts and local lengths.
+struct Sequence {
+  std::int64_t qs, ks, sq, sk;
+};
+
+__device__ Sequence sequence(const Params& p, std::int64_t b) {
+  if (p.cu_seqlens_q == nullptr) return {0, 0, p.seqlen_q, p.seqlen_k};
+  return {p.cu_seqlens_q[b], p.cu_seqlens_k[b], p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b],
+          p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b]};
+}
+
+// First row that may see key j (causal and right window, bottom-right aligned).
+__device__ std::int64_t first_row(const Params& p, const Sequence& s, std::int64_t j) {
+  std::int64_t r = 0;
+  if (p.causal) r = max(r, j - (s.sk - s.sq));
+  if (p.window_right >= 0) r = max(r, j - (s.sk - s.sq) - p.window_right);
+  return min(r, s.sq);
+}
+
+__device__ float load_bias(const Operand& bias, std::int64_t offset) {
+  switch (bias.dtype) {
+    case DType::kFloat16:
+      return __half2float(static_cast<const __half*>(bias.data)[offset]);
+    case DType::kBFloat16:
+      return __uint_as_float(std::uint32_t{static_cast<const std::uint16_t*>(bias.data)[offset]} << 16);
+    default:
+      return static_cast<const float*>(bias.data)[offset];
+  }
+}
+
+__device__ bool load_mask(const Operand& mask, std::int64_t offset) {
+  return mask.data == nullptr || static_cast<const std::uint8_t*>(mask.data)[offset] != 0;
+}
+
+// Order-preserving unsigned image of a float: a > b iff bits(a) > bits(b); -0 and +0 are one value.
+__device__ std::uint32_t order_bits(float x) {
+  const std::uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ float from_order_bits(std::uint32_t e) {
+  return __uint_as_float((e & 0x80000000u) ? (e & 0x7FFFFFFFu) : ~e);
+}
+
+// The same order on the bias dtype's own bits: 16 for float16 and bfloat16
+// (sign-magnitude like float32), 32 for float32. Fewer sort bits.
+int order_width(DType dtype) { return dtype == DType::kFloat32 ? 32 : 16; }
+
+__device__ std::uint32_t order_key(const Operand& bias, std::int64_t offset) {
+  if (bias.dtype == DType::kFloat32) return order_bits(static_cast<const float*>(bias.data)[offset]);
+  std::uint32_t h = static_cast<const std::uint16_t*>(bias.data)[offset];
+  if (h == 0x8000u) h = 0;
+  return (h & 0x8000u) ? (~h & 0xFFFFu) : (h | 0x8000u);
+}
+
+// ---- intervals -------------------------------------------------------------
+// A chunk holds `segments` selection heads (b, s) starting at g0, each padded to
+// n keys (n % 32 == 0, n <= 2^kb). Sort key of key j of local segment t, with
+// ob = order_width(bias dtype):
+//   t << (ob + kb) | ~order_key(bias_j) << kb | (2^kb - 1 - j)     (ob-bit field)
+// so an ascending sort lists each head's keys strongest first (ties: larger j
+// first), and keys no row may see (masked, or past the sequence; order field
+// all ones) last. Every j in [0, n) appears once per segment.
+constexpr int kLevelThreads = 512, kLevelItems = 4;
+constexpr int kTile = kLevelThreads * kLevelItems;  // positions per CTA when building a wavelet level
+using TileState = cub::ScanTileState<std::uint32_t>;
+
+struct Chunk {
+  std::int64_t g0 = 0, segments = 0, n = 0;
+  int kb = 0, ob = 32;
+  __host__ __device__ std::uint32_t masked() const { return static_cast<std::uint32_t>((std::uint64_t{1} << ob) - 1); }
+  __host__ __device__ std::int64_t items() const { return segments * n; }
+  __host__ __device__ std::int64_t words() const { return items() / 32; }
+  __host__ __device__ std::int64_t tiles() const { return (n + kTile - 1) / kTile; }  // per segment
+  // Zeros of level l: the segment holds every value of [0, n) once, so this is
+  // the count of v < n whose bit kb - 1 - l is clear.
+  __device__ std::int64_t zeros(int l) const {
+    const int b = kb - 1 - l;
+    return (n >> (b + 1) << b) + min(n & ((std::int64_t{2} << b) - 1), std::int64_t{1} << b);
+  }
+};
+
+__device__ std::int64_t key_index(const Chunk& c, std::uint64_t key) {
+  const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
+  return static_cast<std::int64_t>(low - (key & low));
+}
+
+__global__ void interval_keys(Params p, Chunk c, std::uint64_t* keys) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= c.items()) return;
+  const std::int64_t t = i / c.n, j = i % c.n, g = c.g0 + t;
+  const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
+  const Sequence s = sequence(p, b);
+  std::uint32_t order = c.masked();
+  if (j < s.sk &&
+      load_mask(p.mask, b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.ks + j) * p.mask.sc))
+    order = ~order_key(p.bias, b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.ks + j) * p.bias.sc) & c.masked();
+  const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
+  keys[i] = (static_cast<std::uint64_t>(t) << (c.ob + c.kb)) | (std::uint64_t{order} << c.kb) |
+            (low - static_cast<std::uint64_t>(j));
+}
+
+// Wavelet matrix over each segment's sorted key indices (kb levels; level l
+// splits on bit kb - 1 - l; the next level's order is the stable partition,
+// zeros first). Level l is, per word of 32 positions, the bits and the ones
+// before the word in its segment: one 8-byte load per rank.
+struct Wavelet {
+  uint2* levels;  // [kb][words]: {bits, ones before}
+
+  // Ones before position pos (0..n) of segment t at level l.
+  __device__ std::int64_t rank1(const Chunk& c, int l, std::int64_t t, std::int64_t pos) const {
+    if (pos == 0) return 0;
+    if (pos == c.n) return c.n - c.zeros(l);
+    const uint2 word = levels[l * c.words() + (t * c.n + pos) / 32];
+    return word.y + __popc(word.x & ((1u << (pos % 32)) - 1));
+  }
+  // The k-th smallest (k >= 1) key index among sorted positions [0, r) of segment t.
+  __device__ std::int64_t kth_smallest(const Chunk& c, std::int64_t t, std::int64_t r, std::int64_t k) const {
+    std::int64_t lo = 0, hi = r, value = 0;
+    for (int l = 0; l < c.kb; ++l) {
+      const std::int64_t ones_lo = rank1(c, l, t, lo), ones_hi = rank1(c, l, t, hi);
+      const std::int64_t zeros = (hi - lo) - (ones_hi - ones_lo);
+      if (k <= zeros) {
+        lo -= ones_lo, hi -= ones_hi;
+      } else {
+        k -= zeros;
+        lo = c.zeros(l) + ones_lo, hi = c.zeros(l) + ones_hi;
+        value |= std::int64_t{1} << (c.kb - 1 - l);
+      }
+    }
+    return value;
+  }
+};
+
+// One level per launch: a CTA takes kTile positions of one segment, counts the
+// ones before each position, writes the level's words and counts and scatters
+// the values into the next level's order. Item k of thread x is position
+// k * kLevelThreads + x of the tile, so each warp holds one word per item; one
+// block scan of the items' bits packed in 16-bit fields counts within the tile,
+// and a single-pass scan over tiles (decoupled look-back over the segment's
+// earlier CTAs; the segment's first CTA starts the chain) adds the tiles before.
+// Level 0 reads the sorted keys; `next` is unused at the last level.
+__global__ void __launch_bounds__(kLevelThreads) wavelet_level(Chunk c, int l, TileState state, Wavelet wm,
+                                                               const std::uint64_t* keys,
+                                                               const std::uint32_t* values, std::uint32_t* next) {
+  using Scan = cub::BlockScan<std::uint64_t, kLevelThreads>;
+  using Prefix = cub::TilePrefixCallbackOp<std::uint32_t, ::cuda::std::plus<>, TileState>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ typename Prefix::TempStorage prefix_storage;
+  __shared__ std::uint32_t tile_prefix;
+  const int tile = blockIdx.x, shift = c.kb - 1 - l;
+  const std::int64_t t = tile / c.tiles(), first = tile % c.tiles() * kTile;
+  std::uint32_t v[kLevelItems];
+  std::uint64_t bits = 0;
+  for (int k = 0; k < kLevelItems; ++k) {
+    const std::int64_t pos = first + k * kLevelThreads + threadIdx.x, i = t * c.n + pos;
+    v[k] = 0;
+    if (pos < c.n) v[k] = l == 0 ? static_cast<std::uint32_t>(key_index(c, keys[i])) : values[i];
+    bits |= std::uint64_t{(v[k] >> shift) & 1u} << (16 * k);
+  }
+  std::uint64_t before = 0, rows = 0;  // per item: ones before the thread in its row; ones per row
+  Scan(scan_storage).ExclusiveSum(bits, before, rows);
+  if (threadIdx.x < 32) {
+    std::uint32_t total = 0;
+    for (int k = 0; k < kLevelItems; ++k) total += (rows >> (16 * k)) & 0xFFFFu;
+    if (tile % c.tiles() == 0) {
+      if (threadIdx.x == 0) {
+        state.SetInclusive(tile, total);
+        tile_prefix = 0;
+      }
+    } else {
+      Prefix prefix(state, prefix_storage, ::cuda::std::plus<>{}, tile);
+      const std::uint32_t earlier = prefix(total);
+      if (threadIdx.x == 0) tile_prefix = earlier;
+    }
+  }
+  __syncthreads();
+  std::uint32_t row_start = tile_prefix;
+  for (int k = 0; k < kLevelItems; ++k) {
+    const std::int64_t pos = first + k * kLevelThreads + threadIdx.x, i = t * c.n + pos;
+    if (pos < c.n) {  // whole warps: n % 32 == 0
+      const std::uint32_t bit = (bits >> (16 * k)) & 1u;
+      const std::uint32_t ones = row_start + static_cast<std::uint32_t>((before >> (16 * k)) & 0xFFFFu);
+      const std::uint32_t word = __ballot_sync(0xFFFFFFFFu, bit);
+      if (threadIdx.x % 32 == 0) wm.levels[l * c.words() + i / 32] = make_uint2(word, ones);
+      if (l + 1 < c.kb) next[t * c.n + (bit ? c.zeros(l) + ones : pos - ones)] = v[k];
+    }
+    row_start += static_cast<std::uint32_t>((rows >> (16 * k)) & 0xFFFFu);
+  }
+}
+
+__global__ void init_tile_states(char* states, std::size_t stride, int tiles) {
+  TileState state;
+  state.Init(tiles, states + blockIdx.y * stride, stride);
+  state.InitializeStatus(tiles);
+}
+
+// Key at sorted position r of its head: it has r beaters; rows stop selecting it
+// at the first row that sees the w-th smallest beater index.
+__global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t* keys, KeyRows* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= c.items()) return;
+  const std::uint64_t key = keys[i];
+  const std::int64_t t = i / c.n, r = i % c.n, j = key_index(c, key), g = c.g0 + t;
+  if (j >= p.seqlen_k) return;  // padding of the chunk layout
+  KeyRows rows{0, 0};
+  if (((key >> c.kb) & c.masked()) != c.masked()) {
+    const Sequence s = sequence(p, g / p.heads);
+    const std::int64_t start = first_row(p, s, j);
+    const std::int64_t end = r < p.w ? s.sq : first_row(p, s, wm.kth_smallest(c, t, r, p.w));
+    if (start < end) rows = {static_cast<std::int32_t>(start), static_cast<std::int32_t>(end)};
+  }
+  out[g * p.seqlen_k + j] = rows;
+}
+
+// Scratch: O(n log n) bits per head (the levels), 24 bytes per key besides.
+void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStream_t stream) {
+  const std::int64_t total = batch * p.heads;
+  Chunk full;
+  full.n = (std::max<std::int64_t>(p.seqlen_k, 1) + 31) / 32 * 32;
+  full.kb = std::max(ceil_log2(full.n), 1);
+  full.ob = order_width(p.bias.dtype);
+  // Segment ids take the top bits of the 64-bit sort key; items are counted in int.
+  full.segments = std::min({total, std::int64_t{1} << (64 - full.ob - full.kb), std::int64_t{INT_MAX} / full.n});
+  Chunk last = full;
+  last.segments = total % full.segments == 0 ? full.segments : total % full.segments;
+  const auto sort_bits = [](const Chunk& c) { return c.ob + c.kb + ceil_log2(c.segments); };
+
+  std::size_t sort_bytes = 0;
+  for (const Chunk& c : {full, last}) {
+    std::size_t bytes = 0;
+    check(cub::DeviceRadixSort::SortKeys(nullptr, bytes, static_cast<const std::uint64_t*>(nullptr),
+                                         static_cast<std::uint64_t*>(nullptr), static_cast<int>(c.items()), 0,
+                                         sort_bits(c), stream),
+          "radix sort size");
+    sort_bytes = std::max(sort_bytes, bytes);
+  }
+  const int tiles = static_cast<int>(full.segments * full.tiles());
+  std::size_t state_bytes = 0;
+  check(TileState::AllocationSize(tiles, state_bytes), "tile state size");
+  const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  state_bytes = aligned(state_bytes);
+  const auto items = static_cast<std::size_t>(full.items()), words = static_cast<std::size_t>(full.words());
+  const std::size_t sizes[] = {items * 8, items * 8, items * 4, items * 4, full.kb * words * sizeof(uint2),
+                               full.kb * state_bytes, sort_bytes};
+  std::size_t scratch_bytes = 0;
+  for (std::size_t s : sizes) scratch_bytes += aligned(s);
+  char* scratch = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), scratch_bytes, stream), "cudaMallocAsync");
+  char* at = scratch;
+  const auto take = [&](std::size_t bytes) {
+    char* r = at;
+    at += aligned(bytes);
+    return r;
+  };
+  auto* keys_in = reinterpret_cast<std::uint64_t*>(take(sizes[0]));
+  auto* keys = reinterpret_cast<std::uint64_t*>(take(sizes[1]));
+  auto* values = reinterpret_cast<std::uint32_t*>(take(sizes[2]));
+  auto* next = reinterpret_cast<std::uint32_t*>(take(sizes[3]));
+  const Wavelet wm{reinterpret_cast<uint2*>(take(sizes[4]))};
+  char* states = take(sizes[5]);
+  void* sort_temp = take(sizes[6]);
+
+  for (std::int64_t g0 = 0; g0 < total; g0 += full.segments) {
+    Chunk c = g0 + full.segments >= total ? last : full;
+    c.g0 = g0;
+    const unsigned blocks = blocks_for(c.items());
+    interval_keys<<<blocks, kThreads, 0, stream>>>(p, c, keys_in);
+    std::size_t bytes = sort_bytes;
+    check(cub::DeviceRadixSort::SortKeys(sort_temp, bytes, keys_in, keys, static_cast<int>(c.items()), 0,
+                                         sort_bits(c), stream),
+          "radix sort");
+    const int chunk_tiles = static_cast<int>(c.segments * c.tiles());
+    init_tile_states<<<dim3((chunk_tiles + kThreads - 1) / kThreads, c.kb), kThreads, 0, stream>>>(
+        states, state_bytes, chunk_tiles);
+    for (int l = 0; l < c.kb; ++l) {
+      TileState state;
+      check(state.Init(chunk_tiles, states + l * state_bytes, state_bytes), "tile state");
+      wavelet_level<<<chunk_tiles, kLevelThreads, 0, stream>>>(c, l, state, wm, keys, values, next);
+      std::swap(values, next);
+    }
+    key_intervals<<<blocks, kThreads, 0, stream>>>(p, c, wm, keys, out);
+    check(cudaGetLastError(), "interval kernels");
+  }
+  check(cudaFreeAsync(scratch, stream), "cudaFreeAsync");
+}
+
+// ---- thresholds ------------------------------------------------------------
+// One CTA per (b, s, row): radix select, 8 bits per pass from the top, of the
+// w-th largest key (order_bits(bias_ij) << kbits | j) among the row's allowed keys.
+__global__ void __launch_bounds__(kThreads) row_thresholds(Params p, int kbits, RowThreshold* out) {
+  using Scan = cub::BlockScan<std::uint32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ std::uint32_t hist[256];
+  __shared__ std::uint64_t found;  // the digits chosen so far
+  __shared__ std::int64_t rank;    // rank of the sought key among the candidates left (1 = largest)
+
+  const std::int64_t row = blockIdx.x, g = row / p.seqlen_q, i = row % p.seqlen_q;
+  const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
+  const Sequence s = sequence(p, b);
+  RowThreshold result{-__int_as_float(0x7F800000), -1};
+  std::int64_t lo = 0, hi = 0;
+  if (i < s.sq) {
+    const std::int64_t offset = s.sk - s.sq;
+    lo = p.window_left < 0 ? 0 : min(max(i + offset - p.window_left, std::int64_t{0}), s.sk);
+    hi = s.sk;
+    if (p.causal) hi = min(hi, i + offset + 1);
+    if (p.window_right >= 0) hi = min(hi, i + offset + p.window_right + 1);
+  }
+  if (hi - lo > p.w) {
+    const std::int64_t bias_row = b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.qs + i) * p.bias.sr;
+    const std::int64_t mask_row = b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.qs + i) * p.mask.sr;
+    const int top = (32 + kbits + 7) / 8 * 8;
+    if (threadIdx.x == 0) found = 0, rank = p.w;
+    std::uint64_t known = 0;  // the bits that `found` holds
+    bool selecting = true;
+    for (int shift = top - 8; shift >= 0 && selecting; shift -= 8) {
+      hist[threadIdx.x] = 0;
+      __syncthreads();
+      const std::uint64_t prefix = found;
+      const std::int64_t k = rank;
+      for (std::int64_t j = lo + threadIdx.x; j < hi; j += kThreads) {
+        if (!load_mask(p.mask, mask_row + (s.ks + j) * p.mask.sc)) continue;
+        const std::uint64_t key =
+            std::uint64_t{order_bits(load_bias(p.bias, bias_row + (s.ks + j) * p.bias.sc))} << kbits |
+            static_cast<std::uint64_t>(j);
+        if ((key & known) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+      }
+      __syncthreads();
+      // Thread x holds digit 255 - x: inclusive sums count the candidates from the top.
+      const std::uint32_t count = hist[255 - threadIdx.x];
+      std::uint32_t above = 0, candidates = 0;
+      Scan(scan_storage).InclusiveSum(count, above, candidates);
+      if (shift == top - 8 && candidates <= p.w) {
+        selecting = false;  // at most w allowed keys: the row keeps them all (same on every thread)
+      } else if (above >= k && above - count < k) {
+        found = prefix | std::uint64_t{255u - threadIdx.x} << shift;
+        rank = k - (above - count);
+      }
+      known |= std::uint64_t{255} << shift;
+      __syncthreads();
+    }
+    if (selecting) result = {from_order_bits(static_cast<std::uint32_t>(found >> kbits)),
+                             static_cast<std::int32_t>(found & ((std::uint64_t{1} << kbits) - 1))};
+  }
+  if (threadIdx.x == 0) out[row] = result;
+}
+
+}  // namespace
+
+DeviceSelection select_topk(const Problem& p) {
+  DeviceSelection sel;
+  if (p.keep_window_size == 0) return sel;
+  if (p.bias.dtype != DType::kFloat32 && p.bias.dtype != DType::kFloat16 && p.bias.dtype != DType::kBFloat16)
+    throw Error(Error::Kind::kUnsupported, "bias.dtype", "float32, float16 or bfloat16 for the CUDA top-k",
+                dtype_name(p.bias.dtype));
+  const bool key_only = p.bias_shape.rows == 1 && (!p.mask.present() || p.mask_shape.rows == 1);
+  sel.mode = key_only && p.window_left < 0 ? DeviceSelection::kIntervals : DeviceSelection::kThresholds;
+  sel.heads = std::max(p.bias_shape.heads, p.mask.present() ? p.mask_shape.heads : std::int64_t{1});
+  sel.group = p.heads / sel.heads;
+  sel.per_head = sel.mode == DeviceSelection::kIntervals ? p.seqlen_k : p.seqlen_q;
+
+  Params params;
+  params.bias = p.bias, params.mask = p.mask;
+  params.heads = sel.heads, params.group = sel.group;
+  params.bias_group = p.heads / p.bias_shape.heads;
+  params.mask_group = p.heads / p.mask_shape.heads;
+  params.seqlen_q = p.seqlen_q, params.seqlen_k = p.seqlen_k;
+  params.cu_seqlens_q = p.cu_seqlens_q, params.cu_seqlens_k = p.cu_seqlens_k;
+  params.causal = p.causal;
+  params.window_left = p.window_left, params.window_right = p.window_right;
+  params.w = p.keep_window_size;
+
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  const std::int64_t entries = p.batch * sel.heads * sel.per_head;
+  if (entries == 0) return sel;
+  if (sel.mode == DeviceSelection::kIntervals) {
+    check(cudaMallocAsync(reinterpret_cast<void**>(&sel.intervals), entries * sizeof(KeyRows), stream),
+          "cudaMallocAsync");
+    select_intervals(params, p.batch, sel.intervals, stream);
+  } else {
+    check(cudaMallocAsync(reinterpret_cast<void**>(&sel.thresholds), entries * sizeof(RowThreshold), stream),
+          "cudaMallocAsync");
+    row_thresholds<<<static_cast<unsigned>(entries), kThreads, 0, stream>>>(
+        params, std::max(ceil_log2(p.seqlen_k), 1), sel.thresholds);
+    check(cudaGetLastError(), "row_thresholds");
+  }
+  return sel;
+}
+
+void free_selection(DeviceSelection& sel, cudaStream_t stream) {
+  if (sel.intervals != nullptr) check(cudaFreeAsync(sel.intervals, stream), "cudaFreeAsync");
+  if (sel.thresholds != nullptr) check(cudaFreeAsync(sel.thresholds, stream), "cudaFreeAsync");
+  sel.intervals = nullptr;
+  sel.thresholds = nullptr;
+}
+
+}  // namespace dmattn::cuda

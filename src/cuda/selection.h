@@ -1,0 +1,63 @@
+// Top-k selection of SPEC 3 (keep_window_size = w) on the GPU: the same selection
+// as src/cpu/selection.h, computed on the Problem's stream into device arrays
+// that the gather kernels read. Everything is asynchronous: scratch comes from
+// cudaMallocAsync/cudaFreeAsync on the stream and no call waits for the device,
+// so a CUDA graph can capture it.
+//
+// Selection heads. The selection of (b, query head h) depends on h only through
+// the bias head and the mask head it reads; with head counts in {1, Hk, H}, the
+// finer of the two decides, so there are `heads` = max(bias heads, mask heads)
+// selection heads and query head h uses selection head h / group.
+//
+// Intervals (query-broadcast bias, causal / right-window limits, at most a
+// key-only mask): rows [start, end) of (b, s) select key j. Per head an
+// ascending radix sort of the keys by (bias, index) descending, then a wavelet
+// matrix over the sorted key indices answers "the w-th smallest index among the
+// r strongest keys" in O(log Sk) per key: O(Sk log Sk) work and O(Sk log Sk) bits
+// of scratch per head, O(Sk) output.
+//
+// Thresholds (anything else): row i of (b, s) keeps key j iff (bias_ij, j) >=
+// (value, key), larger bias first, ties to the larger key; one CTA radix-selects
+// the w-th strongest allowed pair of a row in O(Sk) per row. The default
+// {-inf, -1} (fewer than w + 1 allowed keys) keeps every allowed key.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../problem.h"
+
+namespace dmattn::cuda {
+
+struct KeyRows {
+  std::int32_t start, end;  // rows [start, end) select the key; {0, 0}: none
+};
+
+struct RowThreshold {
+  float value;        // a bias value (exact in float32 for every bias dtype)
+  std::int32_t key;   // local key index; -1 with value -inf: every allowed key
+};
+
+struct DeviceSelection {
+  enum Mode { kNone, kIntervals, kThresholds };
+  Mode mode = kNone;
+  std::int64_t heads = 0;     // selection heads per batch
+  std::int64_t group = 1;     // query head h uses selection head h / group
+  std::int64_t per_head = 0;  // entries per (b, selection head): seqlen_k keys or seqlen_q rows
+  KeyRows* intervals = nullptr;       // [batch][heads][seqlen_k], device memory (kIntervals)
+  RowThreshold* thresholds = nullptr; // [batch][heads][seqlen_q], device memory (kThresholds)
+
+  // Index of (b, query head h, key or row) in the array of the mode.
+  std::int64_t index(std::int64_t b, std::int64_t h, std::int64_t i) const {
+    return (b * heads + h / group) * per_head + i;
+  }
+};
+
+// Enqueues the selection of p (keep_window_size > 0, bias of dtype float32,
+// float16 or bfloat16, device pointers, cu_seqlens included) on p.stream. The
+// arrays are allocated on that stream; release them with free_selection.
+DeviceSelection select_topk(const Problem& p);
+void free_selection(DeviceSelection& sel, cudaStream_t stream);
+
+}  // namespace dmattn::cuda
