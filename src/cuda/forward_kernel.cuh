@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "forward.h"
 
@@ -31,13 +33,18 @@ template <class Element_, int kHeadDim_, int kBlockM_ = default_block_m<kHeadDim
 struct ForwardConfig {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  // 64 keys a tile spilled ~900 bytes at D = 128 (S and P of 128 x 64 on top of
-  // O); 32 keys fit in the 255 registers.
   static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kHeadDim <= 64 ? 64 : 32;
+  #ifndef DMATTN_EXP_BN
+#define DMATTN_EXP_BN 64
+#endif
+  static constexpr int kBlockN = kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? DMATTN_EXP_BN : 32);
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRowsPerThread = 2 * kBlockM / (16 * kWarps);  // two rows per 16-row MMA tile
+  // K/V tiles in flight: the 128-row tile is compute-bound and overlaps one
+  // load with the block in hand; the 64-row tile (decode) is bound by reading K
+  // and V and keeps three more blocks in flight.
+  static constexpr int kStages = kBlockM == 16 * kWarps ? 4 : 2;
   // Shared memory rows of 64 elements (128 bytes) swizzled so that ldmatrix is
   // conflict-free; heads that are not a multiple of 64 use 32-element rows.
   static constexpr int kSmemRow = kHeadDim % 64 == 0 ? 64 : 32;
@@ -45,6 +52,7 @@ struct ForwardConfig {
 
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
                                    cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  // Warp w owns rows 16 w + 16 kWarps m + (0..15) of the tile (m < kBlockM / (16 kWarps)).
   using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::Int<kWarps>, cute::_1, cute::_1>>,
                                   cute::Tile<cute::Int<16 * kWarps>, cute::_16, cute::_16>>;
   using SmemAtom = decltype(cute::composition(
@@ -58,38 +66,64 @@ struct ForwardConfig {
   using LdsmAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
   using LdsmAtomT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
 
-  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * int(sizeof(Element));
+  static constexpr int kTileElems = kBlockN * kHeadDim;  // one K or V stage buffer
+  // Behind Q, K and V, each stage has the mask bits of its tile (kBlockM 64-bit
+  // rows), a key-only bias row (kBlockN floats) and its key indices (kBlockN).
+  static constexpr int kExtrasBytes = kStages * (kBlockM * 8 + kBlockN * 8);
+  static constexpr int kSmemBytes =
+      (kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + kExtrasBytes;
 };
 
-// Copies `rows` valid rows (row stride `stride` elements, `cols` valid features)
-// of a tile into shared memory; the rest of the tile is zero-filled so that
-// padded rows and features add nothing. cp.async where 16-byte aligned.
+// Calls f(std::integral_constant<int, 0>{}) .. f(std::integral_constant<int, N - 1>{}).
+template <class F, int... Is>
+__device__ __forceinline__ void static_for(F&& f, std::integer_sequence<int, Is...>) {
+  (f(std::integral_constant<int, Is>{}), ...);
+}
+
+// Issues the copy of `rows` valid rows (row stride `stride` elements, `cols`
+// valid features) of a tile into shared memory (row r from row index[r] of g
+// when an index is given); the rest of the tile is
+// zero-filled so that padded rows and features add nothing. cp.async where
+// 16-byte aligned (`vector`), else element by element; the caller commits the
+// group. Each thread copies chunks of 16 bytes of one row, neighbouring threads
+// neighbouring chunks, at constant offsets from one 64-bit row address (the
+// compiler would otherwise keep one 64-bit address a chunk in registers).
 template <class Config, class SmemTensor>
-__device__ void load_tile(SmemTensor& s, const typename Config::Element* g, std::int64_t stride, std::int64_t rows,
-                          int cols, bool vector) {
+__device__ void load_tile(SmemTensor&& s, const typename Config::Element* g, std::int64_t stride, std::int64_t rows,
+                          int cols, bool vector, const std::int32_t* index = nullptr) {
   using Element = typename Config::Element;
   constexpr int kChunks = Config::kHeadDim / 8;  // 8 elements = 16 bytes
   constexpr int kRows = decltype(cute::size<0>(s))::value;
-  static_assert(kRows * kChunks % Config::kThreads == 0, "tile chunks must divide among the threads");
-#pragma unroll
-  for (int it = 0; it < kRows * kChunks / Config::kThreads; ++it) {
-    const int c = it * Config::kThreads + threadIdx.x;
-    const int r = c / kChunks, col = c % kChunks * 8;
-    Element* dst = &s(r, col);
-    if (r < rows && col < cols) {
-      const Element* src = g + r * stride + col;
-      if (vector) {
-        const auto smem = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(src));
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dst[e] = src[e];
-      }
-    } else {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-    }
+  static_assert(Config::kThreads % kRows == 0, "tile rows must divide among the threads");
+  constexpr int kPerRow = Config::kThreads / kRows;  // threads a row
+  constexpr int kIters = (kChunks + kPerRow - 1) / kPerRow;
+  const int r = threadIdx.x / kPerRow, first = threadIdx.x % kPerRow * 8;
+  const bool row_valid = r < rows;
+  const Element* src = g + (row_valid ? (index != nullptr ? index[r] : r) * stride : 0) + first;
+  if (vector) {
+    static_for(
+        [&](auto it) {
+          constexpr int kStep = decltype(it)::value * kPerRow * 8;  // elements past `first`
+          const int col = first + kStep;
+          if (kChunks % kPerRow != 0 && col >= Config::kHeadDim) return;
+          Element* dst = &s(r, col);
+          if (row_valid && col < cols) {
+            const auto smem = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+            asm volatile("cp.async.cg.shared.global [%0], [%1+%2], 16;\n" ::"r"(smem), "l"(src),
+                         "n"(kStep * int(sizeof(Element))));
+          } else {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+          }
+        },
+        std::make_integer_sequence<int, kIters>{});
+    return;
   }
-  cute::cp_async_fence();
+#pragma unroll 1
+  for (int it = 0; it < kIters; ++it) {
+    const int col = first + it * kPerRow * 8;
+    if (col >= Config::kHeadDim) break;
+    for (int e = 0; e < 8; ++e) s(r, col + e) = row_valid && col < cols ? src[it * kPerRow * 8 + e] : Element(0);
+  }
 }
 
 // Tile-local limits are clamped to +-kTileFar, far outside any tile, so that
@@ -116,34 +150,109 @@ __device__ inline float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// The mask pre-pass: block (n, m, z) classifies the mask tile of key block n and
-// query block m (m = 0 when the mask is broadcast over rows) of mask batch and
-// head z as empty (no key allowed: the forward skips it, loads included), full
-// (every in-range key allowed: no mask work) or partial.
-template <int kBlockM, int kBlockN, int kThreads>
-__global__ void __launch_bounds__(kThreads) classify_mask_tiles(const ForwardParams p, int mask_heads) {
-  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM, col0 = std::int64_t{blockIdx.x} * kBlockN;
-  const int rows = p.mask.sr == 0 ? 1 : static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0));
-  const int cols = static_cast<int>(min(std::int64_t{kBlockN}, p.seqlen_k - col0));
-  const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
-  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh +
-                     row0 * p.mask.sr + col0 * p.mask.sc;
-  bool any = false, all = true;
-  for (int e = threadIdx.x; e < rows * cols; e += kThreads) {
-    const bool allowed = mask[(e / cols) * p.mask.sr + (e % cols) * p.mask.sc] != 0;
-    any |= allowed, all &= allowed;
+// Mask pre-pass 1. Block (n, m, z) reads the mask of keys 64 n .. 64 n + 63 for
+// the rows of query block m of slice z, one warp a row and 32 bytes at once,
+// and writes each row's allowed keys (mask, causal, window, key range) as bits,
+// and in `key_any` (64 bits a block and tile) the keys some row of the block
+// may see. Tiles that the causal band or the window keep from every row of the
+// block are not read.
+template <int kBlockM, int kThreads>
+__global__ void __launch_bounds__(kThreads) pack_mask(const ForwardParams p, int mask_heads, std::uint32_t* key_any) {
+  constexpr int kWarps = kThreads / 32;
+  const int n = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM, col0 = std::int64_t{n} * 64;
+  const int rows = static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0));
+  const std::int64_t offset = p.seqlen_k - p.seqlen_q, row_last = row0 + rows - 1;
+  std::uint32_t* any_out = key_any + (std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y) * p.bits_sr + 2 * n;
+  if ((p.causal && col0 > row_last + offset) || (p.window_right >= 0 && col0 > row_last + offset + p.window_right) ||
+      (p.window_left >= 0 && col0 + 64 <= row0 + offset - p.window_left)) {
+    if (threadIdx.x < 2) any_out[threadIdx.x] = 0;
+    return;
   }
-  any = __syncthreads_or(any), all = __syncthreads_and(all);
-  if (threadIdx.x == 0)
-    p.mask_tiles[mb * p.tiles_sb + mh * p.tiles_sh + blockIdx.y * p.tiles_sm + blockIdx.x] =
-        !any ? kTileEmpty : (all ? kTileFull : kTilePartial);
+  const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
+  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh;
+  std::uint32_t* bits = p.mask_bits + (std::int64_t{blockIdx.z} * p.seqlen_q + row0) * p.bits_sr + 2 * n;
+  std::uint32_t any[2] = {0, 0};
+#pragma unroll 4
+  for (int r = warp; r < rows; r += kWarps) {
+    const std::int64_t i = row0 + r;
+    const std::int64_t hi = min(p.seqlen_k - 1, min(p.causal ? i + offset : p.seqlen_k,
+                                                    p.window_right >= 0 ? i + offset + p.window_right : p.seqlen_k));
+    const std::int64_t lo = p.window_left >= 0 ? i + offset - p.window_left : 0;
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const std::int64_t col = col0 + 32 * w + lane;
+      const bool allowed = col >= lo && col <= hi && mask[i * p.mask.sr + col * p.mask.sc] != 0;
+      const std::uint32_t word = __ballot_sync(0xffffffff, allowed);
+      if (lane == 0) bits[r * p.bits_sr + w] = word;
+      any[w] |= word;
+    }
+  }
+  __shared__ std::uint32_t block_any[2];
+  if (threadIdx.x < 2) block_any[threadIdx.x] = 0;
+  __syncthreads();
+  if (lane < 2) atomicOr(&block_any[lane], any[lane]);
+  __syncthreads();
+  if (threadIdx.x < 2) any_out[threadIdx.x] = block_any[threadIdx.x];
+}
+
+// Mask pre-pass 2. Block (m, z) lists the keys of `key_any` of query block m
+// (ascending, a block-wide prefix sum over the words' popcounts), then each
+// thread rewrites the bits of one row in place, from key-indexed to list-indexed
+// (list slot t <= its key, so word t / 32 is written only after every word it
+// replaces was read).
+template <int kBlockM, int kThreads>
+__global__ void __launch_bounds__(kThreads) gather_mask_keys(const ForwardParams p, const std::uint32_t* key_any) {
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t block = std::int64_t{blockIdx.y} * p.mask_blocks + blockIdx.x;
+  const std::uint32_t* any = key_any + block * p.bits_sr;
+  std::int32_t* keys = p.mask_keys + block * p.keys_stride;
+  __shared__ int warp_total[kWarps];
+  int total = 0;
+  for (std::int64_t w0 = 0; w0 < p.bits_sr; w0 += kThreads) {
+    const std::int64_t w = w0 + threadIdx.x;
+    const std::uint32_t word = w < p.bits_sr ? any[w] : 0;
+    const int count = __popc(word);
+    int prefix = count;  // inclusive prefix within the warp
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int x = __shfl_up_sync(0xffffffff, prefix, d);
+      if (lane >= d) prefix += x;
+    }
+    if (lane == 31) warp_total[warp] = prefix;
+    __syncthreads();
+    int before = total;
+    for (int j = 0; j < warp; ++j) before += warp_total[j];
+    for (int j = 0; j < kWarps; ++j) total += warp_total[j];
+    __syncthreads();
+    int at = before + prefix - count;
+    for (std::uint32_t bitsleft = word; bitsleft != 0; bitsleft &= bitsleft - 1)
+      keys[at++] = static_cast<std::int32_t>(32 * w + __ffs(bitsleft) - 1);
+  }
+  if (threadIdx.x == 0) p.mask_counts[block] = total;
+  __syncthreads();
+  const std::int64_t row0 = std::int64_t{blockIdx.x} * kBlockM;
+  const int rows = static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0));
+  const int slots = (total + 63) / 64 * 64;
+  for (int r = threadIdx.x; r < rows; r += kThreads) {
+    std::uint32_t* bits = p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0 + r) * p.bits_sr;
+    std::uint32_t word = 0;
+    for (int t = 0; t < slots; ++t) {
+      if (t < total) {
+        const int key = keys[t];
+        word |= ((bits[key / 32] >> (key % 32)) & 1u) << (t % 32);
+      }
+      if (t % 32 == 31) bits[t / 32] = word, word = 0;
+    }
+  }
 }
 
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const ForwardParams p) {
   using namespace cute;
   using Element = typename Config::Element;
-  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kHeadDim = Config::kHeadDim;
+  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kStages = Config::kStages;
   constexpr int kRows = Config::kRowsPerThread;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kInf = INFINITY;
@@ -162,13 +271,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   const std::int64_t offset = sk - sq;  // bottom-right alignment
   const std::int64_t row_last = min(row0 + kBlockM, sq) - 1;
 
-  // Keys any row of the block may see: [key_lo, key_hi).
+  const bool has_mask = p.mask.data != nullptr, has_bias = p.bias.data != nullptr;
+  // With a mask the block walks the keys that the pre-pass listed for it (64 a
+  // tile, gathered); without one, the keys that any row of it may see: [key_lo, key_hi).
+  const std::int64_t mask_block =
+      has_mask ? ((p.mask.sb == 0 ? 0 : b) * std::int64_t{gridDim.y / p.mask_group} + h / p.mask_group) * p.mask_blocks +
+                     row0 / kBlockM
+               : 0;
+  const int mask_count = has_mask ? p.mask_counts[mask_block] : 0;
+  const std::int32_t* mask_keys = has_mask ? p.mask_keys + mask_block * p.keys_stride : nullptr;
   const std::int64_t key_lo = p.window_left < 0 ? 0 : max(std::int64_t{0}, row0 + offset - p.window_left);
   std::int64_t key_hi = sk;
   if (p.causal) key_hi = min(key_hi, row_last + offset + 1);
   if (p.window_right >= 0) key_hi = min(key_hi, row_last + offset + p.window_right + 1);
-  const int block_first = static_cast<int>(key_lo / kBlockN);
-  const int block_end = key_hi > key_lo ? static_cast<int>((key_hi + kBlockN - 1) / kBlockN) : block_first;
+  const int block_first = has_mask ? 0 : static_cast<int>(key_lo / kBlockN);
+  const int block_end = has_mask ? (mask_count + kBlockN - 1) / kBlockN
+                                 : (key_hi > key_lo ? static_cast<int>((key_hi + kBlockN - 1) / kBlockN) : block_first);
   // This split's share of the key blocks: [n_first, n_end).
   const int per_split = (block_end - block_first + p.num_splits - 1) / p.num_splits;
   const int n_first = min(block_end, block_first + split * per_split);
@@ -177,32 +295,63 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   const auto* q = static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + (qs + row0) * p.q.sr;
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + ks * p.k.sr;
   const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + hk * p.v.sh + ks * p.v.sr;
-  const bool has_mask = p.mask.data != nullptr, has_bias = p.bias.data != nullptr;
-  const std::uint8_t* tile_class =
-      has_mask ? p.mask_tiles + b * p.tiles_sb + (h / p.mask_group) * p.tiles_sh + row0 / kBlockM * p.tiles_sm : nullptr;
-  // The key blocks are visited from n_end - 1 down to n_first; next_block(n) is the
-  // next one below n with an allowed key (n_first - 1 when none is left).
-  auto next_block = [&](int n) {
-    --n;
-    while (has_mask && n >= n_first && tile_class[n] == kTileEmpty) --n;
-    return n;
-  };
-  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data);
-  if (has_mask) mask += b * p.mask.sb + (h / p.mask_group) * p.mask.sh + qs * p.mask.sr + ks * p.mask.sc;
+  // The key tiles are visited from n_end - 1 down to n_first.
+  auto next_block = [](int n) { return n - 1; };
+  // Mask bits of the block's first row (varlen takes no mask, so rows are global).
+  const std::uint32_t* mask_bits =
+      has_mask ? p.mask_bits + (mask_block / p.mask_blocks * sq + row0) * p.bits_sr : nullptr;
+  // Tile n's first key row in K and V (gathered: the row list), and how many.
+  auto tile_rows = [&](int n) { return has_mask ? mask_keys + std::int64_t{n} * kBlockN : nullptr; };
+  auto tile_count = [&](int n) { return (has_mask ? mask_count : sk) - std::int64_t{n} * kBlockN; };
   std::int64_t bias_base = 0;
-  if (has_bias) bias_base = b * p.bias.sb + (h / p.bias_group) * p.bias.sh + qs * p.bias.sr + ks * p.bias.sc;
+  if (has_bias) bias_base = b * p.bias.sb + (h / p.bias_group) * p.bias.sh + (qs + row0) * p.bias.sr + ks * p.bias.sc;
 
   extern __shared__ __align__(128) char smem[];
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Config::SmemLayoutQ{});
-  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Config::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + size(sK), typename Config::SmemLayoutKV{});
-  Tensor sVt = make_tensor(sV.data(), typename Config::SmemLayoutVt{});
+  // Stage s of K at sK0 + s * kTileElems, of V at sV0 + s * kTileElems.
+  const auto sK0 = sQ.data() + size(sQ);
+  const auto sV0 = sK0 + kStages * Config::kTileElems;
+  auto stage_k = [&](int s) { return make_tensor(sK0 + s * Config::kTileElems, typename Config::SmemLayoutKV{}); };
+  auto stage_v = [&](int s) { return make_tensor(sV0 + s * Config::kTileElems, typename Config::SmemLayoutKV{}); };
+  // Per stage, what a tile needs besides K and V, fetched into registers with the
+  // tile's K and V and stored after its S = Q K^T, so that no thread waits on
+  // them: the tile's mask bits by row, the key-only bias, the key of each column.
+  std::uint64_t* const s_bits = reinterpret_cast<std::uint64_t*>(smem + (Config::kSmemBytes - Config::kExtrasBytes));
+  float* const s_bias = reinterpret_cast<float*>(s_bits + kStages * kBlockM);
+  int* const s_keys = reinterpret_cast<int*>(s_bias + kStages * kBlockN);
+  const bool key_bias = has_bias && p.bias.sr == 0, extras_needed = has_bias || has_mask;
+  struct Extras {
+    float bias = 0.0f;
+    int key = -1;  // -1: past the keys
+    std::uint64_t bits = 0;
+  };
+  auto fetch_extras = [&](int n) {
+    Extras e;
+    if (threadIdx.x < kBlockN && threadIdx.x < tile_count(n)) {
+      e.key = has_mask ? mask_keys[std::int64_t{n} * kBlockN + threadIdx.x] : n * kBlockN + threadIdx.x;
+      if (key_bias) {
+        const std::int64_t at = bias_base + e.key * p.bias.sc;
+        e.bias = (p.bias_float32 ? static_cast<const float*>(p.bias.data)[at]
+                                 : static_cast<float>(static_cast<const Element*>(p.bias.data)[at]));
+      }
+    }
+    if (has_mask && threadIdx.x < kBlockM && row0 + threadIdx.x < sq) {
+      const std::uint32_t* word = mask_bits + threadIdx.x * p.bits_sr + std::int64_t{n} * kBlockN / 32;
+      e.bits = kBlockN == 64 ? *reinterpret_cast<const std::uint64_t*>(word) : std::uint64_t{*word};
+    }
+    return e;
+  };
+  auto store_extras = [&](int s, const Extras& e) {
+    if (threadIdx.x < kBlockN) s_bias[s * kBlockN + threadIdx.x] = e.bias, s_keys[s * kBlockN + threadIdx.x] = e.key;
+    if (threadIdx.x < kBlockM) s_bits[s * kBlockM + threadIdx.x] = e.bits;
+  };
 
   typename Config::TiledMma mma;
   auto thr_mma = mma.get_thread_slice(threadIdx.x);
-  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
-  Tensor tSrK = thr_mma.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K)
-  Tensor tOrVt = thr_mma.partition_fragment_B(sVt);  // (MMA, MMA_D, MMA_N)
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);                  // (MMA, MMA_M, MMA_K)
+  Tensor tSrK = thr_mma.partition_fragment_B(stage_k(0));          // (MMA, MMA_N, MMA_K)
+  Tensor tOrVt = thr_mma.partition_fragment_B(
+      make_tensor(sV0, typename Config::SmemLayoutVt{}));          // (MMA, MMA_D, MMA_N)
   auto copy_q = make_tiled_copy_A(typename Config::LdsmAtom{}, mma);
   auto copy_k = make_tiled_copy_B(typename Config::LdsmAtom{}, mma);
   auto copy_v = make_tiled_copy_B(typename Config::LdsmAtomT{}, mma);
@@ -211,35 +360,64 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   auto ldsm_v = copy_v.get_thread_slice(threadIdx.x);
   Tensor tSsQ = ldsm_q.partition_S(sQ);
   Tensor tSrQv = ldsm_q.retile_D(tSrQ);
-  Tensor tSsK = ldsm_k.partition_S(sK);
   Tensor tSrKv = ldsm_k.retile_D(tSrK);
-  Tensor tOsVt = ldsm_v.partition_S(sVt);
   Tensor tOrVtv = ldsm_v.retile_D(tOrVt);
 
-  Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // ((2, 2), MMA_M, MMA_D)
+  Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<Config::kHeadDim>>{});  // ((2, 2), MMA_M, MMA_D)
   clear(acc_o);
-  // Coordinates of the thread's S elements: value (c, r) of an MMA tile is column
-  // c and row half r, so row slot 2 * m + r of the thread is one query row.
-  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  // The thread's accumulator element ((c, half), m, nn) is tile row
+  // row_of(m, half) and column 8 nn + col_base + c (the mma.sync C layout).
+  const int lane = threadIdx.x % 32;
+  const int col_base = 2 * (lane % 4);
+  auto row_of = [&](int m, int half) { return 16 * (threadIdx.x / 32) + 16 * Config::kWarps * m + lane / 4 + 8 * half; };
   float row_max[kRows], row_sum[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) row_max[r] = -kInf, row_sum[r] = 0.0f;
 
+  // The logit l is x * unit for what the tile holds, x: with neither softcap
+  // nor bias the raw product q.k (unit = scale), and exp(l - max l) is
+  // exp2(x * c - max x * c), one FFMA (c = unit log2 e). Otherwise the tile is
+  // turned into the logits themselves (unit = 1) and exp(l - max l) is taken as
+  // exp2((l - max l) log2 e), exact 0 at the max whatever its size (a bias of
+  // -3e38 times log2 e would overflow), so that lse = max + log(sum) is exact.
+  const float scale = p.scale, softcap = p.softcap;
+  const bool logits = has_bias || softcap > 0.0f;
+  const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
+
+  // Prologue: Q with the first stage, then kStages - 1 key blocks in flight.
   const int d = p.head_dim;
-  int n = next_block(n_end);
-  if (n >= n_first) {
-    load_tile<Config>(sQ, q, p.q.sr, sq - row0, d, p.vector_q);
-    load_tile<Config>(sK, k + std::int64_t{n} * kBlockN * p.k.sr, p.k.sr, sk - std::int64_t{n} * kBlockN, d, p.vector_k);
+  auto load_kv = [&](int s, int n) {
+    const std::int32_t* index = tile_rows(n);
+    const std::int64_t first = index != nullptr ? 0 : std::int64_t{n} * kBlockN;
+    load_tile<Config>(stage_k(s), k + first * p.k.sr, p.k.sr, tile_count(n), d, p.vector_k, index);
+    load_tile<Config>(stage_v(s), v + first * p.v.sr, p.v.sr, tile_count(n), d, p.vector_v, index);
+  };
+  int n_load = n_end;
+  for (int s = 0; s < kStages - 1; ++s) {
+    n_load = next_block(n_load);
+    if (s == 0 && n_load >= n_first) load_tile<Config>(sQ, q, p.q.sr, sq - row0, d, p.vector_q);
+    if (n_load >= n_first) {
+      load_kv(s, n_load);
+      if (extras_needed) store_extras(s, fetch_extras(n_load));
+    }
+    cute::cp_async_fence();
   }
-  const float scale = p.scale, softcap = p.softcap, inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
 
-  while (n >= n_first) {
-    const int n_next = next_block(n);
+  int stage = 0;
+  for (int n = next_block(n_end); n >= n_first; n = next_block(n)) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // block n landed; every thread is done with the previous stage
+    n_load = next_block(n_load);
+    const int load_stage = (stage + kStages - 1) % kStages;
+    Extras extras;
+    if (n_load >= n_first) {
+      load_kv(load_stage, n_load);
+      if (extras_needed) extras = fetch_extras(n_load);
+    }
+    cute::cp_async_fence();
     const std::int64_t col0 = std::int64_t{n} * kBlockN;
-    cp_async_wait<0>();
-    __syncthreads();  // K[n] landed; every thread is done with V[n + 1]
-    load_tile<Config>(sV, v + col0 * p.v.sr, p.v.sr, sk - col0, d, p.vector_v);
 
+    Tensor tSsK = ldsm_k.partition_S(stage_k(stage));
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
     copy(copy_q, tSsQ(_, _, 0), tSrQv(_, _, 0));
@@ -252,66 +430,95 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       }
       gemm(mma, tSrQ(_, _, kk), tSrK(_, _, kk), acc_s);
     }
+    if (extras_needed && n_load >= n_first) store_extras(load_stage, extras);
 
-    // Logits, then the allowed set: a tile wholly inside the causal band, the
-    // window and the keys, whose mask tile is full, needs no per-element test.
-    // Tile-local coordinates stay 32-bit: the limits below are clamped to the tile.
-    const bool mask_full = !has_mask || tile_class[n] == kTileFull;
-    const bool whole = mask_full && col0 + kBlockN <= sk &&
-                       (!p.causal || col0 + kBlockN - 1 <= row0 + offset) &&
-                       (p.window_left < 0 || col0 >= row_last + offset - p.window_left) &&
-                       (p.window_right < 0 || col0 + kBlockN - 1 <= row0 + offset + p.window_right);
-    const int rows = clamp_to_tile(sq - row0), cols = clamp_to_tile(sk - col0);
-    const int diag = clamp_to_tile(row0 + offset - col0);  // key c of row r is on the diagonal at c = r + diag
-    const int lo = p.window_left < 0 ? -kTileFar : clamp_to_tile(row0 + offset - col0 - p.window_left);
-    const int hi = p.causal ? diag : kTileFar;
-    const int right = p.window_right < 0 ? kTileFar : clamp_to_tile(row0 + offset - col0 + p.window_right);
-    // One pass per feature, each behind a block-uniform branch, so that a tile
-    // pays only for the features it uses (no per-element predication).
-    auto update = [&](auto&& f) {
+    if (softcap > 0.0f) {
+      const float inner = scale / softcap;
 #pragma unroll
-      for (int e = 0; e < size(acc_s); ++e) acc_s(e) = f(acc_s(e), get<0>(tScS(e)), get<1>(tScS(e)));
-    };
-    if (softcap > 0.0f)
-      update([&](float x, int, int) { return softcap * tanhf(x * scale * inv_softcap); });
-    else
-      update([&](float x, int, int) { return x * scale; });
-    if (has_bias) {
-      const std::int64_t bias_tile = bias_base + row0 * p.bias.sr + col0 * p.bias.sc;
+      for (int e = 0; e < size(acc_s); ++e) acc_s(e) = softcap * tanhf(acc_s(e) * inner);
+    } else if (has_bias) {
+#pragma unroll
+      for (int e = 0; e < size(acc_s); ++e) acc_s(e) *= scale;
+    }
+    if (key_bias) {  // one value per key, staged in shared memory
+      const float* bias_cols = s_bias + stage * kBlockN + col_base;
+#pragma unroll
+      for (int nn = 0; nn < size<2>(acc_s); ++nn) {
+        const float2 value = *reinterpret_cast<const float2*>(bias_cols + 8 * nn);
+#pragma unroll
+        for (int m = 0; m < size<1>(acc_s); ++m)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            acc_s(make_coord(0, half), m, nn) += value.x;
+            acc_s(make_coord(1, half), m, nn) += value.y;
+          }
+      }
+    } else if (has_bias) {
+      const int rows = clamp_to_tile(sq - row0);
+      const int* keys = s_keys + stage * kBlockN + col_base;
       auto add_bias = [&](auto* bias) {
-        if (p.bias.sr == 0) {  // one value per key (a key-only bias): read once per column
 #pragma unroll
-          for (int nn = 0; nn < size<2>(acc_s); ++nn)
+        for (int m = 0; m < size<1>(acc_s); ++m)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int col = get<1>(tScS(make_coord(c, 0), 0, nn));
-              const float value = col < cols ? static_cast<float>(bias[bias_tile + col * p.bias.sc]) : 0.0f;
+          for (int half = 0; half < 2; ++half) {
+            const int row = row_of(m, half);
+            if (row >= rows) continue;
+            // One row's loads at a time (the compiler would hoist all of them
+            // and run out of registers); this path is not the common one.
+            asm volatile("" ::: "memory");
+            const auto* bias_row = bias + bias_base + row * p.bias.sr;
 #pragma unroll
-              for (int m = 0; m < size<1>(acc_s); ++m)
+            for (int nn = 0; nn < size<2>(acc_s); ++nn)
 #pragma unroll
-                for (int half = 0; half < 2; ++half) acc_s(make_coord(c, half), m, nn) += value;
-            }
-        } else {
-          update([&](float x, int r, int c) {
-            return r < rows && c < cols ? x + static_cast<float>(bias[bias_tile + r * p.bias.sr + c * p.bias.sc]) : x;
-          });
-        }
+              for (int c = 0; c < 2; ++c) {
+                const int key = keys[8 * nn + c];
+                if (key >= 0) acc_s(make_coord(c, half), m, nn) += static_cast<float>(bias_row[key * p.bias.sc]);
+              }
+          }
       };
       if (p.bias_float32)
         add_bias(static_cast<const float*>(p.bias.data));
       else
         add_bias(static_cast<const Element*>(p.bias.data));
     }
-    if (!whole) {
-      update([&](float x, int r, int c) {
-        return r < rows && c < cols && c <= r + hi && c >= r + lo && c <= r + right ? x : -kInf;
-      });
-      if (!mask_full) {
-        const std::uint8_t* mask_tile = mask + row0 * p.mask.sr + col0 * p.mask.sc;
-        update([&](float x, int r, int c) {
-          return r < rows && c < cols && mask_tile[r * p.mask.sr + c * p.mask.sc] != 0 ? x : -kInf;
-        });
-      }
+
+    // The allowed set. With a mask, the tile's bits (the pre-pass folded causal,
+    // the window and the key range into them). Without one, a tile wholly inside
+    // the causal band, the window and the keys needs no per-element test;
+    // elsewhere row r allows columns [lo + r, hi + r] within the keys.
+    if (has_mask) {
+#pragma unroll
+      for (int m = 0; m < size<1>(acc_s); ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const std::uint64_t allowed = s_bits[stage * kBlockM + row_of(m, half)] >> col_base;
+#pragma unroll
+          for (int nn = 0; nn < size<2>(acc_s); ++nn)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              if (!((allowed >> (8 * nn + c)) & 1)) acc_s(make_coord(c, half), m, nn) = -kInf;
+        }
+    } else if (!(col0 + kBlockN <= sk && (!p.causal || col0 + kBlockN - 1 <= row0 + offset) &&
+                 (p.window_left < 0 || col0 >= row_last + offset - p.window_left) &&
+                 (p.window_right < 0 || col0 + kBlockN - 1 <= row0 + offset + p.window_right))) {
+      const int cols = clamp_to_tile(sk - col0);
+      const int lo = p.window_left < 0 ? -kTileFar : clamp_to_tile(row0 + offset - col0 - p.window_left);
+      int hi = p.causal ? clamp_to_tile(row0 + offset - col0) : kTileFar;
+      if (p.window_right >= 0) hi = min(hi, clamp_to_tile(row0 + offset - col0 + p.window_right));
+#pragma unroll
+      for (int m = 0; m < size<1>(acc_s); ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = row_of(m, half);
+          const int first = lo + row, last = min(cols - 1, hi + row);
+#pragma unroll
+          for (int nn = 0; nn < size<2>(acc_s); ++nn)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int col = 8 * nn + col_base + c;
+              if (col < first || col > last) acc_s(make_coord(c, half), m, nn) = -kInf;
+            }
+        }
     }
 
     // Online softmax: masked entries are -inf and add exactly 0; a row with no
@@ -330,19 +537,31 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
           for (int c = 0; c < 2; ++c) mx = fmaxf(mx, acc_s(make_coord(c, half), m, nn));
         mx = quad_max(mx);
-        const float base = mx == -kInf ? 0.0f : mx;
-        correction[r] = exp2_ftz((row_max[r] - base) * kLog2e);
-        moved |= correction[r] != 1.0f;
+        const float base = mx == -kInf ? 0.0f : mx, base_c = base * c_log2;
+        const bool row_moved = mx != row_max[r];
+        correction[r] = row_moved ? exp2_ftz((row_max[r] - base) * c_log2) : 1.0f;
+        moved |= row_moved;
         row_max[r] = mx;
         float sum = 0.0f;
+        if (logits) {
 #pragma unroll
-        for (int nn = 0; nn < size<2>(acc_s); ++nn)
+          for (int nn = 0; nn < size<2>(acc_s); ++nn)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float& x = acc_s(make_coord(c, half), m, nn);
-            x = exp2_ftz((x - base) * kLog2e);
-            sum += x;
-          }
+            for (int c = 0; c < 2; ++c) {
+              float& x = acc_s(make_coord(c, half), m, nn);
+              x = exp2_ftz((x - base) * c_log2);
+              sum += x;
+            }
+        } else {
+#pragma unroll
+          for (int nn = 0; nn < size<2>(acc_s); ++nn)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              float& x = acc_s(make_coord(c, half), m, nn);
+              x = exp2_ftz(fmaf(x, c_log2, -base_c));
+              sum += x;
+            }
+        }
         row_sum[r] = row_sum[r] * correction[r] + sum;
       }
     }
@@ -367,23 +586,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
                                       make_stride(make_stride(_1{}, _2{}, Int<4 * kM>{}), _4{}, Int<8 * kM>{}));
     Tensor tOrP = make_tensor(make_rmem_ptr<Element>(p_lowp.data()), p_layout);
 
-    cp_async_wait<0>();
-    __syncthreads();  // V[n] landed; every thread is done with K[n]
-    if (n_next >= n_first) {
-      const std::int64_t next0 = std::int64_t{n_next} * kBlockN;
-      load_tile<Config>(sK, k + next0 * p.k.sr, p.k.sr, sk - next0, d, p.vector_k);
-    }
+    Tensor tOsVt = ldsm_v.partition_S(make_tensor(sV0 + stage * Config::kTileElems, typename Config::SmemLayoutVt{}));
     copy(copy_v, tOsVt(_, _, 0), tOrVtv(_, _, 0));
 #pragma unroll
     for (int kk = 0; kk < size<2>(tOrP); ++kk) {
       if (kk + 1 < size<2>(tOrP)) copy(copy_v, tOsVt(_, _, kk + 1), tOrVtv(_, _, kk + 1));
       gemm(mma, tOrP(_, _, kk), tOrVt(_, _, kk), acc_o);
     }
-    n = n_next;
+    stage = (stage + 1) % kStages;
   }
 
   // Epilogue: o = acc / sum (0 for a row with no allowed key), lse = max + log(sum).
-  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (qs + row0) * p.out.sr;
   auto* lse = static_cast<float*>(p.lse.data);
 #pragma unroll
@@ -393,9 +606,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       const int r = 2 * m + half;
       const float sum = quad_sum(row_sum[r]);
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const int row = get<0>(tOcO(make_coord(0, half), m, 0));
+      const int row = row_of(m, half);
       if (row0 + row >= sq) continue;
-      const float row_lse = sum > 0.0f ? row_max[r] + logf(sum) : -kInf;
+      const float row_lse = sum > 0.0f ? row_max[r] * unit + logf(sum) : -kInf;
       if (p.num_splits > 1) {
         const std::int64_t partial_row =
             ((std::int64_t{split} * gridDim.z + b) * gridDim.y + h) * p.seqlen_q + row0 + row;
@@ -403,20 +616,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
         for (int dd = 0; dd < size<2>(acc_o); ++dd)
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const int col = get<1>(tOcO(make_coord(c, half), m, dd));
+            const int col = 8 * dd + col_base + c;
             if (col < d) p.o_partial[partial_row * d + col] = acc_o(make_coord(c, half), m, dd) * inv;
           }
-        if (threadIdx.x % 4 == 0) p.lse_partial[partial_row] = row_lse;
+        if (lane % 4 == 0) p.lse_partial[partial_row] = row_lse;
         continue;
       }
 #pragma unroll
       for (int dd = 0; dd < size<2>(acc_o); ++dd)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const int col = get<1>(tOcO(make_coord(c, half), m, dd));
+          const int col = 8 * dd + col_base + c;
           if (col < d) out[row * p.out.sr + col] = static_cast<Element>(acc_o(make_coord(c, half), m, dd) * inv);
         }
-      if (lse != nullptr && threadIdx.x % 4 == 0)
+      if (lse != nullptr && lane % 4 == 0)
         lse[b * p.lse.sb + h * p.lse.sh + (qs + row0 + row) * p.lse.sr] = row_lse;
     }
   }
@@ -456,12 +669,13 @@ __global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int
         top == -kInf ? -kInf : top + logf(sum);
 }
 
-// Key splits for a grid of `ctas` CTAs over `key_blocks` key blocks: enough for
-// about two waves on `sms` SMs, at least 4 key blocks (128+ keys) a split so that
-// the partials stay cheap next to the work, and at most 32.
-inline int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms) {
+// Key splits for a grid of `ctas` CTAs over `key_blocks` key blocks: as many as
+// fill the `slots` CTAs the GPU holds at once (one wave: a second, partial wave
+// would double the time), at least 4 key blocks a split so that the partials
+// stay cheap next to the work, and at most 32.
+inline int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms, int slots) {
   if (ctas >= sms || key_blocks < 8) return 1;
-  const std::int64_t want = (2 * sms + ctas - 1) / ctas;
+  const std::int64_t want = std::max<std::int64_t>(1, slots / ctas);
   return static_cast<int>(std::max<std::int64_t>(1, std::min({want, key_blocks / 4, std::int64_t{32}})));
 }
 
@@ -474,37 +688,52 @@ void launch_config(const ForwardParams& in, int batch, int heads, cudaStream_t s
   using Element = typename Config::Element;
   constexpr int kHeadDim = Config::kHeadDim;
   ForwardParams params = in;
+  std::uint32_t* key_any = nullptr;
   if (params.mask.data != nullptr && params.seqlen_k > 0) {
-    // One byte per tile; a mask broadcast over batches (stride 0) or rows keeps one.
-    const std::int64_t tiles_m = params.mask.sr == 0 ? 1 : (params.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
-    const std::int64_t tiles_n = (params.seqlen_k + Config::kBlockN - 1) / Config::kBlockN;
+    // Scratch for the mask pre-passes, one buffer: per slice (a mask broadcast
+    // over batches keeps one) the bits of every query row, and per query block
+    // the key list, its count and the keys any row of it may see.
+    const std::int64_t blocks = (params.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
+    const std::int64_t tiles = (params.seqlen_k + 63) / 64;
     const int mask_heads = heads / params.mask_group, mask_batches = params.mask.sb == 0 ? 1 : batch;
-    params.tiles_sm = tiles_m == 1 ? 0 : tiles_n;
-    params.tiles_sh = tiles_m * tiles_n;
-    params.tiles_sb = mask_batches == 1 ? 0 : mask_heads * params.tiles_sh;
-    const std::int64_t bytes = std::int64_t{mask_batches} * mask_heads * params.tiles_sh;
-    check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&params.mask_tiles), static_cast<std::size_t>(bytes), stream),
-               "cudaMallocAsync (mask tile classes)");
-    const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
-                    static_cast<unsigned>(mask_batches * mask_heads));
-    classify_mask_tiles<Config::kBlockM, Config::kBlockN, Config::kThreads>
-        <<<grid, Config::kThreads, 0, stream>>>(params, mask_heads);
+    const std::int64_t slices = std::int64_t{mask_batches} * mask_heads;
+    params.mask_blocks = static_cast<int>(blocks);
+    params.bits_sr = 2 * tiles;
+    params.keys_stride = 64 * tiles;
+    const std::int64_t bits_words = slices * params.seqlen_q * params.bits_sr;
+    const std::int64_t any_words = slices * blocks * params.bits_sr;
+    const std::int64_t key_words = slices * blocks * params.keys_stride;
+    const std::int64_t words = bits_words + any_words + key_words + slices * blocks;
+    check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&params.mask_bits), static_cast<std::size_t>(words) * 4, stream),
+               "cudaMallocAsync (mask pre-pass)");
+    key_any = params.mask_bits + bits_words;
+    params.mask_keys = reinterpret_cast<std::int32_t*>(key_any + any_words);
+    params.mask_counts = params.mask_keys + key_words;
+    pack_mask<Config::kBlockM, Config::kThreads>
+        <<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(blocks), static_cast<unsigned>(slices)),
+           Config::kThreads, 0, stream>>>(params, mask_heads, key_any);
+    gather_mask_keys<Config::kBlockM, Config::kThreads>
+        <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), Config::kThreads, 0, stream>>>(params,
+                                                                                                         key_any);
   }
-  const std::int64_t blocks_m = (params.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
-  int device = 0, sms = 1;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  params.num_splits = choose_splits(blocks_m * heads * batch, (params.seqlen_k + Config::kBlockN - 1) / Config::kBlockN, sms);
-  const std::int64_t partial_rows = std::int64_t{params.num_splits} * batch * heads * params.seqlen_q;
+  auto kernel = forward_kernel<Config>;
   cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+  int device = 0, sms = 1, per_sm = 1;
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Config::kThreads, Config::kSmemBytes);
+  const std::int64_t blocks_m = (params.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
+  params.num_splits = choose_splits(blocks_m * heads * batch, (params.seqlen_k + Config::kBlockN - 1) / Config::kBlockN,
+                                    sms, sms * std::max(per_sm, 1));
+  const std::int64_t partial_rows = std::int64_t{params.num_splits} * batch * heads * params.seqlen_q;
   if (err == cudaSuccess && params.num_splits > 1) {
     err = cudaMallocAsync(reinterpret_cast<void**>(&params.o_partial),
                           static_cast<std::size_t>(partial_rows * (params.head_dim + 1)) * sizeof(float), stream);
     params.lse_partial = params.o_partial + partial_rows * params.head_dim;
   }
-  auto kernel = forward_kernel<Config>;
-  if (err == cudaSuccess)
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
   if (err == cudaSuccess) {
     const dim3 grid(static_cast<unsigned>(blocks_m * params.num_splits), static_cast<unsigned>(heads),
                     static_cast<unsigned>(batch));
@@ -517,7 +746,7 @@ void launch_config(const ForwardParams& in, int batch, int heads, cudaStream_t s
     err = cudaGetLastError();
   }
   if (params.o_partial != nullptr) cudaFreeAsync(params.o_partial, stream);
-  if (params.mask_tiles != nullptr) cudaFreeAsync(params.mask_tiles, stream);
+  if (params.mask_bits != nullptr) cudaFreeAsync(params.mask_bits, stream);
   check_cuda(err, ("launch (head dim " + std::to_string(kHeadDim) + ")").c_str());
 }
 
