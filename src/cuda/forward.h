@@ -26,12 +26,20 @@ struct ForwardParams {
   std::int64_t window_left = -1, window_right = -1;
   // 16-byte cp.async loads are legal for q, k, v rows (base and strides checked).
   bool vector_q = false, vector_k = false, vector_v = false;
-  // Mask tile classes (kTileEmpty / kTilePartial / kTileFull), written by a pre-pass
-  // before the forward: one byte per (mask batch, mask head, query block, key block),
-  // at b * tiles_sb + (h / mask_group) * tiles_sh + query_block * tiles_sm + key_block.
-  // A mask broadcast over batches or query rows has tiles_sb or tiles_sm = 0.
-  std::uint8_t* mask_tiles = nullptr;
-  std::int64_t tiles_sb = 0, tiles_sh = 0, tiles_sm = 0;
+  // The mask, written by a pre-pass before the forward (see launch_config), per
+  // mask slice z = (b or 0) * (H / mask_group) + h / mask_group and query block
+  // m of kBlockM rows: the keys with at least one allowed (row, key) pair in the
+  // block (mask, causal, window and key range together), ascending, at
+  // mask_keys[(z * mask_blocks + m) * keys_stride + t], mask_counts[z *
+  // mask_blocks + m] of them; and for each query row i, bit t % 32 of word
+  // mask_bits[(z * seqlen_q + i) * bits_sr + t / 32] says whether the row may see
+  // the block's key t (0 past the count). bits_sr is even, so that the two words
+  // of a 64-key tile load as one. The forward walks these keys, 64 a tile.
+  std::int32_t* mask_keys = nullptr;
+  std::int32_t* mask_counts = nullptr;
+  std::uint32_t* mask_bits = nullptr;
+  std::int64_t keys_stride = 0, bits_sr = 0;
+  int mask_blocks = 0;
   // Split-KV, for grids too small to fill the GPU (decode): split s of a query
   // block takes its s-th share of the key blocks and writes float32 partials,
   // o normalised by its own sum and lse, at partial row
@@ -42,10 +50,8 @@ struct ForwardParams {
   float* lse_partial = nullptr;
 };
 
-enum : std::uint8_t { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
-
 // Launches the forward for batch x heads on `stream` (with a mask, first the
-// pass that classifies its tiles, in stream-ordered scratch memory); kHeadDim >=
+// passes that gather its keys, in stream-ordered scratch memory); kHeadDim >=
 // head_dim (smaller heads are zero-padded in shared memory). Throws on CUDA errors.
 template <class Element, int kHeadDim>
 void launch_forward(const ForwardParams& params, int batch, int heads, cudaStream_t stream);
