@@ -16,7 +16,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "forward.h"
+#include "common.cuh"
 
 namespace dmattn::cuda {
 
@@ -60,84 +60,6 @@ struct ForwardConfig {
 
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * int(sizeof(Element));
 };
-
-// Copies `rows` valid rows (row stride `stride` elements, `cols` valid features)
-// of a tile into shared memory; the rest of the tile is zero-filled so that
-// padded rows and features add nothing. cp.async where 16-byte aligned.
-template <class Config, class SmemTensor>
-__device__ void load_tile(SmemTensor& s, const typename Config::Element* g, std::int64_t stride, std::int64_t rows,
-                          int cols, bool vector) {
-  using Element = typename Config::Element;
-  constexpr int kChunks = Config::kHeadDim / 8;  // 8 elements = 16 bytes
-  constexpr int kRows = decltype(cute::size<0>(s))::value;
-  static_assert(kRows * kChunks % Config::kThreads == 0, "tile chunks must divide among the threads");
-#pragma unroll
-  for (int it = 0; it < kRows * kChunks / Config::kThreads; ++it) {
-    const int c = it * Config::kThreads + threadIdx.x;
-    const int r = c / kChunks, col = c % kChunks * 8;
-    Element* dst = &s(r, col);
-    if (r < rows && col < cols) {
-      const Element* src = g + r * stride + col;
-      if (vector) {
-        const auto smem = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(src));
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) dst[e] = src[e];
-      }
-    } else {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-    }
-  }
-  cute::cp_async_fence();
-}
-
-// Tile-local limits are clamped to +-kTileFar, far outside any tile, so that
-// 64-bit sequence arithmetic becomes 32-bit comparisons inside the tile.
-constexpr int kTileFar = 1 << 20;
-__device__ inline int clamp_to_tile(std::int64_t x) {
-  return static_cast<int>(x < -kTileFar ? -kTileFar : (x > kTileFar ? kTileFar : x));
-}
-
-// 2^x on the special-function unit alone; results below the normal range flush
-// to 0, far below anything that changes a float32 softmax sum.
-__device__ inline float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ inline float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-__device__ inline float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffff, x, 1);
-  return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
-
-// The mask pre-pass: block (n, m, z) classifies the mask tile of key block n and
-// query block m (m = 0 when the mask is broadcast over rows) of mask batch and
-// head z as empty (no key allowed: the forward skips it, loads included), full
-// (every in-range key allowed: no mask work) or partial.
-template <int kBlockM, int kBlockN, int kThreads>
-__global__ void __launch_bounds__(kThreads) classify_mask_tiles(const ForwardParams p, int mask_heads) {
-  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM, col0 = std::int64_t{blockIdx.x} * kBlockN;
-  const int rows = p.mask.sr == 0 ? 1 : static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0));
-  const int cols = static_cast<int>(min(std::int64_t{kBlockN}, p.seqlen_k - col0));
-  const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
-  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh +
-                     row0 * p.mask.sr + col0 * p.mask.sc;
-  bool any = false, all = true;
-  for (int e = threadIdx.x; e < rows * cols; e += kThreads) {
-    const bool allowed = mask[(e / cols) * p.mask.sr + (e % cols) * p.mask.sc] != 0;
-    any |= allowed, all &= allowed;
-  }
-  any = __syncthreads_or(any), all = __syncthreads_and(all);
-  if (threadIdx.x == 0)
-    p.mask_tiles[mb * p.tiles_sb + mh * p.tiles_sh + blockIdx.y * p.tiles_sm + blockIdx.x] =
-        !any ? kTileEmpty : (all ? kTileFull : kTilePartial);
-}
 
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const ForwardParams p) {
@@ -357,15 +279,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
             for (int c = 0; c < 2; ++c) acc_o(make_coord(c, half), m, dd) *= correction[2 * m + half];
     }
 
-    // P in the A-operand register layout: MMA tiles 2k and 2k + 1 of S form the
-    // 16 keys of k-step k.
-    constexpr int kS = decltype(size(acc_s))::value;
-    constexpr int kM = decltype(size<1>(acc_s))::value, kN = decltype(size<2>(acc_s))::value;
-    cutlass::Array<Element, kS> p_lowp = cutlass::NumericArrayConverter<Element, float, kS>{}(
-        *reinterpret_cast<const cutlass::Array<float, kS>*>(acc_s.data()));
-    const auto p_layout = make_layout(make_shape(make_shape(_2{}, _2{}, _2{}), Int<kM>{}, Int<kN / 2>{}),
-                                      make_stride(make_stride(_1{}, _2{}, Int<4 * kM>{}), _4{}, Int<8 * kM>{}));
-    Tensor tOrP = make_tensor(make_rmem_ptr<Element>(p_lowp.data()), p_layout);
+    // P in the A-operand register layout.
+    Tensor tOrP = to_a_operand<Element>(acc_s);
 
     cp_async_wait<0>();
     __syncthreads();  // V[n] landed; every thread is done with K[n]
@@ -463,10 +378,6 @@ inline int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms) {
   if (ctas >= sms || key_blocks < 8) return 1;
   const std::int64_t want = (2 * sms + ctas - 1) / ctas;
   return static_cast<int>(std::max<std::int64_t>(1, std::min({want, key_blocks / 4, std::int64_t{32}})));
-}
-
-inline void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("dmattn: CUDA forward: ") + what + ": " + cudaGetErrorString(err));
 }
 
 template <class Config>
