@@ -238,15 +238,29 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const auto* dout = static_cast<const Element*>(p.dout.data) + b * p.dout.sb + seq.qs * p.dout.sr;
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh + seq.ks * p.k.sr;
   const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + kvh * p.v.sh + seq.ks * p.v.sr;
-  // Row statistics of queries [i0, i0 + n) of head h into dst[0 .. 3n): max, inv, delta (0 past the sequence).
+  // A key-only bias: dk/dv keep the values of the thread's keys (of bias head
+  // key_bias_head); dq loads the next step's keys with its tiles (key_bias_next,
+  // one key a thread) and stages them in key_add.
+  float key_bias_rows[2];  // the two rows of the thread in its warp's 16 (kM = 1)
+  int key_bias_head = -1;
+  float key_bias_now = 0.0f, key_bias_next = 0.0f;
+  const bool key_only_bias = has_bias && p.bias.sr == 0;
+
+  // Row statistics of queries [i0, i0 + n) of head h into dst[0 .. 3n): max, inv,
+  // delta (0 past the sequence), by cp.async so that no thread waits for them.
   auto load_stats = [&](float* dst, int h, std::int64_t i0, int n) {
-    for (int r = tid; r < n; r += Config::kThreads) {
-      const bool valid = i0 + r < sq;
-      const std::int64_t at = (std::int64_t{b} * p.heads + h) * p.seqlen_q + i0 + r;
-      dst[r] = valid ? p.row_max[at] : 0.0f;
-      dst[n + r] = valid ? p.row_inv[at] : 0.0f;
-      dst[2 * n + r] = valid ? p.row_delta[at] : 0.0f;
+    for (int r = tid; r < 3 * n; r += Config::kThreads) {
+      const int which = r / n, i = r % n;
+      if (i0 + i >= sq) {
+        dst[r] = 0.0f;
+        continue;
+      }
+      const float* src = (which == 0 ? p.row_max : which == 1 ? p.row_inv : p.row_delta) +
+                         (std::int64_t{b} * p.heads + h) * p.seqlen_q + i0 + i;
+      const auto smem_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst + r));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_dst), "l"(src));
     }
+    cp_async_fence();
   };
   // The column tiles (and for dk/dv the statistics) of step t into buffer buf.
   auto issue = [&](int t, int buf, bool second) {
@@ -260,6 +274,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     } else {
       load_tile<Config>(d0, k + c0 * p.k.sr, p.k.sr, sk - c0, d, p.vector_k);
       if (second) load_tile<Config>(d1, v + c0 * p.v.sr, p.v.sr, sk - c0, d, p.vector_v);
+      if (key_only_bias && tid < kStep && c0 + tid < sk)
+        key_bias_next = load_float<Element>(p.bias.data, p.bias_float32,
+                                            b * p.bias.sb + (h / p.bias_group) * p.bias.sh + (seq.ks + c0 + tid) * p.bias.sc);
     }
   };
   {
@@ -297,6 +314,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   if constexpr (kKeyRows) clear(acc_b);
   Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kStep>>{}));
   constexpr int kM = decltype(size<1>(cS))::value, kN = decltype(size<2>(cS))::value;
+  static_assert(kM == 1, "a warp owns 16 rows");
   const float scale = p.scale, softcap = p.softcap, inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
   const int lane = tid % 32, warp = tid / 32;
 
@@ -364,8 +382,21 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         tile_add[r * kAddLd + c] = x;
       }
     } else if (key_bias) {
-      for (int j = tid; j < kK; j += Config::kThreads)
-        key_add[j] = load_float<Element>(p.bias.data, p.bias_float32, bias_tile + j * p.bias.sc);
+      if constexpr (kKeyRows) {  // the CTA's keys: read again only when the bias head changes
+        if (hb != key_bias_head) {
+          key_bias_head = hb;
+#pragma unroll
+          for (int m = 0; m < kM; ++m)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int kj = get<0>(cS(make_coord(make_coord(0, half), m, 0)));
+              key_bias_rows[2 * m + half] =
+                  kj < sk - k0 ? load_float<Element>(p.bias.data, p.bias_float32, bias_tile + kj * p.bias.sc) : 0.0f;
+            }
+        }
+      } else if (tid < kK) {
+        key_add[tid] = key_bias_now;  // loaded with the step's tiles
+      }
     }
 
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
@@ -376,7 +407,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       clear(acc_dp);
       gemm_ss<!kKeyRows>(mma, acc_dp, copy_a, sA1p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 1)), rB, rBv);
     }
-    if (staged || key_bias) __syncthreads();  // the staged terms are visible
+    if (staged || (key_bias && !kKeyRows)) __syncthreads();  // the staged terms are visible
 
     // l = softcap(scale s) + bias (-inf where not allowed), P = exp(l - max) inv,
     // dS = P (dP - delta); dP becomes the score gradient (softcap's factor) and,
@@ -397,7 +428,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
             if (staged)
               x += tile_add[r * kAddLd + col];
             else if (key_bias)
-              x += key_add[kj];
+              x += kKeyRows ? key_bias_rows[2 * m + half] : key_add[kj];
             if (stats_only) {
               acc_s(at) = x;
               continue;
@@ -516,6 +547,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       const int t_next = next(t);
       cp_async_wait<0>();
       __syncthreads();  // step t landed; every thread is done with the other buffer
+      key_bias_now = key_bias_next;
       if (t_next < total) issue(t_next, buf ^ 1, !stats_only);
       compute(t, buf, stats_only);
       t = t_next, buf ^= 1;
