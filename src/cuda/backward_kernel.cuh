@@ -532,6 +532,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   // of the block's rows, for this kernel and the dk/dv one.
   bool recompute = false;
   if constexpr (!kKeyRows) {
+    cp_async_wait<0>();
     __syncthreads();  // the statistics are in shared memory
     bool huge = false;
     for (int r = tid; r < kBlockRows; r += Config::kThreads)
