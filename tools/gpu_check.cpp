@@ -1,9 +1,12 @@
-// GPU check: the CUDA forward against the library's own float64 CPU backend.
+// GPU check: the CUDA forward and backward against the library's own float64 CPU backend.
 //
 //   dmattn_gpu_check            the whole matrix (sizes, dtypes, head dims, GQA,
-//                               mask/bias broadcasts and layouts, options, varlen)
-//   dmattn_gpu_check --small    a few small cases (for compute-sanitizer)
-//   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal
+//                               mask/bias broadcasts and layouts, options, varlen),
+//                               then the backward matrix (run_backward_case)
+//   dmattn_gpu_check --backward the backward matrix only
+//   dmattn_gpu_check --small    a few small cases of both (for compute-sanitizer)
+//   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal,
+//                               and forward + backward times at S=16384
 //
 // Accuracy rule (SPEC 5): max |gpu - ref| <= 2 * max |lowp - ref| + 1e-5 on out,
 // where ref is the CPU backend in float64 and lowp the CPU backend run on the same
