@@ -73,24 +73,17 @@ struct BackwardConfig {
                                     (kStatFloats + kBlockRows * kAddLd + kBlockRows + kMaxStep) * 4;
 };
 
-// acc += A B^T over the K mode, A and B read from shared memory by ldmatrix;
-// with kPrefetch the next k-slice loads while the current one multiplies (two
-// slices live), without it one slice is live and the other warps hide the latency.
-template <bool kPrefetch, class Mma, class Acc, class CopyA, class SA, class RA, class RAv, class CopyB, class SB, class RB,
-          class RBv>
+// acc += A B^T over the K mode, A and B read from shared memory by ldmatrix
+// (the next k-slice loads while the current one multiplies).
+template <class Mma, class Acc, class CopyA, class SA, class RA, class RAv, class CopyB, class SB, class RB, class RBv>
 __device__ __forceinline__ void gemm_ss(Mma& mma, Acc& acc, const CopyA& copy_a, const SA& sA, RA& rA, RAv& rAv,
                                         const CopyB& copy_b, const SB& sB, RB& rB, RBv& rBv) {
   using namespace cute;
-  if constexpr (kPrefetch) {
-    copy(copy_a, sA(_, _, 0), rAv(_, _, 0));
-    copy(copy_b, sB(_, _, 0), rBv(_, _, 0));
-  }
+  copy(copy_a, sA(_, _, 0), rAv(_, _, 0));
+  copy(copy_b, sB(_, _, 0), rBv(_, _, 0));
 #pragma unroll
   for (int kk = 0; kk < size<2>(rA); ++kk) {
-    if (!kPrefetch) {
-      copy(copy_a, sA(_, _, kk), rAv(_, _, kk));
-      copy(copy_b, sB(_, _, kk), rBv(_, _, kk));
-    } else if (kk + 1 < size<2>(rA)) {
+    if (kk + 1 < size<2>(rA)) {
       copy(copy_a, sA(_, _, kk + 1), rAv(_, _, kk + 1));
       copy(copy_b, sB(_, _, kk + 1), rBv(_, _, kk + 1));
     }
@@ -402,10 +395,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
     Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
     clear(acc_s);
-    gemm_ss<!kKeyRows>(mma, acc_s, copy_a, sA0p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 0)), rB, rBv);
+    gemm_ss(mma, acc_s, copy_a, sA0p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 0)), rB, rBv);
     if (!stats_only) {
       clear(acc_dp);
-      gemm_ss<!kKeyRows>(mma, acc_dp, copy_a, sA1p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 1)), rB, rBv);
+      gemm_ss(mma, acc_dp, copy_a, sA1p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 1)), rB, rBv);
     }
     if (staged || (key_bias && !kKeyRows)) __syncthreads();  // the staged terms are visible
 
