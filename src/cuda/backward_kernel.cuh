@@ -171,13 +171,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const int b = blockIdx.z;
   const Sequence seq(p, b);
   const std::int64_t sq = seq.sq, sk = seq.sk, offset = sk - sq;  // bottom-right alignment
-  // dk/dv: the first key blocks see the most queries under causal; dq: the last query blocks see the most keys.
-  const int row_block = kKeyRows ? blockIdx.x : gridDim.x - 1 - blockIdx.x;
+  // CTAs start in order of work under causal, heads fastest, so that the longest
+  // ones (dk/dv: the first key blocks, which see the most queries; dq: the last
+  // query blocks, which see the most keys) start first for every head.
+  const int blocks = gridDim.x, linear = blockIdx.x + blocks * blockIdx.y;
+  const int head = linear % gridDim.y;
+  const int row_block = kKeyRows ? linear / gridDim.y : blocks - 1 - linear / gridDim.y;
   const std::int64_t row0 = std::int64_t{row_block} * kBlockRows, own_len = kKeyRows ? sk : sq;
   if (row0 >= own_len) return;
   const std::int64_t row_last = min(row0 + kBlockRows, own_len) - 1;
-  const int kvh = kKeyRows ? blockIdx.y : blockIdx.y / p.group;
-  const int h_first = kKeyRows ? kvh * p.group : blockIdx.y;
+  const int kvh = kKeyRows ? head : head / p.group;
+  const int h_first = kKeyRows ? kvh * p.group : head;
   const int n_heads = kKeyRows ? p.group : 1;
 
   // The column blocks any row of the CTA may use: [first, end) for each head.
