@@ -411,34 +411,50 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     // where dbias needs the tile, dS goes back to shared memory.
     const bool keep_ds = kKeyRows && !stats_only && staged &&
                          (p.bias_grad == BiasGrad::kPerElement || p.bias_grad == BiasGrad::kReduceKeys);
-    // Query-major order: a query's statistics are read once and die.
+    // Query-major order: a query's statistics are read once and die. The loop is
+    // compiled once per (softcap, additive term) so that no element tests them.
+    auto elementwise = [&](auto with_softcap, auto add_kind) {  // add_kind: 0 none, 1 staged tile, 2 key-only
+      constexpr bool kSoftcap = decltype(with_softcap)::value;
+      constexpr int kAdd = decltype(add_kind)::value;
 #pragma unroll
-    for (int e = 0; e < 4 * kM * kN; ++e) {
-      const int outer = kKeyRows ? e / (2 * kM) : e / (2 * kN), inner = kKeyRows ? e % (2 * kM) : e % (2 * kN);
-      const int m = kKeyRows ? inner / 2 : outer / 2, half = kKeyRows ? inner % 2 : outer % 2;
-      const int nn = kKeyRows ? outer / 2 : inner / 2, c = kKeyRows ? outer % 2 : inner % 2;
-            const auto at = make_coord(make_coord(c, half), m, nn);
-            const int r = get<0>(cS(at)), col = get<1>(cS(at));
-            const int qi = kKeyRows ? col : r, kj = kKeyRows ? r : col;
-            float x = acc_s(at) * scale, tanh_x = 0.0f;
-            if (softcap > 0.0f) tanh_x = tanhf(x * inv_softcap), x = softcap * tanh_x;
-            if (staged)
-              x += tile_add[r * kAddLd + col];
-            else if (key_bias)
-              x += kKeyRows ? key_bias_rows[2 * m + half] : key_add[kj];
-            if (stats_only) {
-              acc_s(at) = x;
-              continue;
-            }
-            const float prob = exp2_ftz((x - st[qi]) * kLog2e) * st[kQ + qi];
-            const float ds = prob * (acc_dp(at) - st[2 * kQ + qi]);
-            acc_s(at) = prob;
-            acc_dp(at) = softcap > 0.0f ? ds * (1.0f - tanh_x * tanh_x) : ds;
-            if constexpr (kKeyRows) {
-              if (p.bias_grad == BiasGrad::kPerKey) key_sum[2 * m + half] += ds;
-              if (keep_ds) tile_add[r * kAddLd + col] = ds;
-            }
-          }
+      for (int e = 0; e < 4 * kM * kN; ++e) {
+        const int outer = kKeyRows ? e / (2 * kM) : e / (2 * kN), inner = kKeyRows ? e % (2 * kM) : e % (2 * kN);
+        const int m = kKeyRows ? inner / 2 : outer / 2, half = kKeyRows ? inner % 2 : outer % 2;
+        const int nn = kKeyRows ? outer / 2 : inner / 2, c = kKeyRows ? outer % 2 : inner % 2;
+        const auto at = make_coord(make_coord(c, half), m, nn);
+        const int r = get<0>(cS(at)), col = get<1>(cS(at));
+        const int qi = kKeyRows ? col : r, kj = kKeyRows ? r : col;
+        float x = acc_s(at) * scale, tanh_x = 0.0f;
+        if constexpr (kSoftcap) tanh_x = tanhf(x * inv_softcap), x = softcap * tanh_x;
+        if constexpr (kAdd == 1) x += tile_add[r * kAddLd + col];
+        if constexpr (kAdd == 2) x += kKeyRows ? key_bias_rows[2 * m + half] : key_add[kj];
+        if (stats_only) {
+          acc_s(at) = x;
+          continue;
+        }
+        // (x - max) first: x and max near the float32 limit (a bias of its lowest) would overflow times log2(e).
+        const float prob = exp2_ftz((x - st[qi]) * kLog2e) * st[kQ + qi];
+        const float ds = prob * (acc_dp(at) - st[2 * kQ + qi]);
+        acc_s(at) = prob;
+        acc_dp(at) = kSoftcap ? ds * (1.0f - tanh_x * tanh_x) : ds;
+        if constexpr (kKeyRows) {
+          if (p.bias_grad == BiasGrad::kPerKey) key_sum[2 * m + half] += ds;
+          if (keep_ds) tile_add[r * kAddLd + col] = ds;
+        }
+      }
+    };
+    auto with_add = [&](auto with_softcap) {
+      if (staged)
+        elementwise(with_softcap, std::integral_constant<int, 1>{});
+      else if (key_bias)
+        elementwise(with_softcap, std::integral_constant<int, 2>{});
+      else
+        elementwise(with_softcap, std::integral_constant<int, 0>{});
+    };
+    if (softcap > 0.0f)
+      with_add(std::true_type{});
+    else
+      with_add(std::false_type{});
 
     if (stats_only) {  // online max and sum of the rows (dq: rows are queries)
 #pragma unroll
