@@ -190,6 +190,19 @@ double lse_error(const std::vector<double>& got, const std::vector<double>& ref)
   return m;
 }
 
+// Shapes of q, k (and v) and lse: batched, or varlen (tokens of all sequences).
+struct CaseShapes {
+  Shape q, k, lse;
+};
+
+CaseShapes case_shapes(const Case& c) {
+  std::int64_t total_q = 0, total_k = 0;
+  for (auto s : c.seqlens_q) total_q += s;
+  for (auto s : c.seqlens_k) total_k += s;
+  if (c.varlen()) return {{total_q, c.H, c.D}, {total_k, c.Hk, c.D}, {c.H, total_q}};
+  return {{c.B, c.Sq, c.H, c.D}, {c.B, c.Sk, c.Hk, c.D}, {c.B, c.H, c.Sq}};
+}
+
 // Fresh random q, k, v and the case's mask and bias.
 struct CaseInputs {
   HostTensor q, k, v;
@@ -227,12 +240,7 @@ CaseInputs make_inputs(const Case& c, const Shape& q_shape, const Shape& k_shape
 
 Outcome run_case(const Case& c, Rng& rng) {
   const bool varlen = c.varlen();
-  std::int64_t total_q = 0, total_k = 0;
-  for (auto s : c.seqlens_q) total_q += s;
-  for (auto s : c.seqlens_k) total_k += s;
-  const Shape q_shape = varlen ? Shape{total_q, c.H, c.D} : Shape{c.B, c.Sq, c.H, c.D};
-  const Shape k_shape = varlen ? Shape{total_k, c.Hk, c.D} : Shape{c.B, c.Sk, c.Hk, c.D};
-  const Shape lse_shape = varlen ? Shape{c.H, total_q} : Shape{c.B, c.H, c.Sq};
+  const auto [q_shape, k_shape, lse_shape] = case_shapes(c);
 
   const CaseInputs inputs = make_inputs(c, q_shape, k_shape, rng);
   const HostTensor &q = inputs.q, &k = inputs.k, &v = inputs.v;
@@ -624,12 +632,7 @@ Layout dbias_layout(const Case& c) {
 
 Outcome run_backward_case(const Case& c, Rng& rng) {
   const bool varlen = c.varlen();
-  std::int64_t total_q = 0, total_k = 0;
-  for (auto s : c.seqlens_q) total_q += s;
-  for (auto s : c.seqlens_k) total_k += s;
-  const Shape q_shape = varlen ? Shape{total_q, c.H, c.D} : Shape{c.B, c.Sq, c.H, c.D};
-  const Shape k_shape = varlen ? Shape{total_k, c.Hk, c.D} : Shape{c.B, c.Sk, c.Hk, c.D};
-  const Shape lse_shape = varlen ? Shape{c.H, total_q} : Shape{c.B, c.H, c.Sq};
+  const auto [q_shape, k_shape, lse_shape] = case_shapes(c);
   const CaseInputs inputs = make_inputs(c, q_shape, k_shape, rng);
   HostTensor dout(c.dtype, q_shape, c.qkv_layout);
   dout.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });

@@ -37,6 +37,23 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
+// The fields the forward and the backward share (not the vector-load flags: the
+// forward sets them after folding query heads).
+void set_attention_params(const Problem& p, cuda::AttentionParams& params) {
+  params.q = p.q, params.k = p.k, params.v = p.v, params.out = p.out, params.lse = p.lse;
+  params.mask = p.mask, params.bias = p.bias;
+  params.bias_float32 = p.bias.present() && p.bias.dtype == DType::kFloat32;
+  params.group = static_cast<int>(p.group());
+  params.mask_group = static_cast<int>(p.heads / p.mask_shape.heads);
+  params.bias_group = static_cast<int>(p.heads / p.bias_shape.heads);
+  params.head_dim = static_cast<int>(p.head_dim);
+  params.seqlen_q = p.seqlen_q, params.seqlen_k = p.seqlen_k;
+  params.cu_seqlens_q = p.cu_seqlens_q, params.cu_seqlens_k = p.cu_seqlens_k;
+  params.scale = static_cast<float>(p.scale), params.softcap = static_cast<float>(p.softcap);
+  params.causal = p.causal;
+  params.window_left = p.window_left, params.window_right = p.window_right;
+}
+
 // Decode with grouped kv heads: one query row (batched, no sliding window) and
 // G = H / Hk > 1 query heads per kv head. The G query heads of kv head h' become
 // the G query rows of one head h': row i of head h' is query head h' * G + i, so
@@ -78,18 +95,7 @@ void run_forward(const Problem& p) {
                 std::to_string(p.keep_window_size));
   if (p.batch == 0 || p.seqlen_q == 0) return;  // nothing to write
   cuda::ForwardParams params;
-  params.q = p.q, params.k = p.k, params.v = p.v, params.out = p.out, params.lse = p.lse;
-  params.mask = p.mask, params.bias = p.bias;
-  params.bias_float32 = p.bias.present() && p.bias.dtype == DType::kFloat32;
-  params.group = static_cast<int>(p.group());
-  params.mask_group = static_cast<int>(p.heads / p.mask_shape.heads);
-  params.bias_group = static_cast<int>(p.heads / p.bias_shape.heads);
-  params.head_dim = static_cast<int>(p.head_dim);
-  params.seqlen_q = p.seqlen_q, params.seqlen_k = p.seqlen_k;
-  params.cu_seqlens_q = p.cu_seqlens_q, params.cu_seqlens_k = p.cu_seqlens_k;
-  params.scale = static_cast<float>(p.scale), params.softcap = static_cast<float>(p.softcap);
-  params.causal = p.causal;
-  params.window_left = p.window_left, params.window_right = p.window_right;
+  set_attention_params(p, params);
   const std::int64_t launch_heads = fold_query_heads(p, params);
   params.vector_q = vector_loads(params.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
 
@@ -130,20 +136,9 @@ void run_backward(const Problem& p) {
                 std::to_string(p.keep_window_size));
   if (p.batch == 0) return;
   cuda::BackwardParams params;
-  params.q = p.q, params.k = p.k, params.v = p.v, params.out = p.out, params.dout = p.dout, params.lse = p.lse;
-  params.dq = p.dq, params.dk = p.dk, params.dv = p.dv;
-  params.mask = p.mask, params.bias = p.bias, params.dbias = p.dbias;
-  params.bias_float32 = p.bias.present() && p.bias.dtype == DType::kFloat32;
-  params.group = static_cast<int>(p.group());
-  params.mask_group = static_cast<int>(p.heads / p.mask_shape.heads);
-  params.bias_group = static_cast<int>(p.heads / p.bias_shape.heads);
+  set_attention_params(p, params);
+  params.dout = p.dout, params.dq = p.dq, params.dk = p.dk, params.dv = p.dv, params.dbias = p.dbias;
   params.heads = static_cast<int>(p.heads);
-  params.head_dim = static_cast<int>(p.head_dim);
-  params.seqlen_q = p.seqlen_q, params.seqlen_k = p.seqlen_k;
-  params.cu_seqlens_q = p.cu_seqlens_q, params.cu_seqlens_k = p.cu_seqlens_k;
-  params.scale = static_cast<float>(p.scale), params.softcap = static_cast<float>(p.softcap);
-  params.causal = p.causal;
-  params.window_left = p.window_left, params.window_right = p.window_right;
   params.vector_q = vector_loads(p.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
   params.vector_dout = vector_loads(p.dout);
   params.bias_grad = bias_grad_kind(p);

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "../problem.h"
+#include "forward.h"
 
 namespace dmattn::cuda {
 
@@ -26,22 +26,12 @@ struct MaskTiles {
   std::int64_t sb = 0, sh = 0, sm = 0;
 };
 
-// A validated backward Problem reduced to what the kernels read. Token operands
-// are indexed (b, head, global row, feature); mask, bias and dbias (b, operand
-// head, global query row, global key); lse (b, head, global query row).
-struct BackwardParams {
-  Operand q, k, v, out, dout, dq, dk, dv, lse, mask, bias, dbias;
-  bool bias_float32 = false;
-  // Query head h reads kv head h / group, mask head h / mask_group, bias head h / bias_group.
-  int group = 1, mask_group = 1, bias_group = 1;
-  int heads = 1, head_dim = 0;
-  std::int64_t seqlen_q = 0, seqlen_k = 0;  // batched: the lengths; varlen: the max lengths
-  const std::int32_t* cu_seqlens_q = nullptr;  // device pointers, varlen only
-  const std::int32_t* cu_seqlens_k = nullptr;
-  float scale = 1.0f, softcap = 0.0f;
-  bool causal = false;
-  std::int64_t window_left = -1, window_right = -1;
-  bool vector_q = false, vector_k = false, vector_v = false, vector_dout = false;
+// A validated backward Problem reduced to what the kernels read (dout, dq, dk,
+// dv like the token operands, dbias like the bias).
+struct BackwardParams : AttentionParams {
+  Operand dout, dq, dk, dv, dbias;
+  int heads = 1;
+  bool vector_dout = false;
 
   // Row statistics, float32 scratch of (b, h, local row) at (b * heads + h) * seqlen_q + i:
   // p_ij = exp(l_ij - row_max) * row_inv (row_max = lse and row_inv = 1 unless the

@@ -73,24 +73,6 @@ struct BackwardConfig {
                                     (kStatFloats + kBlockRows * kAddLd + kBlockRows + kMaxStep) * 4;
 };
 
-// acc += A B^T over the K mode, A and B read from shared memory by ldmatrix
-// (the next k-slice loads while the current one multiplies).
-template <class Mma, class Acc, class CopyA, class SA, class RA, class RAv, class CopyB, class SB, class RB, class RBv>
-__device__ __forceinline__ void gemm_ss(Mma& mma, Acc& acc, const CopyA& copy_a, const SA& sA, RA& rA, RAv& rAv,
-                                        const CopyB& copy_b, const SB& sB, RB& rB, RBv& rBv) {
-  using namespace cute;
-  copy(copy_a, sA(_, _, 0), rAv(_, _, 0));
-  copy(copy_b, sB(_, _, 0), rBv(_, _, 0));
-#pragma unroll
-  for (int kk = 0; kk < size<2>(rA); ++kk) {
-    if (kk + 1 < size<2>(rA)) {
-      copy(copy_a, sA(_, _, kk + 1), rAv(_, _, kk + 1));
-      copy(copy_b, sB(_, _, kk + 1), rBv(_, _, kk + 1));
-    }
-    gemm(mma, rA(_, _, kk), rB(_, _, kk), acc);
-  }
-}
-
 // acc += A B^T with A already in registers. B spans the whole head dim here, so
 // one k-slice of it is live at a time (the other warps hide the ldmatrix latency).
 template <class Mma, class Acc, class RA, class CopyB, class SB, class RB, class RBv>

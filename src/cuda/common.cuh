@@ -1,6 +1,7 @@
 // Device helpers shared by the CUDA forward and backward kernels: tile loads,
 // tile-local limits, exp2, quad reductions, the mask tile-class pre-pass, the
-// accumulator-to-operand conversion and the CUDA error check.
+// shared-memory GEMM loop, the accumulator-to-operand conversion and the CUDA
+// error check.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -91,6 +92,24 @@ __global__ void __launch_bounds__(kThreads) classify_mask_tiles(const ForwardPar
   if (threadIdx.x == 0)
     p.mask_tiles[mb * p.tiles_sb + mh * p.tiles_sh + blockIdx.y * p.tiles_sm + blockIdx.x] =
         !any ? kTileEmpty : (all ? kTileFull : kTilePartial);
+}
+
+// acc += A B^T over the K mode, A and B read from shared memory by ldmatrix
+// (the next k-slice loads while the current one multiplies).
+template <class Mma, class Acc, class CopyA, class SA, class RA, class RAv, class CopyB, class SB, class RB, class RBv>
+__device__ __forceinline__ void gemm_ss(Mma& mma, Acc& acc, const CopyA& copy_a, const SA& sA, RA& rA, RAv& rAv,
+                                        const CopyB& copy_b, const SB& sB, RB& rB, RBv& rBv) {
+  using namespace cute;
+  copy(copy_a, sA(_, _, 0), rAv(_, _, 0));
+  copy(copy_b, sB(_, _, 0), rBv(_, _, 0));
+#pragma unroll
+  for (int kk = 0; kk < size<2>(rA); ++kk) {
+    if (kk + 1 < size<2>(rA)) {
+      copy(copy_a, sA(_, _, kk + 1), rAv(_, _, kk + 1));
+      copy(copy_b, sB(_, _, kk + 1), rBv(_, _, kk + 1));
+    }
+    gemm(mma, rA(_, _, kk), rB(_, _, kk), acc);
+  }
 }
 
 // An accumulator tile (MMA C layout, float) rounded to Element in the A-operand

@@ -164,16 +164,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    copy(copy_q, tSsQ(_, _, 0), tSrQv(_, _, 0));
-    copy(copy_k, tSsK(_, _, 0), tSrKv(_, _, 0));
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tSrQ); ++kk) {
-      if (kk + 1 < size<2>(tSrQ)) {
-        copy(copy_q, tSsQ(_, _, kk + 1), tSrQv(_, _, kk + 1));
-        copy(copy_k, tSsK(_, _, kk + 1), tSrKv(_, _, kk + 1));
-      }
-      gemm(mma, tSrQ(_, _, kk), tSrK(_, _, kk), acc_s);
-    }
+    gemm_ss(mma, acc_s, copy_q, tSsQ, tSrQ, tSrQv, copy_k, tSsK, tSrK, tSrKv);
 
     // Logits, then the allowed set: a tile wholly inside the causal band, the
     // window and the keys, whose mask tile is full, needs no per-element test.
