@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command on a machine with a GPU: builds dmattn (Release, CUDA on), checks
-# the CUDA forward against the CPU float64 oracle on the whole matrix
+# the CUDA forward and backward against the CPU float64 oracle on the whole matrix
 # (tools/gpu_check.cpp), runs compute-sanitizer memcheck and racecheck on a small
-# subset, times the forward, and prints a summary. Downloads nothing.
+# subset of both, times the forward and forward + backward, and prints a summary.
+# Downloads nothing.
 #
 #   scripts/gpu_check.sh [build-dir]          (default: build-gpu)
 #   env: DMATTN_CUDA_ARCHS (default "80;90a"), DMATTN_HEAD_DIMS (default "128"),

@@ -1,9 +1,12 @@
-// GPU check: the CUDA forward against the library's own float64 CPU backend.
+// GPU check: the CUDA forward and backward against the library's own float64 CPU backend.
 //
 //   dmattn_gpu_check            the whole matrix (sizes, dtypes, head dims, GQA,
-//                               mask/bias broadcasts and layouts, options, varlen)
-//   dmattn_gpu_check --small    a few small cases (for compute-sanitizer)
-//   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal
+//                               mask/bias broadcasts and layouts, options, varlen),
+//                               then the backward matrix (run_backward_case)
+//   dmattn_gpu_check --backward the backward matrix only
+//   dmattn_gpu_check --small    a few small cases of both (for compute-sanitizer)
+//   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal,
+//                               and forward + backward times at S=16384
 //
 // Accuracy rule (SPEC 5): max |gpu - ref| <= 2 * max |lowp - ref| + 1e-5 on out,
 // where ref is the CPU backend in float64 and lowp the CPU backend run on the same
@@ -188,20 +191,33 @@ double lse_error(const std::vector<double>& got, const std::vector<double>& ref)
   return m;
 }
 
-Outcome run_case(const Case& c, Rng& rng) {
-  const bool varlen = c.varlen();
+// Shapes of q, k (and v) and lse: batched, or varlen (tokens of all sequences).
+struct CaseShapes {
+  Shape q, k, lse;
+};
+
+CaseShapes case_shapes(const Case& c) {
   std::int64_t total_q = 0, total_k = 0;
   for (auto s : c.seqlens_q) total_q += s;
   for (auto s : c.seqlens_k) total_k += s;
-  const Shape q_shape = varlen ? Shape{total_q, c.H, c.D} : Shape{c.B, c.Sq, c.H, c.D};
-  const Shape k_shape = varlen ? Shape{total_k, c.Hk, c.D} : Shape{c.B, c.Sk, c.Hk, c.D};
-  const Shape lse_shape = varlen ? Shape{c.H, total_q} : Shape{c.B, c.H, c.Sq};
+  if (c.varlen()) return {{total_q, c.H, c.D}, {total_k, c.Hk, c.D}, {c.H, total_q}};
+  return {{c.B, c.Sq, c.H, c.D}, {c.B, c.Sk, c.Hk, c.D}, {c.B, c.H, c.Sq}};
+}
 
-  HostTensor q(c.dtype, q_shape, c.qkv_layout), k(c.dtype, k_shape, c.qkv_layout), v(c.dtype, k_shape, c.qkv_layout);
+// Fresh random q, k, v and the case's mask and bias.
+struct CaseInputs {
+  HostTensor q, k, v;
+  std::optional<HostTensor> mask, bias;
+};
+
+CaseInputs make_inputs(const Case& c, const Shape& q_shape, const Shape& k_shape, Rng& rng) {
+  CaseInputs t{HostTensor(c.dtype, q_shape, c.qkv_layout), HostTensor(c.dtype, k_shape, c.qkv_layout),
+               HostTensor(c.dtype, k_shape, c.qkv_layout), std::nullopt, std::nullopt};
+  HostTensor &q = t.q, &k = t.k, &v = t.v;
+  std::optional<HostTensor>&mask = t.mask, &bias = t.bias;
   q.fill([&](std::int64_t) { return rng.uniform(-2.0, 2.0); });
   k.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
   v.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
-  std::optional<HostTensor> mask, bias;
   if (!c.mask_shape.empty()) {
     mask.emplace(DType::kBool, c.mask_shape, c.mask_layout, false);
     const Shape& ms = c.mask_shape;
@@ -220,6 +236,16 @@ Outcome run_case(const Case& c, Rng& rng) {
     bias.emplace(c.bias_dtype, c.bias_shape, c.bias_layout, false);
     bias->fill([&](std::int64_t) { return rng.uniform(c.bias_lo, c.bias_hi); });
   }
+  return t;
+}
+
+Outcome run_case(const Case& c, Rng& rng) {
+  const bool varlen = c.varlen();
+  const auto [q_shape, k_shape, lse_shape] = case_shapes(c);
+
+  const CaseInputs inputs = make_inputs(c, q_shape, k_shape, rng);
+  const HostTensor &q = inputs.q, &k = inputs.k, &v = inputs.v;
+  const std::optional<HostTensor>&mask = inputs.mask, &bias = inputs.bias;
 
   // The float64 oracle and the low-precision CPU run.
   auto cpu_run = [&](DType dtype, DType lse_dtype, bool same_tensors, std::vector<double>* out_values,
@@ -565,6 +591,318 @@ std::vector<Case> matrix(bool small) {
   return cases;
 }
 
+// ---- Backward: dq, dk, dv and dbias of the CUDA backward against the CPU backend.
+//
+// The reference is the CPU backward in float64 (its own float64 forward's out and
+// lse); the low-precision proxy is the CPU backward on the same fp16/bf16 tensors
+// (its own low-precision out and float32 lse), and the GPU backward takes that
+// same out and lse. Each gradient: max |gpu - ref| <= 2 * max |lowp - ref| +
+// 1e-5, no NaN, nothing written outside the views. The GPU backward runs twice:
+// dk, dv, dbias (and dq, deterministic or not: this backend has no atomics) must
+// be bitwise equal.
+
+struct Gradients {
+  std::vector<double> dq, dk, dv, dbias;
+};
+
+// The varlen layout of a case, its cu_seqlens in `storage` (host) or `device_storage`.
+dmattn::VarlenLayout varlen_layout(const Case& c, std::vector<std::int32_t>& storage, void* device_storage) {
+  storage = cumulative(c.seqlens_q);
+  const std::vector<std::int32_t> ck = cumulative(c.seqlens_k);
+  storage.insert(storage.end(), ck.begin(), ck.end());
+  const std::int64_t nb = static_cast<std::int64_t>(c.seqlens_q.size()) + 1;
+  std::int32_t* cu = storage.data();
+  dmattn::Device device{};
+  if (device_storage != nullptr) {
+    check_cuda(cudaMemcpy(device_storage, storage.data(), storage.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    cu = static_cast<std::int32_t*>(device_storage);
+    device = {dmattn::DeviceType::kCUDA, 0};
+  }
+  return {dmattn::TensorView::contiguous(cu, DType::kInt32, {nb}, device),
+          dmattn::TensorView::contiguous(cu + nb, DType::kInt32, {nb}, device),
+          *std::max_element(c.seqlens_q.begin(), c.seqlens_q.end()),
+          *std::max_element(c.seqlens_k.begin(), c.seqlens_k.end())};
+}
+
+// dbias: the bias's shape and layout, never a broadcast (stride-0) view.
+Layout dbias_layout(const Case& c) {
+  Layout l = c.bias_layout;
+  l.expanded = {};
+  return l;
+}
+
+Outcome run_backward_case(const Case& c, Rng& rng) {
+  const bool varlen = c.varlen();
+  const auto [q_shape, k_shape, lse_shape] = case_shapes(c);
+  const CaseInputs inputs = make_inputs(c, q_shape, k_shape, rng);
+  HostTensor dout(c.dtype, q_shape, c.qkv_layout);
+  dout.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
+  const bool db = inputs.bias.has_value();
+
+  // CPU: float64 (dense copies) or the case's dtype (the same tensors).
+  std::vector<double> lowp_out, lowp_lse;
+  auto cpu_grads = [&](bool lowp) {
+    const DType dt = lowp ? c.dtype : DType::kFloat64;
+    auto conv = [&](const HostTensor& t) { return lowp ? t : dense_copy(t, dt); };
+    const HostTensor q = conv(inputs.q), k = conv(inputs.k), v = conv(inputs.v), dO = conv(dout);
+    std::optional<HostTensor> bias;
+    if (db) bias = conv(*inputs.bias);
+    HostTensor out(dt, q_shape), lse(lowp ? DType::kFloat32 : DType::kFloat64, lse_shape);
+    HostTensor dq(dt, q_shape), dk(dt, k_shape), dv(dt, k_shape);
+    std::optional<HostTensor> dbias;
+    if (db) dbias.emplace(bias->dtype(), c.bias_shape);
+    dmattn::Inputs in{q.view(), k.view(), v.view(), std::nullopt, std::nullopt};
+    if (inputs.mask) in.mask = inputs.mask->view();
+    if (bias) in.bias = bias->view();
+    dmattn::Gradients g{dq.view(), dk.view(), dv.view(), std::nullopt};
+    if (dbias) g.dbias = dbias->view();
+    if (varlen) {
+      std::vector<std::int32_t> cu;
+      const dmattn::VarlenLayout layout = varlen_layout(c, cu, nullptr);
+      dmattn::varlen_forward(in, layout, out.view(), lse.view(), c.options);
+      dmattn::varlen_backward(in, layout, out.view(), dO.view(), lse.view(), g, c.options);
+    } else {
+      dmattn::forward(in, out.view(), lse.view(), c.options);
+      dmattn::backward(in, out.view(), dO.view(), lse.view(), g, c.options);
+    }
+    if (lowp) lowp_out = out.values(), lowp_lse = lse.values();
+    return Gradients{dq.values(), dk.values(), dv.values(), dbias ? dbias->values() : std::vector<double>{}};
+  };
+  const Gradients ref = cpu_grads(false), lowp = cpu_grads(true);
+
+  // GPU: the backward, twice into poisoned gradients, from the low-precision CPU
+  // run's out and lse, so that both backwards see the same forward (the GPU
+  // forward's own accuracy is the forward check's business).
+  const DeviceTensor q(inputs.q), k(inputs.k), v(inputs.v), dO(dout);
+  std::optional<DeviceTensor> mask, bias;
+  if (inputs.mask) mask.emplace(*inputs.mask);
+  if (db) bias.emplace(*inputs.bias);
+  HostTensor out_host(c.dtype, q_shape, c.out_layout), lse_host(DType::kFloat32, lse_shape);
+  out_host.fill([&](std::int64_t i) { return lowp_out[i]; });
+  lse_host.fill([&](std::int64_t i) { return lowp_lse[i]; });
+  const DeviceTensor out(out_host), lse(lse_host);
+  dmattn::Inputs in{q.view(), k.view(), v.view(), std::nullopt, std::nullopt};
+  if (mask) in.mask = mask->view();
+  if (bias) in.bias = bias->view();
+  std::unique_ptr<void, decltype(&cudaFree)> cu_dev(nullptr, cudaFree);
+  std::vector<std::int32_t> cu;
+  std::optional<dmattn::VarlenLayout> layout;
+  if (varlen) {
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, 2 * (c.seqlens_q.size() + 1) * 4), "cudaMalloc");
+    cu_dev.reset(p);
+    layout = varlen_layout(c, cu, p);
+  }
+  bool untouched = true;
+  auto gpu_grads = [&]() {
+    HostTensor dq_host(c.dtype, q_shape, c.qkv_layout), dk_host(c.dtype, k_shape, c.qkv_layout),
+        dv_host(c.dtype, k_shape, c.qkv_layout);
+    std::optional<HostTensor> db_host;
+    if (db) db_host.emplace(c.bias_dtype, c.bias_shape, dbias_layout(c), false);
+    for (HostTensor* t : {&dq_host, &dk_host, &dv_host}) t->poison();
+    if (db_host) db_host->poison();
+    const DeviceTensor dq(dq_host), dk(dk_host), dv(dv_host);
+    std::optional<DeviceTensor> dbias;
+    if (db_host) dbias.emplace(*db_host);
+    dmattn::Gradients g{dq.view(), dk.view(), dv.view(), std::nullopt};
+    if (dbias) g.dbias = dbias->view();
+    if (varlen)
+      dmattn::varlen_backward(in, *layout, out.view(), dO.view(), lse.view(), g, c.options);
+    else
+      dmattn::backward(in, out.view(), dO.view(), lse.view(), g, c.options);
+    check_cuda(cudaDeviceSynchronize(), "backward kernels");
+    bool pad[4] = {true, true, true, true};
+    Gradients r{dq.values(&pad[0]), dk.values(&pad[1]), dv.values(&pad[2]),
+                dbias ? dbias->values(&pad[3]) : std::vector<double>{}};
+    untouched = untouched && pad[0] && pad[1] && pad[2] && pad[3];
+    return r;
+  };
+  const Gradients gpu = gpu_grads(), again = gpu_grads();
+
+  auto bitwise = [](const std::vector<double>& a, const std::vector<double>& b) {
+    return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0);
+  };
+  Outcome r;
+  r.pass = untouched;
+  std::string detail;
+  const char* names[4] = {"dq", "dk", "dv", "dbias"};
+  const std::vector<double>* g[4] = {&gpu.dq, &gpu.dk, &gpu.dv, &gpu.dbias};
+  const std::vector<double>* rf[4] = {&ref.dq, &ref.dk, &ref.dv, &ref.dbias};
+  const std::vector<double>* lp[4] = {&lowp.dq, &lowp.dk, &lowp.dv, &lowp.dbias};
+  const std::vector<double>* ag[4] = {&again.dq, &again.dk, &again.dv, &again.dbias};
+  for (int i = 0; i < (db ? 4 : 3); ++i) {
+    const double err = max_abs_diff(*g[i], *rf[i]), lp_err = max_abs_diff(*lp[i], *rf[i]);
+    const bool same = bitwise(*g[i], *ag[i]);
+    r.pass = r.pass && err <= 2.0 * lp_err + 1e-5 && same;
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "%s %.3g (lowp %.3g)%s  ", names[i], err, lp_err, same ? "" : " NOT REPRODUCIBLE");
+    detail += buf;
+  }
+  r.detail = detail + (untouched ? "" : "WROTE OUTSIDE THE VIEW");
+  return r;
+}
+
+std::vector<Case> backward_matrix(bool small) {
+  std::vector<Case> cases;
+  int n = 0;
+  auto make = [&](const std::string& what, std::int64_t sq, std::int64_t sk, std::int64_t h, std::int64_t hk) {
+    Case c;
+    c.dtype = n % 2 ? DType::kFloat16 : DType::kBFloat16;
+    c.bias_dtype = c.dtype;
+    c.B = 1 + n % 2, c.Sq = sq, c.Sk = sk, c.H = h, c.Hk = hk;
+    c.name = "bwd " + what;
+    ++n;
+    return c;
+  };
+  auto finish = [](Case c) {
+    c.name += " " + dtype_tag(c.dtype) +
+              (c.varlen() ? std::string(" varlen") : " B" + std::to_string(c.B) + " Sq" + std::to_string(c.Sq) + " Sk" + std::to_string(c.Sk)) +
+              " H" + std::to_string(c.H) + "/" + std::to_string(c.Hk) + " D" + std::to_string(c.D) +
+              (c.options.causal ? " causal" : "");
+    if (!c.bias_shape.empty()) c.name += " bias " + dtype_tag(c.bias_dtype) + " " + dmattn_test::shape_str(c.bias_shape) + " " + dmattn_test::layout_str(c.bias_layout);
+    if (!c.mask_shape.empty()) c.name += " mask " + dmattn_test::shape_str(c.mask_shape) + " " + dmattn_test::layout_str(c.mask_layout);
+    return c;
+  };
+  if (small) {
+    Case a = make("small", 65, 200, 4, 2);
+    a.options.causal = true;
+    a.bias_shape = {1, 2, 1, 200};
+    a.mask_shape = {a.B, 1, 65, 200};
+    cases.push_back(finish(a));
+    Case b = make("small", 130, 70, 4, 1);
+    b.bias_shape = {b.B, 1, 130, 70};
+    b.options.softcap = 5.0;
+    cases.push_back(finish(b));
+    Case v = make("small", 1, 1, 4, 2);
+    v.seqlens_q = {5, 70}, v.seqlens_k = {9, 130};
+    v.bias_shape = {139, 1};
+    v.options.causal = true;
+    cases.push_back(finish(v));
+    return cases;
+  }
+  // Sizes, GQA and MQA, causal or not.
+  const std::int64_t sizes[][2] = {{1, 1}, {1, 7}, {7, 1}, {7, 7}, {63, 65}, {65, 63}, {127, 127}, {1000, 1000}, {1, 1000}, {5, 3000}, {1000, 63}};
+  const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
+  for (auto& s : sizes)
+    for (bool causal : {false, true}) {
+      Case c = make("sizes", s[0], s[1], heads[n % 3][0], heads[n % 3][1]);
+      c.options.causal = causal;
+      cases.push_back(finish(c));
+    }
+  for (std::int64_t d : {32, 64, 72}) {
+    Case c = make("head_dim", 65, 130, 4, 2);
+    c.D = d;
+    c.options.causal = true;
+    c.bias_shape = {1, 2, 1, 130};
+    cases.push_back(finish(c));
+  }
+  // Every broadcast form of the bias (dbias reductions) and of the mask, in every layout.
+  int form = 0;
+  for (const Shape& s : broadcast_shapes(2, 8, 2, 65, 127)) {
+    Case c = make("bias form", 65, 127, 8, 2);
+    c.B = 2;
+    c.bias_shape = s;
+    c.bias_dtype = form % 3 == 0 ? DType::kFloat32 : c.dtype;
+    c.bias_layout.sliced = form % 3 == 1;
+    c.bias_layout.permuted = form % 3 == 2;
+    if (form % 4 == 3) {
+      const Shape full = {2, 8, 65, 127};
+      for (int d = 0; d < 4; ++d) c.bias_layout.expanded[d] = s[d] == 1, c.bias_shape[d] = full[d];
+    }
+    c.options.causal = form % 2 == 0;
+    cases.push_back(finish(c));
+    Case m = make("mask form", 65, 127, 8, 2);
+    m.B = 2;
+    m.mask_shape = s;
+    m.mask_layout = c.bias_layout;
+    m.mask_shape = c.bias_shape;
+    m.options.causal = form % 2 == 1;
+    cases.push_back(finish(m));
+    ++form;
+  }
+  // Mask and bias together; sparse masks with fully masked rows.
+  for (double density : {0.9, 0.3, 0.02}) {
+    Case c = make("mask+bias density " + std::to_string(density).substr(0, 4), 127, 200, 4, 2);
+    c.mask_shape = {c.B, c.H, c.Sq, c.Sk};
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    c.mask_density = density;
+    cases.push_back(finish(c));
+  }
+  // Structured masks (empty and full tiles), long sequences with a key-only bias.
+  for (int variant = 0; variant < 2; ++variant) {
+    Case c = make("mask bands", 1000, 777, 4, 2);
+    c.B = 2;
+    c.mask_pattern = variant ? Case::MaskPattern::kKeyPadding : Case::MaskPattern::kBands;
+    c.mask_shape = variant ? Shape{c.B, 1, 1, c.Sk} : Shape{c.B, c.Hk, c.Sq, c.Sk};
+    c.bias_shape = {1, c.H, 1, c.Sk};
+    c.options.causal = variant == 0;
+    cases.push_back(finish(c));
+  }
+  // Windows (a single allowed key with (0, 0)), softcap and scale, Sq != Sk both ways.
+  const std::int64_t windows[][2] = {{16, 0}, {0, 16}, {30, -1}, {0, 0}};
+  for (auto& w : windows)
+    for (int flip = 0; flip < 2; ++flip) {
+      Case c = make("window (" + std::to_string(w[0]) + "," + std::to_string(w[1]) + ")", flip ? 300 : 65, flip ? 65 : 300, 4, 2);
+      c.options.sliding_window = {w[0], w[1]};
+      c.options.causal = flip == 0;
+      c.bias_shape = {1, c.Hk, 1, c.Sk};
+      cases.push_back(finish(c));
+    }
+  for (double cap : {5.0, 30.0}) {
+    Case c = make("softcap " + std::to_string(static_cast<int>(cap)) + " scale 0.3", 100, 257, 4, 2);
+    c.options.softcap = cap, c.options.scale = 0.3, c.options.causal = cap > 10;
+    c.bias_shape = {c.B, 1, c.Sq, c.Sk};
+    cases.push_back(finish(c));
+  }
+  // Layouts of q, k, v, out and the gradients: sliced (the scalar path) and permuted.
+  for (int l = 0; l < 4; ++l) {
+    Case c = make("layout", 130, 190, 4, 2);
+    c.qkv_layout.sliced = l & 1, c.qkv_layout.permuted = l & 2;
+    c.out_layout = c.qkv_layout;
+    c.options.causal = true;
+    cases.push_back(finish(c));
+  }
+  // Varlen with a key-only bias of every head count.
+  const std::vector<std::vector<std::int64_t>> seqs_q = {{1, 65, 0, 130}, {200}, {7, 7, 7}, {128, 1, 300}};
+  const std::vector<std::vector<std::int64_t>> seqs_k = {{7, 200, 5, 130}, {200}, {1, 63, 0}, {128, 300, 64}};
+  for (std::size_t i = 0; i < seqs_q.size(); ++i) {
+    Case c = make("varlen #" + std::to_string(i), 1, 1, 4, 2);
+    c.seqlens_q = seqs_q[i], c.seqlens_k = seqs_k[i];
+    std::int64_t total = 0;
+    for (auto s : c.seqlens_k) total += s;
+    const std::int64_t hb[3] = {1, c.Hk, c.H};
+    c.bias_shape = {total, hb[i % 3]};
+    c.bias_dtype = i % 2 ? DType::kFloat32 : c.dtype;
+    c.bias_layout.sliced = i % 2;
+    c.options.causal = i % 2 == 0;
+    if (i == 3) c.options.sliding_window = {40, 10};
+    cases.push_back(finish(c));
+  }
+  // Extreme biases: -1e30 and the dtype's lowest, constant (every key ties: the
+  // float32 lse cannot hold max + log(n)) and random, with single allowed keys
+  // (window (0, 0)) and fully masked rows (causal, Sq > Sk).
+  const double lowest_bf16 = -3.3895313892515355e38, lowest_f32 = -3.4028234663852886e38;
+  struct Extreme {
+    double lo, hi;
+    DType dtype;
+  };
+  for (const Extreme& e : {Extreme{-1e30, -1e30, DType::kFloat32}, Extreme{-1e30, -5e29, DType::kFloat32},
+                           Extreme{lowest_bf16, lowest_bf16, DType::kBFloat16}, Extreme{lowest_f32, lowest_f32, DType::kFloat32},
+                           Extreme{1e30, 1e30, DType::kFloat32}})
+    for (int shape = 0; shape < 3; ++shape) {
+      Case c = make("extreme bias " + std::to_string(e.lo).substr(0, 8), 130, 100, 4, 2);
+      c.dtype = DType::kBFloat16;
+      c.bias_dtype = e.dtype;
+      c.bias_lo = e.lo, c.bias_hi = e.hi;
+      c.bias_shape = shape == 0 ? Shape{1, 1, c.Sq, c.Sk} : Shape{c.B, c.Hk, 1, c.Sk};
+      c.options.causal = shape != 1;
+      if (shape == 2) c.options.sliding_window = {0, 0};
+      c.name += shape == 2 ? " window (0,0)" : "";
+      cases.push_back(finish(c));
+    }
+  return cases;
+}
+
 // keep_window_size is refused on CUDA (top-k arrives later) with a clear error.
 Outcome keep_window_refused(Rng& rng) {
   HostTensor q(DType::kBFloat16, {1, 8, 2, 64}), bias(DType::kBFloat16, {1, 2, 1, 8}), out(DType::kBFloat16, {1, 8, 2, 64}),
@@ -585,14 +923,14 @@ Outcome keep_window_refused(Rng& rng) {
   return r;
 }
 
-int check(bool small) {
+int check(bool small, bool backward_only) {
   Rng rng;
   std::printf("dmattn gpu check: %s\n", rng.trace().c_str());
   int passed = 0, failed = 0;
-  for (const Case& c : matrix(small)) {
+  auto run = [&](const Case& c, Outcome (*runner)(const Case&, Rng&)) {
     Outcome r;
     try {
-      r = run_case(c, rng);
+      r = runner(c, rng);
     } catch (const std::exception& e) {
       r.pass = false;
       r.detail = std::string("threw: ") + e.what();
@@ -600,7 +938,10 @@ int check(bool small) {
     (r.pass ? passed : failed)++;
     std::printf("%s  %-90s %s\n", r.pass ? "PASS" : "FAIL", c.name.c_str(), r.detail.c_str());
     std::fflush(stdout);
-  }
+  };
+  if (!backward_only)
+    for (const Case& c : matrix(small)) run(c, run_case);
+  for (const Case& c : backward_matrix(small)) run(c, run_backward_case);
   const Outcome refused = keep_window_refused(rng);
   (refused.pass ? passed : failed)++;
   std::printf("%s  %-90s %s\n", refused.pass ? "PASS" : "FAIL", "keep_window_size refused on CUDA",
@@ -609,15 +950,15 @@ int check(bool small) {
   return failed == 0 ? 0 : 1;
 }
 
-// Mean time of one forward in ms (CUDA events, after warm-up).
-float time_forward(const dmattn::Inputs& in, const DeviceTensor& out, const DeviceTensor& lse,
-                   const dmattn::Options& o, int iters) {
+// Mean time of one call in ms (CUDA events, after warm-up).
+template <class F>
+float time_call(F&& call, int iters) {
   cudaEvent_t start, stop;
   check_cuda(cudaEventCreate(&start), "event");
   check_cuda(cudaEventCreate(&stop), "event");
-  for (int i = 0; i < 3; ++i) dmattn::forward(in, out.view(), lse.view(), o);
+  for (int i = 0; i < 3; ++i) call();
   check_cuda(cudaEventRecord(start), "record");
-  for (int i = 0; i < iters; ++i) dmattn::forward(in, out.view(), lse.view(), o);
+  for (int i = 0; i < iters; ++i) call();
   check_cuda(cudaEventRecord(stop), "record");
   check_cuda(cudaEventSynchronize(stop), "sync");
   float ms = 0.0f;
@@ -625,6 +966,12 @@ float time_forward(const dmattn::Inputs& in, const DeviceTensor& out, const Devi
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return ms / iters;
+}
+
+// Mean time of one forward in ms.
+float time_forward(const dmattn::Inputs& in, const DeviceTensor& out, const DeviceTensor& lse,
+                   const dmattn::Options& o, int iters) {
+  return time_call([&] { dmattn::forward(in, out.view(), lse.view(), o); }, iters);
 }
 
 int bench() {
@@ -647,6 +994,27 @@ int bench() {
       std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s %.3f ms  %.1f TFLOP/s\n",
                   static_cast<long long>(S), with_bias ? "key-only bias" : "no mask", ms, flops / (ms * 1e-3) / 1e12);
     }
+  // Forward + backward (backward FLOPs counted as 2.5x the forward's): no mask, and
+  // a learnable key-only bias (B, Hk, 1, S) with its gradient.
+  for (bool with_bias : {false, true}) {
+    const std::int64_t S = 16384;
+    HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
+    random(q), random(k), random(v);
+    HostTensor bias(DType::kBFloat16, {B, Hk, 1, S}), out(DType::kBFloat16, {B, S, H, D}), lse(DType::kFloat32, {B, H, S});
+    random(bias);
+    const DeviceTensor dq(q), dk(k), dv(v), db(bias), dout(out), dlse(lse), ddo(q), gq(q), gk(k), gv(v), gb(bias);
+    dmattn::Inputs in{dq.view(), dk.view(), dv.view(), std::nullopt, std::nullopt};
+    dmattn::Gradients g{gq.view(), gk.view(), gv.view(), std::nullopt};
+    if (with_bias) in.bias = db.view(), g.dbias = gb.view();
+    dmattn::Options o;
+    o.causal = true;
+    const float fwd = time_forward(in, dout, dlse, o, 5);
+    const float bwd = time_call([&] { dmattn::backward(in, dout.view(), ddo.view(), dlse.view(), g, o); }, 5);
+    const double flops = 4.0 * B * H * D * double(S) * double(S) / 2.0;
+    std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s fwd %.3f ms  bwd %.3f ms (%.1f TFLOP/s)  fwd+bwd %.3f ms\n",
+                static_cast<long long>(S), with_bias ? "key-only bias" : "no mask", fwd, bwd,
+                2.5 * flops / (bwd * 1e-3) / 1e12, fwd + bwd);
+  }
   {  // A sparse mask: about 1024 random keys a causal row (bench_gpu.py's top-1024 case), with the key bias.
     const std::int64_t S = 4096;
     HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
@@ -687,7 +1055,8 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   try {
     if (mode == "--bench") return bench();
-    return check(mode == "--small");
+    if (mode == "--backward") return check(false, true);
+    return check(mode == "--small", false);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dmattn_gpu_check: %s\n", e.what());
     return 2;

@@ -9,10 +9,10 @@
 
 namespace dmattn::cuda {
 
-// A validated forward Problem reduced to what the kernel reads. Token operands
-// are indexed (b, head, global row, feature); mask and bias (b, operand head,
-// global query row, global key); lse (b, head, global query row).
-struct ForwardParams {
+// What the forward and the backward kernels share of a validated Problem. Token
+// operands are indexed (b, head, global row, feature); mask and bias (b, operand
+// head, global query row, global key); lse (b, head, global query row).
+struct AttentionParams {
   Operand q, k, v, out, lse, mask, bias;
   bool bias_float32 = false;
   // Query head h reads kv head h / group, mask head h / mask_group, bias head h / bias_group.
@@ -26,6 +26,10 @@ struct ForwardParams {
   std::int64_t window_left = -1, window_right = -1;
   // 16-byte cp.async loads are legal for q, k, v rows (base and strides checked).
   bool vector_q = false, vector_k = false, vector_v = false;
+};
+
+// A validated forward Problem reduced to what the kernel reads.
+struct ForwardParams : AttentionParams {
   // The mask, written by a pre-pass before the forward (see launch_config), per
   // mask slice z = (b or 0) * (H / mask_group) + h / mask_group and query block
   // m of kBlockM rows: the keys with at least one allowed (row, key) pair in the

@@ -19,9 +19,8 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
-#include <utility>
 
-#include "forward.h"
+#include "common.cuh"
 
 namespace dmattn::cuda {
 
@@ -76,87 +75,6 @@ struct ForwardConfig {
   static constexpr int kSmemBytes =
       (kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + kExtrasBytes;
 };
-
-// Calls f(std::integral_constant<int, 0>{}) .. f(std::integral_constant<int, N - 1>{}).
-template <class F, int... Is>
-__device__ __forceinline__ void static_for(F&& f, std::integer_sequence<int, Is...>) {
-  (f(std::integral_constant<int, Is>{}), ...);
-}
-
-// Issues the copy of a tile into shared memory: the calling thread's row
-// (tile_row<Config, kRows>()) is row `row` of g (row stride `stride` elements,
-// `cols` valid features), or zeros for row < 0; the rest of the tile is
-// zero-filled so that padded rows and features add nothing. cp.async where
-// 16-byte aligned (`vector`), else element by element; the caller commits the
-// group. Each thread copies chunks of 16 bytes of one row, neighbouring threads
-// neighbouring chunks, at constant offsets from one 64-bit row address (the
-// compiler would otherwise keep one 64-bit address a chunk in registers).
-template <class Config, int kRows>
-__device__ int tile_row() {
-  static_assert(Config::kThreads % kRows == 0, "tile rows must divide among the threads");
-  return threadIdx.x / (Config::kThreads / kRows);
-}
-
-template <class Config, class SmemTensor>
-__device__ void load_tile(SmemTensor&& s, const typename Config::Element* g, std::int64_t stride, std::int64_t row,
-                          int cols, bool vector) {
-  using Element = typename Config::Element;
-  constexpr int kChunks = Config::kHeadDim / 8;  // 8 elements = 16 bytes
-  constexpr int kRows = decltype(cute::size<0>(s))::value;
-  constexpr int kPerRow = Config::kThreads / kRows;  // threads a row
-  constexpr int kIters = (kChunks + kPerRow - 1) / kPerRow;
-  const int r = tile_row<Config, kRows>(), first = threadIdx.x % kPerRow * 8;
-  const bool row_valid = row >= 0;
-  const Element* src = g + (row_valid ? row * stride : 0) + first;
-  if (vector) {
-    static_for(
-        [&](auto it) {
-          constexpr int kStep = decltype(it)::value * kPerRow * 8;  // elements past `first`
-          const int col = first + kStep;
-          if (kChunks % kPerRow != 0 && col >= Config::kHeadDim) return;
-          Element* dst = &s(r, col);
-          if (row_valid && col < cols) {
-            const auto smem = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-            asm volatile("cp.async.cg.shared.global [%0], [%1+%2], 16;\n" ::"r"(smem), "l"(src),
-                         "n"(kStep * int(sizeof(Element))));
-          } else {
-            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-          }
-        },
-        std::make_integer_sequence<int, kIters>{});
-    return;
-  }
-#pragma unroll 1
-  for (int it = 0; it < kIters; ++it) {
-    const int col = first + it * kPerRow * 8;
-    if (col >= Config::kHeadDim) break;
-    for (int e = 0; e < 8; ++e) s(r, col + e) = row_valid && col < cols ? src[it * kPerRow * 8 + e] : Element(0);
-  }
-}
-
-// Tile-local limits are clamped to +-kTileFar, far outside any tile, so that
-// 64-bit sequence arithmetic becomes 32-bit comparisons inside the tile.
-constexpr int kTileFar = 1 << 20;
-__device__ inline int clamp_to_tile(std::int64_t x) {
-  return static_cast<int>(x < -kTileFar ? -kTileFar : (x > kTileFar ? kTileFar : x));
-}
-
-// 2^x on the special-function unit alone; results below the normal range flush
-// to 0, far below anything that changes a float32 softmax sum.
-__device__ inline float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ inline float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-__device__ inline float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffff, x, 1);
-  return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
 
 // Mask pre-pass 1. Block (n, m, z) reads the mask of keys 64 n .. 64 n + 63 for
 // the rows of query block m of slice z, one warp a row and 32 bytes at once,
@@ -446,16 +364,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     Tensor tSsK = ldsm_k.partition_S(stage_k(stage));
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    copy(copy_q, tSsQ(_, _, 0), tSrQv(_, _, 0));
-    copy(copy_k, tSsK(_, _, 0), tSrKv(_, _, 0));
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tSrQ); ++kk) {
-      if (kk + 1 < size<2>(tSrQ)) {
-        copy(copy_q, tSsQ(_, _, kk + 1), tSrQv(_, _, kk + 1));
-        copy(copy_k, tSsK(_, _, kk + 1), tSrKv(_, _, kk + 1));
-      }
-      gemm(mma, tSrQ(_, _, kk), tSrK(_, _, kk), acc_s);
-    }
+    gemm_ss(mma, acc_s, copy_q, tSsQ, tSrQ, tSrQv, copy_k, tSsK, tSrK, tSrKv);
     if (has_mask) {
       if (load) load_kv(load_stage, load_row);
       cute::cp_async_fence();
@@ -603,15 +512,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
             for (int c = 0; c < 2; ++c) acc_o(make_coord(c, half), m, dd) *= correction[2 * m + half];
     }
 
-    // P in the A-operand register layout: MMA tiles 2k and 2k + 1 of S form the
-    // 16 keys of k-step k.
-    constexpr int kS = decltype(size(acc_s))::value;
-    constexpr int kM = decltype(size<1>(acc_s))::value, kN = decltype(size<2>(acc_s))::value;
-    cutlass::Array<Element, kS> p_lowp = cutlass::NumericArrayConverter<Element, float, kS>{}(
-        *reinterpret_cast<const cutlass::Array<float, kS>*>(acc_s.data()));
-    const auto p_layout = make_layout(make_shape(make_shape(_2{}, _2{}, _2{}), Int<kM>{}, Int<kN / 2>{}),
-                                      make_stride(make_stride(_1{}, _2{}, Int<4 * kM>{}), _4{}, Int<8 * kM>{}));
-    Tensor tOrP = make_tensor(make_rmem_ptr<Element>(p_lowp.data()), p_layout);
+    // P in the A-operand register layout.
+    Tensor tOrP = to_a_operand<Element>(acc_s);
 
     Tensor tOsVt = ldsm_v.partition_S(make_tensor(sV0 + stage * Config::kTileElems, typename Config::SmemLayoutVt{}));
     copy(copy_v, tOsVt(_, _, 0), tOrVtv(_, _, 0));
@@ -704,10 +606,6 @@ inline int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms, in
   if (ctas >= sms || key_blocks < 8) return 1;
   const std::int64_t want = std::max<std::int64_t>(1, slots / ctas);
   return static_cast<int>(std::max<std::int64_t>(1, std::min({want, key_blocks / 4, std::int64_t{32}})));
-}
-
-inline void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("dmattn: CUDA forward: ") + what + ": " + cudaGetErrorString(err));
 }
 
 template <class Config>

@@ -1,0 +1,66 @@
+// The CUDA backward: what the host side hands to a kernel instantiation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "forward.h"
+
+namespace dmattn::cuda {
+
+// Where the dbias reduction of an element happens (SPEC 4: dbias sums dl over
+// every dimension the bias broadcasts).
+enum class BiasGrad : int {
+  kNone = 0,
+  kPerElement,  // bias has rows and keys: dS tile elements, summed over the heads sharing a bias head
+  kPerKey,      // key-only bias (rows broadcast): column sums over the query loop, in registers
+  kReduceKeys,  // bias broadcast over keys: row sums over the key tile, across warps through shared memory
+};
+
+// Mask tile classes of one tiling: tile (mask batch b, mask head mh, query block
+// m, key block n) at b * sb + mh * sh + m * sm + n; sb or sm is 0 where the mask
+// broadcasts. Empty: no allowed key; full: every in-range key allowed.
+enum : std::uint8_t { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
+struct MaskTiles {
+  std::uint8_t* data = nullptr;
+  std::int64_t sb = 0, sh = 0, sm = 0;
+};
+
+// A validated backward Problem reduced to what the kernels read (dout, dq, dk,
+// dv like the token operands, dbias like the bias).
+struct BackwardParams : AttentionParams {
+  Operand dout, dq, dk, dv, dbias;
+  int heads = 1;
+  bool vector_dout = false;
+
+  // Row statistics, float32 scratch of (b, h, local row) at (b * heads + h) * seqlen_q + i:
+  // p_ij = exp(l_ij - row_max) * row_inv (row_max = lse and row_inv = 1 unless the
+  // dq kernel recomputed them, row_inv = 0 for a row with no allowed key), and
+  // row_delta = <do_i, o_i>.
+  float* row_max = nullptr;
+  float* row_inv = nullptr;
+  float* row_delta = nullptr;
+
+  MaskTiles dq_tiles, dkv_tiles;  // tiles of the dq walk and of the dk/dv walk
+
+  // dbias: dense extents (batch, heads, rows, keys) of the bias before broadcasting
+  // (varlen: B, Hb, 1, max_seqlen_k with local keys). Direct (scratch == nullptr):
+  // each element receives one value, written in the bias dtype. Otherwise CTA
+  // (b, kv head, key block) adds into float32 slice c = (cb * contrib_h + ch) *
+  // contrib_n + cn of `scratch` (cb = b when the bias broadcasts over batches,
+  // ch = kv head when over all heads, cn = key block when over keys, else 0), and
+  // reduce_bias_grad sums the slices in order.
+  BiasGrad bias_grad = BiasGrad::kNone;
+  std::int64_t db_batch = 1, db_heads = 1, db_rows = 1, db_cols = 1;
+  float* scratch = nullptr;
+  int contrib_b = 1, contrib_h = 1, contrib_n = 1;
+};
+
+// Launches the backward for `batch` x `heads` on `stream`: row statistics, dq,
+// dk/dv/dbias and the dbias reduction, with stream-ordered scratch memory.
+// kHeadDim >= head_dim. Throws on CUDA errors.
+template <class Element, int kHeadDim>
+void launch_backward(const BackwardParams& params, int batch, cudaStream_t stream);
+
+}  // namespace dmattn::cuda
