@@ -1,7 +1,12 @@
 // dmattn demo: forward + backward of a Doge-like layer (causal, GQA, learnable
 // key-only bias A * softplus(dt), top-k keep window) on the best available
-// backend, checked against the float64 CPU oracle, with time and memory.
+// backend, checked against the float64 CPU oracle, with time and memory. With a
+// GPU (a CUDA build, DMATTN_DEMO_CUDA) the bf16 run is on the GPU, without the
+// keep window, which the CUDA backend does not run yet.
 #include <sys/resource.h>
+#if DMATTN_DEMO_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -10,6 +15,8 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "dmattn/dmattn.h"
@@ -73,14 +80,50 @@ double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+#if DMATTN_DEMO_CUDA
+void check_cuda(cudaError_t err) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("CUDA: ") + cudaGetErrorString(err));
+}
+bool gpu_present() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+// A device copy of a tensor's bf16 values; copy_back() brings them home.
+class DeviceCopy {
+ public:
+  explicit DeviceCopy(Tensor& t) : host_(t) {
+    check_cuda(cudaMalloc(&data_, t.bf16.size() * 2));
+    check_cuda(cudaMemcpy(data_, t.bf16.data(), t.bf16.size() * 2, cudaMemcpyHostToDevice));
+  }
+  ~DeviceCopy() { cudaFree(data_); }
+  DeviceCopy(const DeviceCopy&) = delete;
+  DeviceCopy& operator=(const DeviceCopy&) = delete;
+  TensorView view() const {
+    TensorView v = host_.view(true);
+    v.data = data_, v.device = {dmattn::DeviceType::kCUDA, 0};
+    return v;
+  }
+  void copy_back() { check_cuda(cudaMemcpy(host_.bf16.data(), data_, host_.bf16.size() * 2, cudaMemcpyDeviceToHost)); }
+
+ private:
+  Tensor& host_;
+  void* data_ = nullptr;
+};
+#else
+bool gpu_present() { return false; }
+#endif
+
 }  // namespace
 
 int main() {
   const dmattn::BuildInfo info = dmattn::build_info();
+  const bool gpu = info.cuda && gpu_present();
   std::printf("dmattn %s, CUDA backend: %s\n", info.version, info.cuda ? info.cuda_architectures : "not built");
-  std::printf("device: cpu (the CUDA backward and top-k arrive with later releases)\n");
-  std::printf("problem: B=%lld S=%lld H=%lld Hk=%lld D=%lld, causal, key-only bias A*softplus(dt), keep_window_size=%lld\n",
-              (long long)kB, (long long)kS, (long long)kH, (long long)kHk, (long long)kD, (long long)kKeep);
+  std::printf("device: %s\n", gpu ? "cuda:0 for bf16 (top-k on CUDA arrives with a later release: no keep window)"
+                                  : "cpu");
+  std::printf("problem: B=%lld S=%lld H=%lld Hk=%lld D=%lld, causal, key-only bias A*softplus(dt), keep_window_size=%s\n",
+              (long long)kB, (long long)kS, (long long)kH, (long long)kHk, (long long)kD,
+              gpu ? "none" : std::to_string(kKeep).c_str());
 
   std::mt19937 rng(std::random_device{}());
   std::normal_distribution<double> normal;
@@ -98,10 +141,30 @@ int main() {
   std::vector<double> lse64(kB * kH * kS);
   dmattn::Options opt;
   opt.causal = true;
-  opt.keep_window_size = kKeep;
+  if (!gpu) opt.keep_window_size = kKeep;
 
   double ms[2][2] = {};
-  for (int low = 1; low >= 0; --low) {  // bf16 on the fast path, then the float64 oracle
+#if DMATTN_DEMO_CUDA
+  if (gpu) {  // bf16 on the GPU: a warm-up call (module loading), then a timed one
+    DeviceCopy gq(q), gk(k), gv(v), gdo(dout), gbias(bias), gout(out), gdq(dq), gdk(dk), gdv(dv), gdbias(dbias);
+    void* glse = nullptr;
+    check_cuda(cudaMalloc(&glse, lse32.size() * 4));
+    const dmattn::Inputs in{gq.view(), gk.view(), gv.view(), std::nullopt, gbias.view()};
+    const TensorView lse = TensorView::contiguous(glse, DType::kFloat32, {kB, kH, kS}, {dmattn::DeviceType::kCUDA, 0});
+    for (int run = 0; run < 2; ++run) {
+      const double t0 = now_ms();
+      dmattn::forward(in, gout.view(), lse, opt);
+      check_cuda(cudaDeviceSynchronize());
+      const double t1 = now_ms();
+      dmattn::backward(in, gout.view(), gdo.view(), lse, {gdq.view(), gdk.view(), gdv.view(), gdbias.view()}, opt);
+      check_cuda(cudaDeviceSynchronize());
+      ms[1][0] = t1 - t0, ms[1][1] = now_ms() - t1;
+    }
+    for (DeviceCopy* t : {&gout, &gdq, &gdk, &gdv, &gdbias}) t->copy_back();
+    cudaFree(glse);
+  }
+#endif
+  for (int low = gpu ? 0 : 1; low >= 0; --low) {  // bf16 on the CPU (no GPU), then the float64 oracle
     const dmattn::Inputs in{q.view(low), k.view(low), v.view(low), std::nullopt, bias.view(low)};
     TensorView lse = TensorView::contiguous(low ? static_cast<void*>(lse32.data()) : lse64.data(),
                                             low ? DType::kFloat32 : DType::kFloat64, {kB, kH, kS});
@@ -113,8 +176,8 @@ int main() {
     ms[low][0] = t1 - t0, ms[low][1] = now_ms() - t1;
   }
 
-  std::printf("bf16 forward %.1f ms, backward %.1f ms (float64 oracle: %.1f / %.1f ms)\n", ms[1][0], ms[1][1],
-              ms[0][0], ms[0][1]);
+  std::printf("bf16 on %s: forward %.2f ms, backward %.2f ms (float64 oracle on the CPU: %.1f / %.1f ms)\n",
+              gpu ? "cuda:0" : "cpu", ms[1][0], ms[1][1], ms[0][0], ms[0][1]);
   bool ok = true;
   const std::pair<const char*, const Tensor*> results[] = {
       {"out", &out}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}, {"dbias", &dbias}};
