@@ -1032,7 +1032,7 @@ int bench() {
   }
   // Decode: one query row over Sk keys; bound by reading K and V. B=4 at 128k
   // keys is the case of the GB/s target.
-  for (const auto [Bd, Sk] : {std::pair<std::int64_t, std::int64_t>{1, 16384}, {4, 131072}}) {
+  for (const auto& [Bd, Sk] : {std::pair<std::int64_t, std::int64_t>{1, 16384}, {4, 131072}}) {
     HostTensor q(DType::kBFloat16, {Bd, 1, H, D}), k(DType::kBFloat16, {Bd, Sk, Hk, D}),
         v(DType::kBFloat16, {Bd, Sk, Hk, D});
     random(q), random(k), random(v);

@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   constexpr int kM = decltype(size<1>(cS))::value, kN = decltype(size<2>(cS))::value;
   static_assert(kM == 1, "a warp owns 16 rows");
   const float scale = p.scale, softcap = p.softcap, inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
-  const int lane = tid % 32, warp = tid / 32;
+  const int lane = tid % 32;
 
   // dbias state (dk/dv only): key-only sums of the thread's rows, and the slice of this CTA.
   float key_sum[2 * kM];
