@@ -142,7 +142,7 @@ __device__ void mark_tile(const ForwardParams& p, std::int64_t sq, std::int64_t 
 // of row r is allowed(r, key t). Every read of a group precedes its writes and a
 // slot t <= its key, so `allowed` may read the row's key-indexed bits in place.
 // any_word is called by every thread (with w >= words too: it returns 0 there).
-template <int kBlockM, int kThreads, class AnyWord, class Allowed>
+template <int kThreads, class AnyWord, class Allowed>
 __device__ void list_block_keys(const ForwardParams& p, std::int64_t block, std::int64_t words_in, AnyWord any_word,
                                 int rows, std::uint32_t* bits0, Allowed allowed) {
   constexpr int kWarps = kThreads / 32;
@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kThreads) gather_mask_keys(const ForwardParams
   const std::uint32_t* any = key_any + block * p.bits_sr;
   const std::int64_t row0 = std::int64_t{blockIdx.x} * kBlockM;
   std::uint32_t* const bits0 = p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr;
-  list_block_keys<kBlockM, kThreads>(
+  list_block_keys<kThreads>(
       p, block, p.bits_sr, [&](std::int64_t w) { return w < p.bits_sr ? any[w] : 0u; },
       static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0)), bits0,
       [&](int r, int key) { return ((bits0[r * p.bits_sr + key / 32] >> (key % 32)) & 1u) != 0; });
@@ -325,8 +325,8 @@ __global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p
     row_key_range(p, s.sq, s.sk, i, first, last);
     return j >= first && j <= last && threshold_keeps<Element>(p, s, i, j);
   };
-  list_block_keys<kBlockM, kThreads>(p, block, words, any_word, rows,
-                                     p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr, allowed);
+  list_block_keys<kThreads>(p, block, words, any_word, rows,
+                            p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr, allowed);
 }
 
 // The keys a query block of block_m rows can list under top-k (w =
