@@ -143,6 +143,7 @@ struct Case {
   // 160 rows x 96 keys (one in three), kKeyPadding a per-batch prefix of the keys.
   enum class MaskPattern { kRandom, kBands, kKeyPadding } mask_pattern = MaskPattern::kRandom;
   double bias_lo = -2.0, bias_hi = 2.0;
+  double bias_quantum = 0.0;  // > 0: bias values rounded down to multiples of it (ties)
   dmattn::Options options;
   bool with_lse = true;  // false: no lse tensor (options.return_lse = false)
   bool varlen() const { return !seqlens_q.empty(); }
@@ -234,7 +235,10 @@ CaseInputs make_inputs(const Case& c, const Shape& q_shape, const Shape& k_shape
   }
   if (!c.bias_shape.empty()) {
     bias.emplace(c.bias_dtype, c.bias_shape, c.bias_layout, false);
-    bias->fill([&](std::int64_t) { return rng.uniform(c.bias_lo, c.bias_hi); });
+    bias->fill([&](std::int64_t) {
+      const double x = rng.uniform(c.bias_lo, c.bias_hi);
+      return c.bias_quantum > 0.0 ? c.bias_quantum * std::floor(x / c.bias_quantum) : x;
+    });
   }
   return t;
 }
@@ -398,6 +402,15 @@ std::vector<Case> matrix(bool small) {
     v.options.causal = true;
     v.name = name(v, "small varlen");
     cases.push_back(v);
+    for (bool per_row : {false, true}) {  // top-k: per-key intervals, per-row thresholds with a mask
+      Case t = base(200, 300, DType::kBFloat16);
+      t.options.causal = true;
+      t.options.keep_window_size = 40;
+      t.bias_shape = per_row ? Shape{t.B, t.Hk, t.Sq, t.Sk} : Shape{1, t.Hk, 1, t.Sk};
+      if (per_row) t.mask_shape = {t.B, 1, t.Sq, t.Sk};
+      t.name = name(t, per_row ? "small top-k 40 per-row bias + mask" : "small top-k 40 key-only bias");
+      cases.push_back(t);
+    }
     return cases;
   }
   // Sizes: awkward lengths, both dtypes, causal or not.
@@ -586,6 +599,103 @@ std::vector<Case> matrix(bool small) {
     Case c = base(variant == 2 ? 0 : 5, variant == 2 ? 5 : 0, DType::kBFloat16);
     if (variant == 1) c.mask_shape = {c.B, 1, c.Sq, c.Sk};
     c.name = name(c, variant == 2 ? "no queries" : variant ? "no keys, mask" : "no keys");
+    cases.push_back(c);
+  }
+  // Top-k (keep_window_size = w) against the CPU's selection. Key-only bias:
+  // per-key row intervals, the lists bounded by w + 127 keys a block (causal).
+  const std::int64_t topk_sizes[][2] = {{300, 1000}, {1000, 1000}, {1000, 300}, {1, 700}, {2048, 2048}};
+  for (int i = 0; i < 5; ++i)
+    for (bool causal : {true, false}) {
+      Case c = base(topk_sizes[i][0], topk_sizes[i][1], causal ? DType::kBFloat16 : DType::kFloat16);
+      c.H = 8, c.Hk = 2;  // GQA; bias heads Hk, H or 1
+      c.options.causal = causal;
+      c.options.keep_window_size = i == 4 ? 256 : 64 + 13 * i;
+      c.bias_shape = {i % 2 ? 1 : c.B, i % 3 == 0 ? c.Hk : i % 3 == 1 ? c.H : 1, 1, c.Sk};
+      c.bias_dtype = i == 2 ? DType::kFloat32 : c.dtype;
+      c.bias_layout.sliced = i == 1, c.bias_layout.permuted = i == 3;
+      c.name = name(c, "top-k " + std::to_string(*c.options.keep_window_size) + " key-only bias " +
+                           dmattn_test::shape_str(c.bias_shape));
+      cases.push_back(c);
+    }
+  // w = 1 and w >= Sk; ties: a constant bias selects a sliding window (ties to
+  // the larger key), a bias of four values many ties; right windows; fp32 bias.
+  {
+    struct TopkVariant {
+      const char* what;
+      std::int64_t w;
+      double lo, hi;
+      std::int64_t left, right;
+    };
+    const TopkVariant variants[] = {{"w=1", 1, -2, 2, -1, -1},          {"w>=Sk", 5000, -2, 2, -1, -1},
+                                    {"w=Sk-1", 776, -2, 2, -1, -1},     {"constant bias (ties)", 100, 0.5, 0.5, -1, -1},
+                                    {"right window 30", 50, -2, 2, -1, 30}, {"left window 300", 64, -2, 2, 300, -1},
+                                    {"window (200,0)", 90, -2, 2, 200, 0}};
+    int i = 0;
+    for (const TopkVariant& t : variants) {
+      Case c = base(650, 777, i % 2 ? DType::kFloat16 : DType::kBFloat16);
+      c.B = 2, c.H = 4, c.Hk = 2;
+      c.options.causal = t.right < 0;
+      c.options.keep_window_size = t.w;
+      c.options.sliding_window = {t.left, t.right};
+      c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+      c.bias_lo = t.lo, c.bias_hi = t.hi;
+      c.name = name(c, std::string("top-k ") + t.what);
+      cases.push_back(c);
+      ++i;
+    }
+    Case few = base(500, 500, DType::kBFloat16);  // four bias values: heavy ties
+    few.options.causal = true;
+    few.options.keep_window_size = 33;
+    few.bias_shape = {1, 1, 1, few.Sk};
+    few.bias_lo = 0.0, few.bias_hi = 4.0;
+    few.bias_quantum = 1.0;
+    few.name = name(few, "top-k 33 four bias values (ties)");
+    cases.push_back(few);
+  }
+  // Per-row biases and masks: per-row thresholds (any bias head count).
+  for (int i = 0; i < 4; ++i) {
+    Case c = base(i < 2 ? 400 : 1000, i < 2 ? 1100 : 600, i % 2 ? DType::kFloat16 : DType::kBFloat16);
+    c.H = 8, c.Hk = 2;
+    c.options.causal = i != 1;
+    c.options.keep_window_size = i == 3 ? 1 : 100;
+    c.bias_shape = {c.B, i % 2 ? c.H : c.Hk, c.Sq, c.Sk};
+    c.bias_dtype = i == 2 ? DType::kFloat32 : c.dtype;
+    c.bias_layout.permuted = i == 1;
+    if (i >= 2) c.mask_shape = {1, i == 2 ? c.H : 1, c.Sq, c.Sk}, c.mask_density = 0.5;
+    c.name = name(c, "top-k " + std::to_string(*c.options.keep_window_size) + " per-row bias " +
+                         dmattn_test::shape_str(c.bias_shape) + (i >= 2 ? " + mask" : ""));
+    cases.push_back(c);
+  }
+  // Top-k with a key padding mask (the mask folded into the intervals), with a
+  // per-head mask, and varlen (a key-only bias of (total_k, Hb)).
+  for (int i = 0; i < 2; ++i) {
+    Case c = base(700, 900, DType::kBFloat16);
+    c.B = 2, c.H = 8, c.Hk = 2;
+    c.options.causal = true;
+    c.options.keep_window_size = 128;
+    c.mask_pattern = Case::MaskPattern::kKeyPadding;
+    c.mask_shape = {c.B, i ? c.H : 1, 1, c.Sk};
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    c.name = name(c, "top-k 128 key-only bias + padding mask " + dmattn_test::shape_str(c.mask_shape));
+    cases.push_back(c);
+  }
+  for (int i = 0; i < 2; ++i) {
+    Case c = base(1, 1, i ? DType::kFloat16 : DType::kBFloat16);
+    c.seqlens_q = {1, 300, 0, 130}, c.seqlens_k = {7, 500, 5, 130};
+    c.bias_shape = {642, i ? c.H : 1};
+    c.options.causal = true;
+    c.options.keep_window_size = 50;
+    if (i) c.options.sliding_window = {80, 0};  // thresholds on varlen
+    c.name = name(c, "top-k 50 varlen bias heads " + std::to_string(c.bias_shape[1]) + (i ? " window (80,0)" : ""));
+    cases.push_back(c);
+  }
+  {
+    Case c = base(1, 3000, DType::kBFloat16);  // decode with GQA: not folded under top-k
+    c.B = 2, c.H = 8, c.Hk = 2;
+    c.options.causal = true;
+    c.options.keep_window_size = 200;
+    c.bias_shape = {2, 2, 1, 3000};
+    c.name = name(c, "top-k 200 decode");
     cases.push_back(c);
   }
   return cases;
@@ -903,18 +1013,20 @@ std::vector<Case> backward_matrix(bool small) {
   return cases;
 }
 
-// keep_window_size is refused on CUDA (top-k arrives later) with a clear error.
+// The CUDA backward refuses keep_window_size (its top-k arrives later) with a clear error.
 Outcome keep_window_refused(Rng& rng) {
   HostTensor q(DType::kBFloat16, {1, 8, 2, 64}), bias(DType::kBFloat16, {1, 2, 1, 8}), out(DType::kBFloat16, {1, 8, 2, 64}),
       lse(DType::kFloat32, {1, 2, 8});
   q.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
   bias.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
-  const DeviceTensor dq(q), db(bias), dout(out), dlse(lse);
+  lse.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
+  const DeviceTensor dq(q), db(bias), dout(out), dlse(lse), gq(q), gk(q), gv(q);
   dmattn::Options o;
   o.keep_window_size = 4;
   Outcome r;
   try {
-    dmattn::forward({dq.view(), dq.view(), dq.view(), std::nullopt, db.view()}, dout.view(), dlse.view(), o);
+    dmattn::backward({dq.view(), dq.view(), dq.view(), std::nullopt, db.view()}, dout.view(), dq.view(), dlse.view(),
+                     {gq.view(), gk.view(), gv.view(), std::nullopt}, o);
     r.pass = false, r.detail = "no error thrown";
   } catch (const dmattn::Error& e) {
     r.pass = e.kind() == dmattn::Error::Kind::kUnsupported && e.argument() == "keep_window_size";
@@ -944,7 +1056,7 @@ int check(bool small, bool backward_only) {
   for (const Case& c : backward_matrix(small)) run(c, run_backward_case);
   const Outcome refused = keep_window_refused(rng);
   (refused.pass ? passed : failed)++;
-  std::printf("%s  %-90s %s\n", refused.pass ? "PASS" : "FAIL", "keep_window_size refused on CUDA",
+  std::printf("%s  %-90s %s\n", refused.pass ? "PASS" : "FAIL", "keep_window_size refused by the CUDA backward",
               refused.detail.c_str());
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
@@ -1028,6 +1140,20 @@ int bench() {
     o.causal = true;
     const float ms = time_forward({dq.view(), dk.view(), dv.view(), dm.view(), db.view()}, dout, dlse, o, 30);
     std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld key-only bias + 1024-a-row mask (B, 8, S, S)  %.3f ms\n",
+                static_cast<long long>(S), ms);
+  }
+  {  // Top-k: keep_window_size 1024 over a key-only bias (selection + listed keys + forward).
+    const std::int64_t S = 16384;
+    HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
+    random(q), random(k), random(v);
+    HostTensor bias(DType::kBFloat16, {B, Hk, 1, S}), out(DType::kBFloat16, {B, S, H, D}), lse(DType::kFloat32, {B, H, S});
+    random(bias);
+    const DeviceTensor dq(q), dk(k), dv(v), db(bias), dout(out), dlse(lse);
+    dmattn::Options o;
+    o.causal = true;
+    o.keep_window_size = 1024;
+    const float ms = time_forward({dq.view(), dk.view(), dv.view(), std::nullopt, db.view()}, dout, dlse, o, 10);
+    std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld key-only bias (B, 8, 1, S), keep_window_size 1024  %.3f ms\n",
                 static_cast<long long>(S), ms);
   }
   // Decode: one query row over Sk keys; bound by reading K and V. B=4 at 128k

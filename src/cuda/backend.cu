@@ -9,6 +9,7 @@
 #include "../backend.h"
 #include "backward.h"
 #include "forward.h"
+#include "selection.h"
 
 namespace dmattn {
 namespace {
@@ -61,10 +62,12 @@ void set_attention_params(const Problem& p, cuda::AttentionParams& params) {
 // each K and V tile once for all G heads instead of once per head. Causal is
 // dropped: bottom-right aligned, the single row sees every key. A mask or bias
 // with H heads gets the same head-to-row view; one with Hk heads (or one) is
-// shared by the G rows (row stride 0). Returns the number of heads to launch.
+// shared by the G rows (row stride 0). Top-k is not folded (its key lists are
+// per selection head). Returns the number of heads to launch.
 std::int64_t fold_query_heads(const Problem& p, cuda::ForwardParams& params) {
   const std::int64_t G = p.group();
-  if (p.seqlen_q != 1 || G == 1 || p.varlen() || p.window_left >= 0 || p.window_right >= 0) return p.heads;
+  if (p.seqlen_q != 1 || G == 1 || p.varlen() || p.window_left >= 0 || p.window_right >= 0 || p.keep_window_size > 0)
+    return p.heads;
   for (Operand* t : {&params.q, &params.out, &params.lse}) t->sr = t->sh, t->sh *= G;
   const auto fold_operand = [&](Operand& t, std::int64_t operand_heads) {
     t.sr = operand_heads == p.heads ? t.sh : 0;
@@ -89,17 +92,7 @@ void launch(const Problem& p, const cuda::ForwardParams& params, std::int64_t la
     cuda::launch_forward<cutlass::half_t, kHeadDim>(params, batch, heads, stream);
 }
 
-void run_forward(const Problem& p) {
-  if (p.keep_window_size > 0)
-    throw Error(Error::Kind::kUnsupported, "keep_window_size", "none on CUDA (top-k arrives with a later release)",
-                std::to_string(p.keep_window_size));
-  if (p.batch == 0 || p.seqlen_q == 0) return;  // nothing to write
-  cuda::ForwardParams params;
-  set_attention_params(p, params);
-  const std::int64_t launch_heads = fold_query_heads(p, params);
-  params.vector_q = vector_loads(params.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
-
-  const DeviceGuard guard(p.device.index);
+void launch_head_dim(const Problem& p, const cuda::ForwardParams& params, std::int64_t launch_heads) {
 #define DMATTN_CUDA_HEAD_DIM(D) \
   if (p.head_dim <= (D)) return launch<D>(p, params, launch_heads);
 #include "forward_head_dims.inc"
@@ -107,6 +100,37 @@ void run_forward(const Problem& p) {
   throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
               std::string("a head_dim <= the largest compiled CUDA head dim (DMATTN_HEAD_DIMS = ") + DMATTN_HEAD_DIMS + ")",
               std::to_string(p.head_dim));
+}
+
+// Top-k: the selection is computed first, on the stream (no host sync), the
+// forward's pre-passes list the selected keys from it, and it is freed
+// (stream-ordered) once they are enqueued.
+void run_forward(const Problem& p) {
+  if (p.batch == 0 || p.seqlen_q == 0) return;  // nothing to write
+  cuda::ForwardParams params;
+  set_attention_params(p, params);
+  const std::int64_t launch_heads = fold_query_heads(p, params);
+  params.vector_q = vector_loads(params.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
+
+  const DeviceGuard guard(p.device.index);
+  cuda::DeviceSelection sel;
+  if (p.keep_window_size > 0 && p.seqlen_k > 0) {
+    sel = cuda::select_topk(p);
+    params.topk_intervals = sel.intervals, params.topk_thresholds = sel.thresholds;
+    params.topk_heads = static_cast<int>(sel.heads), params.topk_group = static_cast<int>(sel.group);
+    params.keep_window_size = p.keep_window_size;
+  }
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  try {
+    launch_head_dim(p, params, launch_heads);
+  } catch (...) {
+    try {
+      cuda::free_selection(sel, stream);
+    } catch (...) {  // the launch error is the one to report
+    }
+    throw;
+  }
+  cuda::free_selection(sel, stream);
 }
 
 template <int kHeadDim>

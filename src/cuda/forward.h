@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "../problem.h"
+#include "selection.h"
 
 namespace dmattn::cuda {
 
@@ -30,20 +31,32 @@ struct AttentionParams {
 
 // A validated forward Problem reduced to what the kernel reads.
 struct ForwardParams : AttentionParams {
-  // The mask, written by a pre-pass before the forward (see launch_config), per
-  // mask slice z = (b or 0) * (H / mask_group) + h / mask_group and query block
-  // m of kBlockM rows: the keys with at least one allowed (row, key) pair in the
-  // block (mask, causal, window and key range together), ascending, at
-  // mask_keys[(z * mask_blocks + m) * keys_stride + t], mask_counts[z *
-  // mask_blocks + m] of them; and for each query row i, bit t % 32 of word
-  // mask_bits[(z * seqlen_q + i) * bits_sr + t / 32] says whether the row may see
-  // the block's key t (0 past the count). bits_sr is even, so that the two words
-  // of a 64-key tile load as one. The forward walks these keys, 64 a tile.
+  // Top-k (keep_window_size): the selection of the Problem (selection.h), one
+  // of the two arrays set; its `topk_heads` selection heads per batch, query
+  // head h reading selection head h / topk_group. The key lists below are then
+  // built from it (and the mask, if any) instead of from the mask alone.
+  const KeyRows* topk_intervals = nullptr;
+  const RowThreshold* topk_thresholds = nullptr;
+  int topk_heads = 0, topk_group = 1;
+  std::int64_t keep_window_size = 0;
+  // The allowed pairs (mask and/or top-k), written by pre-passes before the
+  // forward (see launch_config), per list slice z = (b if list_batched, else 0)
+  // * (H / list_group) + h / list_group and query block m of kBlockM rows: the
+  // keys with at least one allowed (row, key) pair in the block (mask, top-k,
+  // causal, window and key range together), ascending, local to the sequence,
+  // at mask_keys[(z * mask_blocks + m) * keys_stride + t], mask_counts[z *
+  // mask_blocks + m] <= keys_stride of them; and for each local query row i,
+  // bit t % 32 of word mask_bits[(z * seqlen_q + i) * bits_sr + t / 32] says
+  // whether the row may see the block's key t (0 past the count). bits_sr is
+  // even, so that the two words of a 64-key tile load as one. The forward walks
+  // these keys, 64 a tile. No lists (mask_keys null): no mask and no top-k.
   std::int32_t* mask_keys = nullptr;
   std::int32_t* mask_counts = nullptr;
   std::uint32_t* mask_bits = nullptr;
   std::int64_t keys_stride = 0, bits_sr = 0;
   int mask_blocks = 0;
+  int list_group = 1;
+  bool list_batched = true;
   // Split-KV, for grids too small to fill the GPU (decode): split s of a query
   // block takes its s-th share of the key blocks and writes float32 partials,
   // o normalised by its own sum and lse, at partial row
@@ -54,9 +67,10 @@ struct ForwardParams : AttentionParams {
   float* lse_partial = nullptr;
 };
 
-// Launches the forward for batch x heads on `stream` (with a mask, first the
-// passes that gather its keys, in stream-ordered scratch memory); kHeadDim >=
-// head_dim (smaller heads are zero-padded in shared memory). Throws on CUDA errors.
+// Launches the forward for batch x heads on `stream` (with a mask or a top-k
+// selection, first the passes that list its keys, in stream-ordered scratch
+// memory); kHeadDim >= head_dim (smaller heads are zero-padded in shared
+// memory). Throws on CUDA errors.
 template <class Element, int kHeadDim>
 void launch_forward(const ForwardParams& params, int batch, int heads, cudaStream_t stream);
 

@@ -76,41 +76,52 @@ struct ForwardConfig {
       (kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + kExtrasBytes;
 };
 
-// Mask pre-pass 1. Block (n, m, z) reads the mask of keys 64 n .. 64 n + 63 for
-// the rows of query block m of slice z, one warp a row and 32 bytes at once,
-// and writes each row's allowed keys (mask, causal, window, key range) as bits,
-// and in `key_any` (64 bits a block and tile) the keys some row of the block
-// may see. Tiles that the causal band or the window keep from every row of the
-// block are not read.
-template <int kBlockM, int kThreads>
-__global__ void __launch_bounds__(kThreads) pack_mask(const ForwardParams p, int mask_heads, std::uint32_t* key_any) {
+// ---- Key-list pre-passes ---------------------------------------------------
+// With a mask or a top-k selection, passes before the forward list per query
+// block the keys that some row of the block may see, and per row a bit for each
+// listed key (ForwardParams::mask_keys). A mask takes pack_mask then
+// gather_mask_keys; top-k takes mark_topk (thresholds only) then list_topk_keys.
+
+// Keys [lo, hi] that causal, the sliding window and the key range leave to
+// local row i of a sequence of sq rows and sk keys (bottom-right aligned).
+__device__ inline void row_key_range(const ForwardParams& p, std::int64_t sq, std::int64_t sk, std::int64_t i,
+                                     std::int64_t& lo, std::int64_t& hi) {
+  const std::int64_t offset = sk - sq;
+  hi = sk - 1;
+  if (p.causal) hi = min(hi, i + offset);
+  if (p.window_right >= 0) hi = min(hi, i + offset + p.window_right);
+  lo = p.window_left >= 0 ? i + offset - p.window_left : 0;
+}
+
+// Pre-pass 1, one CTA per (64-key tile at col0, rows [row0, row0 + rows) of a
+// query block): one warp a row, 32 keys a lane step. A pair is allowed when the
+// key is in the row's range and allowed(i, col) (the mask or the top-k test).
+// Writes each row's allowed keys as bits (unless bits is null) and in any_out
+// (two words) the keys some row may see. Tiles that the causal band, the window
+// or the key range keep from every row are not read.
+template <int kThreads, class Allowed>
+__device__ void mark_tile(const ForwardParams& p, std::int64_t sq, std::int64_t sk, std::int64_t row0, int rows,
+                          std::int64_t col0, Allowed allowed, std::uint32_t* bits, std::uint32_t* any_out) {
   constexpr int kWarps = kThreads / 32;
-  const int n = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM, col0 = std::int64_t{n} * 64;
-  const int rows = static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0));
-  const std::int64_t offset = p.seqlen_k - p.seqlen_q, row_last = row0 + rows - 1;
-  std::uint32_t* any_out = key_any + (std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y) * p.bits_sr + 2 * n;
-  if ((p.causal && col0 > row_last + offset) || (p.window_right >= 0 && col0 > row_last + offset + p.window_right) ||
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t offset = sk - sq, row_last = row0 + rows - 1;
+  if (rows <= 0 || col0 >= sk || (p.causal && col0 > row_last + offset) ||
+      (p.window_right >= 0 && col0 > row_last + offset + p.window_right) ||
       (p.window_left >= 0 && col0 + 64 <= row0 + offset - p.window_left)) {
     if (threadIdx.x < 2) any_out[threadIdx.x] = 0;
     return;
   }
-  const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
-  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh;
-  std::uint32_t* bits = p.mask_bits + (std::int64_t{blockIdx.z} * p.seqlen_q + row0) * p.bits_sr + 2 * n;
   std::uint32_t any[2] = {0, 0};
 #pragma unroll 4
   for (int r = warp; r < rows; r += kWarps) {
     const std::int64_t i = row0 + r;
-    const std::int64_t hi = min(p.seqlen_k - 1, min(p.causal ? i + offset : p.seqlen_k,
-                                                    p.window_right >= 0 ? i + offset + p.window_right : p.seqlen_k));
-    const std::int64_t lo = p.window_left >= 0 ? i + offset - p.window_left : 0;
+    std::int64_t lo, hi;
+    row_key_range(p, sq, sk, i, lo, hi);
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
       const std::int64_t col = col0 + 32 * w + lane;
-      const bool allowed = col >= lo && col <= hi && mask[i * p.mask.sr + col * p.mask.sc] != 0;
-      const std::uint32_t word = __ballot_sync(0xffffffff, allowed);
-      if (lane == 0) bits[r * p.bits_sr + w] = word;
+      const std::uint32_t word = __ballot_sync(0xffffffff, col >= lo && col <= hi && allowed(i, col));
+      if (bits != nullptr && lane == 0) bits[r * p.bits_sr + w] = word;
       any[w] |= word;
     }
   }
@@ -122,23 +133,26 @@ __global__ void __launch_bounds__(kThreads) pack_mask(const ForwardParams p, int
   if (threadIdx.x < 2) any_out[threadIdx.x] = block_any[threadIdx.x];
 }
 
-// Mask pre-pass 2. Block (m, z) lists the keys of `key_any` of query block m
-// (ascending, a block-wide prefix sum over the words' popcounts), then each
-// warp rewrites the bits of one row at a time in place, from key-indexed to
-// list-indexed, 32 slots a word and kGroup words at once (list slot t <= its
-// key, so a word is written only after the reads of every slot up to it).
-template <int kBlockM, int kThreads>
-__global__ void __launch_bounds__(kThreads) gather_mask_keys(const ForwardParams p, const std::uint32_t* key_any) {
+// Pre-pass 2 for one query block (`block` = z * mask_blocks + m, `rows` rows,
+// their bits from bits0): lists the keys whose bit is set in the words
+// any_word(0 .. words - 1) at mask_keys, ascending (a block-wide prefix sum over
+// the words' popcounts), and their count at mask_counts; a key past keys_stride
+// would be dropped (the sizes exclude it). Then each warp writes the bits of one
+// row at a time over the list, 32 slots a word and kGroup words at once: slot t
+// of row r is allowed(r, key t). Every read of a group precedes its writes and a
+// slot t <= its key, so `allowed` may read the row's key-indexed bits in place.
+// any_word is called by every thread (with w >= words too: it returns 0 there).
+template <int kThreads, class AnyWord, class Allowed>
+__device__ void list_block_keys(const ForwardParams& p, std::int64_t block, std::int64_t words_in, AnyWord any_word,
+                                int rows, std::uint32_t* bits0, Allowed allowed) {
   constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t block = std::int64_t{blockIdx.y} * p.mask_blocks + blockIdx.x;
-  const std::uint32_t* any = key_any + block * p.bits_sr;
   std::int32_t* keys = p.mask_keys + block * p.keys_stride;
   __shared__ int warp_total[kWarps];
-  int total = 0;
-  for (std::int64_t w0 = 0; w0 < p.bits_sr; w0 += kThreads) {
+  std::int64_t total = 0;
+  for (std::int64_t w0 = 0; w0 < words_in; w0 += kThreads) {
     const std::int64_t w = w0 + threadIdx.x;
-    const std::uint32_t word = w < p.bits_sr ? any[w] : 0;
+    const std::uint32_t word = any_word(w);
     const int count = __popc(word);
     int prefix = count;  // inclusive prefix within the warp
 #pragma unroll
@@ -148,40 +162,192 @@ __global__ void __launch_bounds__(kThreads) gather_mask_keys(const ForwardParams
     }
     if (lane == 31) warp_total[warp] = prefix;
     __syncthreads();
-    int before = total;
+    std::int64_t before = total;
     for (int j = 0; j < warp; ++j) before += warp_total[j];
     for (int j = 0; j < kWarps; ++j) total += warp_total[j];
     __syncthreads();
-    int at = before + prefix - count;
-    for (std::uint32_t bitsleft = word; bitsleft != 0; bitsleft &= bitsleft - 1)
-      keys[at++] = static_cast<std::int32_t>(32 * w + __ffs(bitsleft) - 1);
+    std::int64_t at = before + prefix - count;
+    for (std::uint32_t bitsleft = word; bitsleft != 0; bitsleft &= bitsleft - 1, ++at)
+      if (at < p.keys_stride) keys[at] = static_cast<std::int32_t>(32 * w + __ffs(bitsleft) - 1);
   }
-  if (threadIdx.x == 0) p.mask_counts[block] = total;
+  const int listed = static_cast<int>(min(total, p.keys_stride));
+  if (threadIdx.x == 0) p.mask_counts[block] = listed;
   __syncthreads();
-  const std::int64_t row0 = std::int64_t{blockIdx.x} * kBlockM;
-  const int rows = static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0));
   constexpr int kGroup = 8;  // words a step: their reads go out together
-  const int words = (total + 63) / 64 * 2;
-  std::uint32_t* const bits0 = p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr;
+  const int words = (listed + 63) / 64 * 2;
   for (int w0 = 0; w0 < words; w0 += kGroup) {
     int key[kGroup];
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) {
       const int t = 32 * (w0 + j) + lane;
-      key[j] = t < total ? keys[t] : -1;
+      key[j] = t < listed ? keys[t] : -1;
     }
     for (int r = warp; r < rows; r += kWarps) {
-      std::uint32_t* bits = bits0 + r * p.bits_sr;
-      bool allowed[kGroup];
+      bool ok[kGroup];
 #pragma unroll
-      for (int j = 0; j < kGroup; ++j) allowed[j] = key[j] >= 0 && ((bits[key[j] / 32] >> (key[j] % 32)) & 1u);
+      for (int j = 0; j < kGroup; ++j) ok[j] = key[j] >= 0 && allowed(r, key[j]);
+      std::uint32_t* bits = bits0 + r * p.bits_sr;
 #pragma unroll
       for (int j = 0; j < kGroup; ++j) {
-        const std::uint32_t word = __ballot_sync(0xffffffff, allowed[j]);
+        const std::uint32_t word = __ballot_sync(0xffffffff, ok[j]);
         if (lane == 0 && w0 + j < words) bits[w0 + j] = word;
       }
     }
   }
+}
+
+// Mask pre-pass 1. Block (n, m, z) reads the mask of keys 64 n .. 64 n + 63 for
+// the rows of query block m of slice z, one warp a row and 32 bytes at once,
+// into each row's key-indexed bits and `key_any` (bits_sr words a block). The
+// mask takes no varlen: rows and keys are the batched ones.
+template <int kBlockM, int kThreads>
+__global__ void __launch_bounds__(kThreads) pack_mask(const ForwardParams p, int mask_heads, std::uint32_t* key_any) {
+  const int n = blockIdx.x;
+  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM;
+  const int rows = static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0));
+  const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
+  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh;
+  mark_tile<kThreads>(
+      p, p.seqlen_q, p.seqlen_k, row0, rows, std::int64_t{n} * 64,
+      [&](std::int64_t i, std::int64_t col) { return mask[i * p.mask.sr + col * p.mask.sc] != 0; },
+      p.mask_bits + (std::int64_t{blockIdx.z} * p.seqlen_q + row0) * p.bits_sr + 2 * n,
+      key_any + (std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y) * p.bits_sr + 2 * n);
+}
+
+// Mask pre-pass 2. Block (m, z) lists the keys of `key_any` of query block m and
+// rewrites its rows' bits in place, from key-indexed to list-indexed.
+template <int kBlockM, int kThreads>
+__global__ void __launch_bounds__(kThreads) gather_mask_keys(const ForwardParams p, const std::uint32_t* key_any) {
+  const std::int64_t block = std::int64_t{blockIdx.y} * p.mask_blocks + blockIdx.x;
+  const std::uint32_t* any = key_any + block * p.bits_sr;
+  const std::int64_t row0 = std::int64_t{blockIdx.x} * kBlockM;
+  std::uint32_t* const bits0 = p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr;
+  list_block_keys<kThreads>(
+      p, block, p.bits_sr, [&](std::int64_t w) { return w < p.bits_sr ? any[w] : 0u; },
+      static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0)), bits0,
+      [&](int r, int key) { return ((bits0[r * p.bits_sr + key / 32] >> (key % 32)) & 1u) != 0; });
+}
+
+// One top-k list slice z = b * topk_heads + s (selection head s): its sequence
+// and where its bias, mask and selection entries start.
+struct TopkSlice {
+  std::int64_t sq = 0, sk = 0;     // local lengths
+  std::int64_t bias = 0, mask = 0;  // element offsets of local (row 0, key 0)
+  std::int64_t sel = 0;             // selection index of local key / row 0
+};
+
+__device__ inline TopkSlice topk_slice(const ForwardParams& p, int z) {
+  const int b = z / p.topk_heads, h = z % p.topk_heads * p.topk_group;  // h: a query head of selection head s
+  std::int64_t qs = 0, ks = 0;
+  TopkSlice s;
+  s.sq = p.seqlen_q, s.sk = p.seqlen_k;
+  if (p.cu_seqlens_q != nullptr) {
+    qs = p.cu_seqlens_q[b], s.sq = p.cu_seqlens_q[b + 1] - qs;
+    ks = p.cu_seqlens_k[b], s.sk = p.cu_seqlens_k[b + 1] - ks;
+  }
+  s.bias = b * p.bias.sb + (h / p.bias_group) * p.bias.sh + qs * p.bias.sr + ks * p.bias.sc;
+  s.mask = b * p.mask.sb + (h / p.mask_group) * p.mask.sh + qs * p.mask.sr + ks * p.mask.sc;
+  s.sel = std::int64_t{z} * (p.topk_intervals != nullptr ? p.seqlen_k : p.seqlen_q);
+  return s;
+}
+
+// Thresholds: whether local row i, with key j in its key range, keeps j (the
+// mask, if any, and (bias_ij, j) >= the row's threshold).
+template <class Element>
+__device__ bool threshold_keeps(const ForwardParams& p, const TopkSlice& s, std::int64_t i, std::int64_t j) {
+  if (p.mask.data != nullptr && static_cast<const std::uint8_t*>(p.mask.data)[s.mask + i * p.mask.sr + j * p.mask.sc] == 0)
+    return false;
+  const RowThreshold t = p.topk_thresholds[s.sel + i];
+  const std::int64_t at = s.bias + i * p.bias.sr + j * p.bias.sc;
+  const float value = p.bias_float32 ? static_cast<const float*>(p.bias.data)[at]
+                                     : static_cast<float>(static_cast<const Element*>(p.bias.data)[at]);
+  return value > t.value || (value == t.value && j >= t.key);
+}
+
+// Top-k pre-pass 1 (thresholds only). Block (n, m, z) marks in key_any (any_sr
+// words a block) the keys of tile n that some row of query block m keeps.
+template <class Element, int kBlockM, int kThreads>
+__global__ void __launch_bounds__(kThreads) mark_topk(const ForwardParams p, std::int64_t any_sr, std::uint32_t* key_any) {
+  const TopkSlice s = topk_slice(p, blockIdx.z);
+  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM;
+  mark_tile<kThreads>(
+      p, s.sq, s.sk, row0, static_cast<int>(min(std::int64_t{kBlockM}, s.sq - row0)), std::int64_t{blockIdx.x} * 64,
+      [&](std::int64_t i, std::int64_t j) { return threshold_keeps<Element>(p, s, i, j); }, nullptr,
+      key_any + (std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y) * any_sr + 2 * blockIdx.x);
+}
+
+// Top-k pre-pass 2. Block (m, z) lists the keys some row of query block m keeps
+// and writes its rows' bits over the list. Intervals: key j is listed when
+// [start_j, end_j) meets the block's rows, and row i keeps it when start_j <= i
+// < end_j (causal, the right window, a key-only mask and the key range are
+// folded into the interval); the words are built here, one warp-wide ballot per
+// 32 keys. Thresholds: the words of mark_topk, and the row's key range plus
+// threshold_keeps.
+template <class Element, int kBlockM, int kThreads>
+__global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p, std::int64_t any_sr,
+                                                           const std::uint32_t* key_any) {
+  const TopkSlice s = topk_slice(p, blockIdx.y);
+  const std::int64_t block = std::int64_t{blockIdx.y} * p.mask_blocks + blockIdx.x;
+  const std::int64_t row0 = std::int64_t{blockIdx.x} * kBlockM;
+  const int rows = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{kBlockM}, s.sq - row0)));
+  std::int64_t lo, key_end = 0;  // keys [0, key_end) hold every key a row of the block may see
+  if (rows > 0) {
+    row_key_range(p, s.sq, s.sk, row0 + rows - 1, lo, key_end);
+    ++key_end;
+  }
+  const std::int64_t words = key_end > 0 ? (key_end + 31) / 32 : 0;
+  const KeyRows* intervals = p.topk_intervals != nullptr ? p.topk_intervals + s.sel : nullptr;
+  const std::uint32_t* any = key_any + block * any_sr;
+  const int lane = threadIdx.x % 32;
+  auto any_word = [&](std::int64_t w) -> std::uint32_t {
+    if (intervals == nullptr) return w < words ? any[w] : 0u;
+    std::uint32_t mine = 0;
+    const std::int64_t first = 32 * (w - lane);  // the warp's first key
+    for (int c = 0; c < 32; ++c) {
+      const std::int64_t j = first + 32 * c + lane;
+      bool hit = false;
+      if (j < key_end) {
+        const KeyRows r = intervals[j];
+        hit = r.start < row0 + rows && r.end > row0;
+      }
+      const std::uint32_t word = __ballot_sync(0xffffffff, hit);
+      if (lane == c) mine = word;
+    }
+    return mine;
+  };
+  auto allowed = [&](int r, int j) {
+    const std::int64_t i = row0 + r;
+    if (intervals != nullptr) {
+      const KeyRows k = intervals[j];
+      return k.start <= i && i < k.end;
+    }
+    std::int64_t first, last;
+    row_key_range(p, s.sq, s.sk, i, first, last);
+    return j >= first && j <= last && threshold_keeps<Element>(p, s, i, j);
+  };
+  list_block_keys<kThreads>(p, block, words, any_word, rows,
+                            p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr, allowed);
+}
+
+// The keys a query block of block_m rows can list under top-k (w =
+// keep_window_size), a bound the host knows without reading the selection:
+// - every row keeps at most w keys: at most block_m * w, and at most Sk;
+// - intervals: a listed key j has start_j < i1 and end_j > i0 (rows [i0, i1)).
+//   Those with start_j <= i0 are kept by row i0: at most w. The others start
+//   in (i0, i1), and start_j is the first row that sees j (j - (sk - sq), less
+//   the right window), one key a row under causal or a right window (at most
+//   block_m - 1 of them) and row 0 for every key without either (none);
+// - a left window with causal or a right window: the rows see keys [i0 + offset
+//   - left, i1 - 1 + offset + right'] (right' = 0 under causal), left + right' +
+//   block_m of them.
+inline std::int64_t topk_list_bound(const ForwardParams& p, int block_m) {
+  const std::int64_t w = p.keep_window_size;
+  const bool right_limit = p.causal || p.window_right >= 0;
+  std::int64_t bound = std::min(p.seqlen_k, block_m * w);
+  if (p.topk_intervals != nullptr) bound = std::min(bound, w + (right_limit ? block_m - 1 : 0));
+  if (p.window_left >= 0 && right_limit)
+    bound = std::min(bound, p.window_left + (p.causal ? 0 : p.window_right) + block_m);
+  return bound;
 }
 
 template <class Config>
@@ -207,11 +373,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   const std::int64_t offset = sk - sq;  // bottom-right alignment
   const std::int64_t row_last = min(row0 + kBlockM, sq) - 1;
 
-  const bool has_mask = p.mask.data != nullptr, has_bias = p.bias.data != nullptr;
-  // With a mask the block walks the keys that the pre-pass listed for it (64 a
-  // tile, gathered); without one, the keys that any row of it may see: [key_lo, key_hi).
+  // has_mask: the pre-passes listed the block's keys (a mask, a top-k selection
+  // or both); the block walks them, 64 a tile, gathered. Otherwise it walks the
+  // keys that any row of it may see: [key_lo, key_hi).
+  const bool has_mask = p.mask_keys != nullptr, has_bias = p.bias.data != nullptr;
   const std::int64_t mask_block =
-      has_mask ? ((p.mask.sb == 0 ? 0 : b) * std::int64_t{gridDim.y / p.mask_group} + h / p.mask_group) * p.mask_blocks +
+      has_mask ? ((p.list_batched ? b : 0) * std::int64_t{gridDim.y / p.list_group} + h / p.list_group) * p.mask_blocks +
                      row0 / kBlockM
                : 0;
   const int mask_count = has_mask ? p.mask_counts[mask_block] : 0;
@@ -233,9 +400,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + hk * p.v.sh + ks * p.v.sr;
   // The key tiles are visited from n_end - 1 down to n_first.
   auto next_block = [](int n) { return n - 1; };
-  // Mask bits of the block's first row (varlen takes no mask, so rows are global).
+  // Mask bits of the block's first row (local rows; seqlen_q rows a slice).
   const std::uint32_t* mask_bits =
-      has_mask ? p.mask_bits + (mask_block / p.mask_blocks * sq + row0) * p.bits_sr : nullptr;
+      has_mask ? p.mask_bits + (mask_block / p.mask_blocks * p.seqlen_q + row0) * p.bits_sr : nullptr;
   // Keys of tile n from its first: how many, and the key of the calling
   // thread's K/V row (-1 past the keys; a mask's keys come from its list).
   auto tile_count = [&](int n) { return (has_mask ? mask_count : sk) - std::int64_t{n} * kBlockN; };
@@ -608,40 +775,68 @@ inline int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms, in
   return static_cast<int>(std::max<std::int64_t>(1, std::min({want, key_blocks / 4, std::int64_t{32}})));
 }
 
+// Enqueues the key-list pre-passes of a mask and/or a top-k selection into one
+// scratch buffer (params.mask_bits, freed by the caller after the forward): per
+// list slice the bits of every query row, and per query block the key list,
+// its count and the words of the keys any row of it may see (a mask, and top-k
+// thresholds). A mask alone keeps a slice per mask head (one for a mask
+// broadcast over batches) and full-width lists (bits are key-indexed before the
+// in-place rewrite); top-k keeps a slice per selection head and lists of at
+// most topk_list_bound keys: no (Sq, Sk) array for a key-only bias.
+template <class Config>
+void build_key_lists(ForwardParams& params, int batch, int heads, cudaStream_t stream) {
+  constexpr int kBlockM = Config::kBlockM, kThreads = Config::kThreads;
+  const bool topk = params.topk_intervals != nullptr || params.topk_thresholds != nullptr;
+  const std::int64_t blocks = (params.seqlen_q + kBlockM - 1) / kBlockM;
+  const std::int64_t tiles = (params.seqlen_k + 63) / 64;
+  const int mask_heads = heads / params.mask_group;
+  std::int64_t slices = 0, any_sr = 0;
+  if (topk) {
+    slices = std::int64_t{batch} * params.topk_heads;
+    params.list_group = params.topk_group, params.list_batched = true;
+    params.keys_stride = 64 * ((topk_list_bound(params, kBlockM) + 63) / 64);
+    params.bits_sr = params.keys_stride / 32;
+    any_sr = params.topk_thresholds != nullptr ? 2 * tiles : 0;
+  } else {
+    params.list_group = params.mask_group, params.list_batched = params.mask.sb != 0;
+    slices = std::int64_t{params.list_batched ? batch : 1} * mask_heads;
+    params.keys_stride = 64 * tiles;
+    params.bits_sr = any_sr = 2 * tiles;
+  }
+  params.mask_blocks = static_cast<int>(blocks);
+  const std::int64_t bits_words = slices * params.seqlen_q * params.bits_sr;
+  const std::int64_t any_words = slices * blocks * any_sr;
+  const std::int64_t key_words = slices * blocks * params.keys_stride;
+  const std::int64_t words = bits_words + any_words + key_words + slices * blocks;
+  check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&params.mask_bits), static_cast<std::size_t>(words) * 4, stream),
+             "cudaMallocAsync (key-list pre-pass)");
+  std::uint32_t* const key_any = params.mask_bits + bits_words;
+  params.mask_keys = reinterpret_cast<std::int32_t*>(key_any + any_words);
+  params.mask_counts = params.mask_keys + key_words;
+  const dim3 marks(static_cast<unsigned>(tiles), static_cast<unsigned>(blocks), static_cast<unsigned>(slices));
+  const dim3 lists(static_cast<unsigned>(blocks), static_cast<unsigned>(slices));
+  if (!topk) {
+    pack_mask<kBlockM, kThreads><<<marks, kThreads, 0, stream>>>(params, mask_heads, key_any);
+    gather_mask_keys<kBlockM, kThreads><<<lists, kThreads, 0, stream>>>(params, key_any);
+    return;
+  }
+  using Element = typename Config::Element;
+  if (params.topk_thresholds != nullptr)
+    mark_topk<Element, kBlockM, kThreads><<<marks, kThreads, 0, stream>>>(params, any_sr, key_any);
+  list_topk_keys<Element, kBlockM, kThreads><<<lists, kThreads, 0, stream>>>(params, any_sr, key_any);
+}
+
 template <class Config>
 void launch_config(const ForwardParams& in, int batch, int heads, cudaStream_t stream) {
   using Element = typename Config::Element;
   constexpr int kHeadDim = Config::kHeadDim;
   ForwardParams params = in;
-  std::uint32_t* key_any = nullptr;
-  if (params.seqlen_k == 0) params.mask.data = nullptr;  // no keys: nothing to mask, every row empty
-  if (params.mask.data != nullptr) {
-    // Scratch for the mask pre-passes, one buffer: per slice (a mask broadcast
-    // over batches keeps one) the bits of every query row, and per query block
-    // the key list, its count and the keys any row of it may see.
-    const std::int64_t blocks = (params.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
-    const std::int64_t tiles = (params.seqlen_k + 63) / 64;
-    const int mask_heads = heads / params.mask_group, mask_batches = params.mask.sb == 0 ? 1 : batch;
-    const std::int64_t slices = std::int64_t{mask_batches} * mask_heads;
-    params.mask_blocks = static_cast<int>(blocks);
-    params.bits_sr = 2 * tiles;
-    params.keys_stride = 64 * tiles;
-    const std::int64_t bits_words = slices * params.seqlen_q * params.bits_sr;
-    const std::int64_t any_words = slices * blocks * params.bits_sr;
-    const std::int64_t key_words = slices * blocks * params.keys_stride;
-    const std::int64_t words = bits_words + any_words + key_words + slices * blocks;
-    check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&params.mask_bits), static_cast<std::size_t>(words) * 4, stream),
-               "cudaMallocAsync (mask pre-pass)");
-    key_any = params.mask_bits + bits_words;
-    params.mask_keys = reinterpret_cast<std::int32_t*>(key_any + any_words);
-    params.mask_counts = params.mask_keys + key_words;
-    pack_mask<Config::kBlockM, Config::kThreads>
-        <<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(blocks), static_cast<unsigned>(slices)),
-           Config::kThreads, 0, stream>>>(params, mask_heads, key_any);
-    gather_mask_keys<Config::kBlockM, Config::kThreads>
-        <<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(slices)), Config::kThreads, 0, stream>>>(params,
-                                                                                                         key_any);
+  if (params.seqlen_k == 0) {  // no keys: nothing to mask or select, every row empty
+    params.mask.data = nullptr;
+    params.topk_intervals = nullptr, params.topk_thresholds = nullptr;
   }
+  if (params.mask.data != nullptr || params.topk_intervals != nullptr || params.topk_thresholds != nullptr)
+    build_key_lists<Config>(params, batch, heads, stream);
   auto kernel = forward_kernel<Config>;
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess)
