@@ -5,6 +5,11 @@ Cases (issue 4, item 6): B=1, 32 query heads, 8 kv heads, D=128, bf16, causal,
 S in {4096, 16384}: no mask; key-only bias (B, 8, 1, S); key-only bias plus a
 (B, 8, S, S) bool mask holding the top-1024 keys of every row (by the causal-
 masked bias); and decode (Sq=1, Sk=131072, B=4), without and with the key bias.
+Top-k cases (issue 6), dmattn only (no peer selects keys per row from a bias:
+the top-1024 mask case is what they run instead): the key bias with
+keep_window_size = 1024 at S = 16384 (selection included in every call), the
+same with w = 2048 at S = 16384, 65536 and 131072 (scaling in S at fixed w),
+and decode (Sq=1, Sk=131072, B=4) with w = 2048 against dmattn's dense decode.
 
 Systems: dmattn; torch SDPA with one backend forced (flash, cuDNN, efficient;
 a bias or mask is given to SDPA as a materialised (B, 32, Sq, Sk) additive
@@ -41,6 +46,7 @@ from pathlib import Path
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 GROUP = HEADS // KV_HEADS
 TOP_K = 1024
+SCALING_W = 2048
 DECODE_BATCH, DECODE_KEYS = 4, 131072
 FWD_BWD_FLOP_FACTOR = 3.5  # backward = 2.5 forwards (five matrix products against two)
 CASES = [  # (kind, batch, query length, key length): the long ones first, so a deadline cuts the short ones
@@ -49,6 +55,11 @@ CASES = [  # (kind, batch, query length, key length): the long ones first, so a 
     ("key bias + top-1024 mask", 1, 16384, 16384),
     ("decode", DECODE_BATCH, 1, DECODE_KEYS),
     ("decode + key bias", DECODE_BATCH, 1, DECODE_KEYS),
+    ("key bias, keep 1024", 1, 16384, 16384),
+    ("key bias, keep 2048", 1, 16384, 16384),
+    ("key bias, keep 2048", 1, 65536, 65536),
+    ("key bias, keep 2048", 1, 131072, 131072),
+    ("decode + key bias, keep 2048", DECODE_BATCH, 1, DECODE_KEYS),
     ("no mask", 1, 4096, 4096),
     ("key bias", 1, 4096, 4096),
     ("key bias + top-1024 mask", 1, 4096, 4096),
@@ -75,6 +86,9 @@ TARGETS = [  # (case, S, measure, target, comparison): the H100 targets of the i
     ("key bias + top-1024 mask", 16384, "fwd ms", 8, "<="),
     ("decode", DECODE_KEYS, "fwd GB/s", 2000, ">="),
 ]
+TOPK_TARGETS = [  # issue 6 (H200 numbers; the H100 is slower)
+    ("key bias, keep 1024", 16384, "fwd+bwd ms, selection included", 6, "<="),
+]
 
 
 # --------------------------------------------------------------------------- inputs
@@ -86,6 +100,7 @@ class Case:
     def __init__(self, torch, kind, batch, sq, sk):
         self.kind, self.batch, self.sq, self.sk = kind, batch, sq, sk
         self.decode = kind.startswith("decode")
+        self.keep = int(kind.rsplit(" ", 1)[1]) if "keep" in kind else None
         self.causal = not self.decode  # one query row at the end sees every key: causal changes nothing
         gen = torch.Generator(device="cuda").manual_seed(0)
         opts = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -103,6 +118,10 @@ class Case:
             self.mask.scatter_(-1, keys, True).logical_and_(allowed)
             del keys, allowed
             self.allowed = GROUP * int(self.mask.sum())
+        elif self.keep is not None:  # row i keeps min(w, its allowed keys)
+            w, offset = self.keep, sk - sq
+            allowed_keys = torch.arange(sq, dtype=torch.int64) + offset + 1 if self.causal else torch.full((sq,), sk)
+            self.allowed = batch * HEADS * int(allowed_keys.clamp(max=w).sum())
         elif self.causal:
             self.allowed = batch * HEADS * sq * (sq + 1) // 2
         else:
@@ -152,7 +171,8 @@ def make_dmattn(torch, case, grad):
     q, k, v, bias = case.leaves(grad)
 
     def forward():
-        return dmattn.attention(q, k, v, mask=case.mask, bias=bias, causal=case.causal)
+        return dmattn.attention(q, k, v, mask=case.mask, bias=bias, causal=case.causal,
+                                keep_window_size=case.keep)
 
     return (fwd_bwd(torch, forward, [q, k, v, bias], case.dout) if grad else forward), []
 
@@ -321,7 +341,7 @@ def run(args):
         started = time.time()
         case = Case(torch, kind, batch, sq, sk)
         reference = None
-        for system in SYSTEMS:
+        for system in SYSTEMS if case.keep is None else ["dmattn"]:
             for grad in (False, True):
                 if grad and case.decode:
                     continue  # inference only
@@ -411,6 +431,7 @@ def report(results, out_dir):
         row = next((r for r in rows if r["case"] == kind and max(r["sq"], r["sk"]) == length
                     and r.get("system") == "dmattn" and r.get("mode") == "fwd" and key in r), None)
         lines.append(f"| {kind} | {length} | {what} | {op} {target} | {fmt(row, key, 1) or 'not measured'} |")
+    lines += topk_report(rows)
     lines += ["", "## Reference: the seed project's numbers (DESIGN.md)", "",
               "Measured on one H200 by others, S=16384, fwd ms / fwd+bwd ms; not re-run here.", "",
               "| case | system | fwd ms / fwd+bwd ms |", "|---|---|---|"]
@@ -420,6 +441,42 @@ def report(results, out_dir):
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "benchmarks-gpu.md").write_text("\n".join(lines))
     plot(results, Path(out_dir) / "benchmarks-gpu.png")
+
+
+def topk_report(rows):
+    """The issue 6 measures: top-k time against its target, scaling in S at fixed w, decode against dense."""
+    def get(kind, sq, sk, mode, key):
+        row = next((r for r in rows if (r["case"], r["sq"], r["sk"], r.get("system"), r.get("mode")) ==
+                    (kind, sq, sk, "dmattn", mode) and key in r), None)
+        return None if row is None else row[key]
+
+    lines = ["", "## Top-k (keep_window_size, selection included; issue 6)", "",
+             "| case | S | measure | target | dmattn |", "|---|---|---|---|---|"]
+    for kind, length, what, target, op in TOPK_TARGETS:
+        value = get(kind, length, length, "fwd+bwd", "ms")
+        lines.append(f"| {kind} | {length} | {what} | {op} {target} (H200) | "
+                     f"{'not measured' if value is None else f'{value:.2f}'} |")
+    lines += ["", f"Scaling at w = {SCALING_W} (B=1): each step's time ratio over its S ratio (target: <= 1.3).", "",
+              "| S | fwd ms | fwd+bwd ms | fwd+bwd peak MiB | fwd step / S step | fwd+bwd step / S step |",
+              "|---|---|---|---|---|---|"]
+    previous = None
+    for kind, _, sq, sk in CASES:
+        if kind != f"key bias, keep {SCALING_W}":
+            continue
+        now = (sq, get(kind, sq, sk, "fwd", "ms"), get(kind, sq, sk, "fwd+bwd", "ms"))
+        steps = ["", ""]
+        if previous is not None:
+            steps = [f"{b / a / (now[0] / previous[0]):.2f}" if a and b else "" for a, b in zip(previous[1:], now[1:])]
+        peak = get(kind, sq, sk, "fwd+bwd", "peak_mib")
+        cells = ["" if x is None else f"{x:.2f}" for x in now[1:]] + ["" if peak is None else f"{peak:.0f}"]
+        lines.append(f"| {sq} | " + " | ".join(cells + steps) + " |")
+        previous = now
+    dense = get("decode + key bias", 1, DECODE_KEYS, "fwd", "ms")
+    topk = get(f"decode + key bias, keep {SCALING_W}", 1, DECODE_KEYS, "fwd", "ms")
+    if dense and topk:
+        lines += ["", f"Decode B={DECODE_BATCH}, Sk={DECODE_KEYS}, key bias: dense {dense:.3f} ms, keep {SCALING_W} "
+                  f"{topk:.3f} ms, ratio {topk / dense:.3f} (target < 0.25)."]
+    return lines
 
 
 def plot(results, path):
