@@ -57,6 +57,15 @@ struct Problem {
   std::int64_t group() const { return heads / kv_heads; }  // query heads per kv head
   // Head of a mask or bias with `n` heads (H, Hk or 1) that query head h reads.
   std::int64_t operand_head(std::int64_t h, std::int64_t n) const { return h / (heads / n); }
+  // How top-k (keep_window_size) is selected, on every backend (SPEC 3): per-key
+  // row intervals, O(Sk log Sk) work, for a query-broadcast bias with at most a
+  // key-only mask and no left window; otherwise per-row thresholds, O(Sq * Sk)
+  // work, which is also the cheaper choice for a few query rows (decode).
+  static constexpr std::int64_t kThresholdRows = 16;
+  bool topk_by_intervals() const {
+    return bias_shape.rows == 1 && (!mask.present() || mask_shape.rows == 1) && window_left < 0 &&
+           seqlen_q > kThresholdRows;
+  }
   // Element offset of the (batch b, query head h) slice of the mask or the bias.
   std::int64_t mask_base(std::int64_t b, std::int64_t h) const {
     return b * mask.sb + operand_head(h, mask_shape.heads) * mask.sh;

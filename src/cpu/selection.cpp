@@ -93,8 +93,7 @@ void row_thresholds(const Problem& p, const Geometry& g, std::int64_t b, std::in
 Selection select_topk(const Problem& p) {
   Selection sel;
   if (p.keep_window_size == 0) return sel;
-  const bool key_only = p.bias_shape.rows == 1 && (!p.mask.present() || p.mask_shape.rows == 1);
-  sel.mode = key_only && p.window_left < 0 ? Selection::kIntervals : Selection::kThresholds;
+  sel.mode = p.topk_by_intervals() ? Selection::kIntervals : Selection::kThresholds;
   sel.heads = p.heads;
   sel.per_head = sel.mode == Selection::kIntervals ? p.seqlen_k : p.seqlen_q;
   const auto size = static_cast<std::size_t>(p.batch * p.heads * sel.per_head);

@@ -2,7 +2,8 @@
 // call for every (batch, query head) before any attention work.
 //
 // Query-broadcast bias (its Sq dimension is 1) with causal / right-window limits
-// and at most a key-only mask: the rows that select key j form one interval
+// and at most a key-only mask, more than a decode step's rows
+// (Problem::topk_by_intervals): the rows that select key j form one interval
 // [start_j, end_j), O(Sk log Sk) time and O(Sk) memory per head. Otherwise each
 // row keeps a threshold (the w-th largest (bias, key) pair): O(Sq) memory per
 // head, O(Sq * Sk) time.

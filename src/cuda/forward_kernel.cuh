@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p
 
 // The keys a query block of block_m rows can list under top-k (w =
 // keep_window_size), a bound the host knows without reading the selection:
-// - every row keeps at most w keys: at most block_m * w, and at most Sk;
+// - every row keeps at most w keys: at most min(block_m, Sq) * w, and at most Sk;
 // - intervals: a listed key j has start_j < i1 and end_j > i0 (rows [i0, i1)).
 //   Those with start_j <= i0 are kept by row i0: at most w. The others start
 //   in (i0, i1), and start_j is the first row that sees j (j - (sk - sq), less
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p
 inline std::int64_t topk_list_bound(const ForwardParams& p, int block_m) {
   const std::int64_t w = p.keep_window_size;
   const bool right_limit = p.causal || p.window_right >= 0;
-  std::int64_t bound = std::min(p.seqlen_k, block_m * w);
+  std::int64_t bound = std::min(p.seqlen_k, std::min<std::int64_t>(block_m, p.seqlen_q) * w);
   if (p.topk_intervals != nullptr) bound = std::min(bound, w + (right_limit ? block_m - 1 : 0));
   if (p.window_left >= 0 && right_limit)
     bound = std::min(bound, p.window_left + (p.causal ? 0 : p.window_right) + block_m);

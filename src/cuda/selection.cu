@@ -400,8 +400,7 @@ DeviceSelection select_topk(const Problem& p) {
   if (p.bias.dtype != DType::kFloat32 && p.bias.dtype != DType::kFloat16 && p.bias.dtype != DType::kBFloat16)
     throw Error(Error::Kind::kUnsupported, "bias.dtype", "float32, float16 or bfloat16 for the CUDA top-k",
                 dtype_name(p.bias.dtype));
-  const bool key_only = p.bias_shape.rows == 1 && (!p.mask.present() || p.mask_shape.rows == 1);
-  sel.mode = key_only && p.window_left < 0 ? DeviceSelection::kIntervals : DeviceSelection::kThresholds;
+  sel.mode = p.topk_by_intervals() ? DeviceSelection::kIntervals : DeviceSelection::kThresholds;
   sel.heads = std::max(p.bias_shape.heads, p.mask.present() ? p.mask_shape.heads : std::int64_t{1});
   sel.group = p.heads / sel.heads;
   sel.per_head = sel.mode == DeviceSelection::kIntervals ? p.seqlen_k : p.seqlen_q;

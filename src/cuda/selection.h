@@ -10,7 +10,7 @@
 // selection heads and query head h uses selection head h / group.
 //
 // Intervals (query-broadcast bias, causal / right-window limits, at most a
-// key-only mask): rows [start, end) of (b, s) select key j. Per head an
+// key-only mask, more than 16 query rows: Problem::topk_by_intervals): rows [start, end) of (b, s) select key j. Per head an
 // ascending radix sort of the keys by (bias, index) descending, then a wavelet
 // matrix over the sorted key indices answers "the w-th smallest index among the
 // r strongest keys" in O(log Sk) per key: O(Sk log Sk) work and O(Sk log Sk) bits
