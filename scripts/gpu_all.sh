@@ -15,7 +15,7 @@
 # JSON, table and plot, the Doge curves).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
+cd "$root" || exit 1
 out=${OUT:-$root/build-gpu/all}
 build=${BUILD:-$root/build-gpu}
 logs=$(mktemp -d)/logs
