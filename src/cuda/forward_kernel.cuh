@@ -823,6 +823,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 
 // Merges the split-KV partials: one warp per (b, h, query row) of the grid
 // (B * H * seqlen_q rows), o = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s).
+// Lane t holds the weights of splits t, t + 32, ..., and the lanes sum four
+// neighbouring columns each over the splits, eight splits' loads in flight (a
+// loop over the splits one load at a time is a chain of memory latencies that
+// a decode call would wait on).
 template <class Element>
 __global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int batch, int heads) {
   constexpr float kInf = INFINITY;
@@ -833,22 +837,34 @@ __global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int
   const int h = static_cast<int>(row / p.seqlen_q % heads), b = static_cast<int>(row / p.seqlen_q / heads);
   std::int64_t qs = 0, sq = p.seqlen_q;
   if (p.cu_seqlens_q != nullptr) qs = p.cu_seqlens_q[b], sq = p.cu_seqlens_q[b + 1] - qs;
-  if (i >= sq) return;
-  const int lane = threadIdx.x % 32, d = p.head_dim;
+  if (i >= sq) return;  // the warp's row: the whole warp returns
+  const int lane = threadIdx.x % 32, d = p.head_dim, splits = p.num_splits;
+  auto lse_of = [&](int s) { return s < splits ? p.lse_partial[s * rows + row] : -kInf; };
   float top = -kInf;
-  for (int s = 0; s < p.num_splits; ++s) top = fmaxf(top, p.lse_partial[s * rows + row]);
+  for (int s = lane; s < splits; s += 32) top = fmaxf(top, lse_of(s));
+  for (int w = 16; w >= 1; w /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, w));
   float sum = 0.0f;
   if (top != -kInf)
-    for (int s = 0; s < p.num_splits; ++s) sum += expf(p.lse_partial[s * rows + row] - top);
+    for (int s = lane; s < splits; s += 32) sum += expf(lse_of(s) - top);
+  for (int w = 16; w >= 1; w /= 2) sum += __shfl_xor_sync(0xffffffff, sum, w);
   auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (qs + i) * p.out.sr;
-  for (int col = lane; col < d; col += 32) {
-    float o = 0.0f;
-    if (top != -kInf)
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float w = expf(p.lse_partial[s * rows + row] - top) / sum;
-        o += w * p.o_partial[(s * rows + row) * d + col];
+  for (int c0 = 0; c0 < d; c0 += 128) {
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s0 = 0; s0 < splits && top != -kInf; s0 += 32) {
+      const float weight = expf(lse_of(s0 + lane) - top) / sum;  // 0 past the splits
+      const int n = min(32, splits - s0);
+#pragma unroll 8
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(0xffffffff, weight, j);
+        const float* o_split = p.o_partial + ((s0 + j) * rows + row) * d;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (c0 + 4 * lane + e < d) o[e] += w * o_split[c0 + 4 * lane + e];
       }
-    out[col] = static_cast<Element>(o);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (c0 + 4 * lane + e < d) out[c0 + 4 * lane + e] = static_cast<Element>(o[e]);
   }
   if (p.lse.data != nullptr && lane == 0)
     static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (qs + i) * p.lse.sr] =
