@@ -734,10 +734,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
             for (int c = 0; c < 2; ++c) acc_o(make_coord(c, half), m, dd) *= correction[2 * m + half];
     }
     // Then P = exp(x unit - max unit) as exp2(x c - max c), one FFMA: max c is
-    // rounded (by at most 2^-24 |max c|, a factor that the row's entries of this
-    // tile share; below 2e-5 while |max| <= kNearMax). Larger logits (a bias of
-    // -1e30, say) take exp2((x - max) c), exact 0 at the max however large it
-    // is, so that lse = max + log(sum) stays exact.
+    // rounded (by at most 2^-24 |max c|: a factor that the row's entries of this
+    // tile share, within 2e-5 of 1 while |max| <= kNearMax). Larger logits (a
+    // bias of -1e30, say) take exp2((x - max) c), exact 0 at the max however
+    // large it is, so that lse = max + log(sum) stays exact.
     const bool exact = logits && __any_sync(0xffffffff, far);
 #pragma unroll
     for (int m = 0; m < size<1>(acc_s); ++m) {
