@@ -65,6 +65,10 @@ struct ForwardParams : AttentionParams {
   int num_splits = 1;
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
+  // The launch's batches and heads (query heads, or kv heads when decode folds
+  // them into rows): the kernel's one-dimensional grid enumerates
+  // (query block, split, batch, head), head fastest.
+  int batch = 1, heads = 1;
 };
 
 // Launches the forward for batch x heads on `stream` (with a mask or a top-k

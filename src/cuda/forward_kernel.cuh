@@ -14,6 +14,7 @@
 #include <cutlass/numeric_types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -350,6 +351,55 @@ inline std::int64_t topk_list_bound(const ForwardParams& p, int block_m) {
   return bound;
 }
 
+// Loads `rows` consecutive rows of g (row stride `stride` elements, `cols`
+// valid features, zeros past them) into the K or V tile s with 16-byte
+// cp.async; the caller commits the group. kPerRow threads share a row, one
+// chunk each (neighbouring threads neighbouring chunks: whole 128-byte lines a
+// warp), and a thread's rows are kRowStep apart, a multiple of the swizzle
+// atom's 8 rows: the swizzled address of each of its copies is then its first
+// plus a constant, where load_tile works out every address anew. Only for the
+// head dims that allow such a step (kDenseLoads); the rest take load_tile.
+template <class Config>
+struct DenseLoad {
+  static constexpr int kChunks = Config::kHeadDim / 8;
+  static constexpr int kPerRow = kChunks % 16 == 0 ? 16 : kChunks % 8 == 0 ? 8 : kChunks % 4 == 0 ? 4 : 1;
+  static constexpr int kRowStep = Config::kThreads / kPerRow;
+  static constexpr bool kDenseLoads = kRowStep % 8 == 0 && Config::kBlockN % kRowStep == 0 &&
+                                      (kPerRow == kChunks || 8 * kPerRow % Config::kSmemRow == 0);
+};
+
+template <class Config, class SmemTensor>
+__device__ void load_dense_rows(SmemTensor&& s, const typename Config::Element* g, std::int64_t stride, int rows,
+                                int cols) {
+  using namespace cute;
+  using Element = typename Config::Element;
+  using Load = DenseLoad<Config>;
+  constexpr int kPerRow = Load::kPerRow, kRowStep = Load::kRowStep;
+  const int r0 = threadIdx.x / kPerRow, c0 = threadIdx.x % kPerRow * 8;
+  const auto smem0 = static_cast<unsigned>(__cvta_generic_to_shared(&s(r0, c0)));
+  const Element* src0 = g + r0 * stride + c0;
+  static_for(
+      [&](auto it) {
+        constexpr int kRow = decltype(it)::value * kRowStep;
+        const bool row_valid = r0 + kRow < rows;
+        const Element* src = src0 + kRow * stride;
+        static_for(
+            [&](auto j) {
+              constexpr int kCol = decltype(j)::value * kPerRow * 8;
+              constexpr int kDst = decltype(typename Config::SmemLayoutKV{}(Int<kRow>{}, Int<kCol>{}))::value *
+                                   int(sizeof(Element));
+              if (row_valid && c0 + kCol < cols) {
+                asm volatile("cp.async.cg.shared.global [%0+%1], [%2+%3], 16;\n" ::"r"(smem0), "n"(kDst), "l"(src),
+                             "n"(kCol * int(sizeof(Element))));
+              } else {
+                asm volatile("st.shared.v4.u32 [%0+%1], {%2, %2, %2, %2};\n" ::"r"(smem0), "n"(kDst), "r"(0));
+              }
+            },
+            std::make_integer_sequence<int, Load::kChunks / kPerRow>{});
+      },
+      std::make_integer_sequence<int, Config::kBlockN / kRowStep>{});
+}
+
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const ForwardParams p) {
   using namespace cute;
@@ -359,10 +409,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kInf = INFINITY;
 
-  // Query blocks in reverse: under causal masking the last rows have the most
-  // keys, and starting them first shortens the tail of the grid.
-  const int h = blockIdx.y, b = blockIdx.z, split = blockIdx.x % p.num_splits;
-  const std::int64_t row0 = std::int64_t{gridDim.x / p.num_splits - 1 - blockIdx.x / p.num_splits} * kBlockM;
+  // The grid is (query block, split, batch, head), head fastest, and the query
+  // blocks in reverse: under causal masking the last rows have the most keys,
+  // so the CTAs start longest first across every head and batch and the grid
+  // ends on the shortest (fewer idle SMs in its last wave).
+  const int h = static_cast<int>(blockIdx.x % p.heads);
+  const unsigned slice = blockIdx.x / p.heads;
+  const int b = static_cast<int>(slice % p.batch);
+  const int split = static_cast<int>(slice / p.batch % p.num_splits);
+  const int blocks_m = static_cast<int>(gridDim.x / (std::uint32_t(p.heads) * p.batch * p.num_splits));
+  const std::int64_t row0 = std::int64_t{blocks_m - 1 - static_cast<int>(slice / p.batch / p.num_splits)} * kBlockM;
   std::int64_t qs = 0, ks = 0, sq = p.seqlen_q, sk = p.seqlen_k;
   if (p.cu_seqlens_q != nullptr) {
     qs = p.cu_seqlens_q[b], sq = p.cu_seqlens_q[b + 1] - qs;
@@ -378,7 +434,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   // keys that any row of it may see: [key_lo, key_hi).
   const bool has_mask = p.mask_keys != nullptr, has_bias = p.bias.data != nullptr;
   const std::int64_t mask_block =
-      has_mask ? ((p.list_batched ? b : 0) * std::int64_t{gridDim.y / p.list_group} + h / p.list_group) * p.mask_blocks +
+      has_mask ? ((p.list_batched ? b : 0) * std::int64_t{p.heads / p.list_group} + h / p.list_group) * p.mask_blocks +
                      row0 / kBlockM
                : 0;
   const int mask_count = has_mask ? p.mask_counts[mask_block] : 0;
@@ -483,20 +539,32 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   for (int r = 0; r < kRows; ++r) row_max[r] = -kInf, row_sum[r] = 0.0f;
 
   // The logit l is x * unit for what the tile holds, x: with neither softcap
-  // nor bias the raw product q.k (unit = scale), and exp(l - max l) is
-  // exp2(x * c - max x * c), one FFMA (c = unit log2 e). Otherwise the tile is
-  // turned into the logits themselves (unit = 1) and exp(l - max l) is taken as
-  // exp2((l - max l) log2 e), exact 0 at the max whatever its size (a bias of
-  // -3e38 times log2 e would overflow), so that lse = max + log(sum) is exact.
+  // nor bias the raw product q.k (unit = scale); otherwise the tile is turned
+  // into the logits themselves (unit = 1). exp(l - max l) = exp2(x c - max x c)
+  // with c = unit log2 e (see the online softmax below).
   const float scale = p.scale, softcap = p.softcap;
   const bool logits = has_bias || softcap > 0.0f;
   const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
+  constexpr float kNearMax = 256.0f;  // logits up to this size take the one-FFMA exp
 
   // Prologue: Q with the first stage, then kStages - 1 key blocks in flight.
   const int d = p.head_dim;
   auto load_kv = [&](int s, std::int64_t row) {
     load_tile<Config>(stage_k(s), k, p.k.sr, row, d, p.vector_k);
     load_tile<Config>(stage_v(s), v, p.v.sr, row, d, p.vector_v);
+  };
+  // Consecutive keys (no key list) with 16-byte aligned rows load as whole
+  // tiles (load_dense_rows), the rest row by row (load_kv).
+  const bool dense_loads = DenseLoad<Config>::kDenseLoads && !has_mask && p.vector_k && p.vector_v;
+  auto load_block = [&](int s, int n) {
+    if (dense_loads) {
+      const std::int64_t col0 = std::int64_t{n} * kBlockN;
+      const int rows = static_cast<int>(min(std::int64_t{kBlockN}, sk - col0));
+      load_dense_rows<Config>(stage_k(s), k + col0 * p.k.sr, p.k.sr, rows, d);
+      load_dense_rows<Config>(stage_v(s), v + col0 * p.v.sr, p.v.sr, rows, d);
+    } else {
+      load_kv(s, kv_row(n));
+    }
   };
   int n_load = n_end;
   for (int s = 0; s < kStages - 1; ++s) {
@@ -506,7 +574,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       load_tile<Config>(sQ, q, p.q.sr, r < sq - row0 ? r : -1, d, p.vector_q);
     }
     if (n_load >= n_first) {
-      load_kv(s, kv_row(n_load));
+      load_block(s, n_load);
       if (extras_needed) store_extras(s, fetch_extras(n_load));
     }
     cute::cp_async_fence();
@@ -521,9 +589,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     // A gathered tile's rows come from the key list: read here, the copy issued
     // after S = Q K^T (the read's latency hidden behind it).
     const bool load = n_load >= n_first;
-    const std::int64_t load_row = load ? kv_row(n_load) : -1;
+    const std::int64_t load_row = load && has_mask ? kv_row(n_load) : -1;
     Extras extras;
-    if (load && !has_mask) load_kv(load_stage, load_row);
+    if (load && !has_mask) load_block(load_stage, n_load);
     if (load && extras_needed) extras = fetch_extras(n_load);
     if (!has_mask) cute::cp_async_fence();
     const std::int64_t col0 = std::int64_t{n} * kBlockN;
@@ -538,15 +606,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     }
     if (load && extras_needed) store_extras(load_stage, extras);
 
+    // The logits: s = scale q.k (softcap: softcap tanh(s / softcap)), plus the
+    // bias; a key-only bias and the scale make one FFMA (times `pre`).
     if (softcap > 0.0f) {
       const float inner = scale / softcap;
 #pragma unroll
       for (int e = 0; e < size(acc_s); ++e) acc_s(e) = softcap * tanhf(acc_s(e) * inner);
-    } else if (has_bias) {
+    } else if (has_bias && !key_bias) {
 #pragma unroll
       for (int e = 0; e < size(acc_s); ++e) acc_s(e) *= scale;
     }
     if (key_bias) {  // one value per key, staged in shared memory
+      const float pre = softcap > 0.0f ? 1.0f : scale;
       const float* bias_cols = s_bias + stage * kBlockN + col_base;
 #pragma unroll
       for (int nn = 0; nn < size<2>(acc_s); ++nn) {
@@ -555,8 +626,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
         for (int m = 0; m < size<1>(acc_s); ++m)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            acc_s(make_coord(0, half), m, nn) += value.x;
-            acc_s(make_coord(1, half), m, nn) += value.y;
+            float& x0 = acc_s(make_coord(0, half), m, nn);
+            float& x1 = acc_s(make_coord(1, half), m, nn);
+            x0 = fmaf(x0, pre, value.x);
+            x1 = fmaf(x1, pre, value.y);
           }
       }
     } else if (has_bias) {
@@ -625,10 +698,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     }
 
     // Online softmax: masked entries are -inf and add exactly 0; a row with no
-    // allowed key so far keeps max -inf and sum 0. O is rescaled only when some
-    // row max of the warp moved (after the first tiles it rarely does).
+    // allowed key so far keeps max -inf and sum 0. First the new row maxima,
+    // with O and the sums rescaled to them (O only when some row max of the
+    // warp moved: after the first tiles it rarely does).
     float correction[kRows];
-    bool moved = false;
+    bool moved = false, far = false;
 #pragma unroll
     for (int m = 0; m < size<1>(acc_s); ++m) {
 #pragma unroll
@@ -640,13 +714,39 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
           for (int c = 0; c < 2; ++c) mx = fmaxf(mx, acc_s(make_coord(c, half), m, nn));
         mx = quad_max(mx);
-        const float base = mx == -kInf ? 0.0f : mx, base_c = base * c_log2;
+        const float base = mx == -kInf ? 0.0f : mx;
         const bool row_moved = mx != row_max[r];
         correction[r] = row_moved ? exp2_ftz((row_max[r] - base) * c_log2) : 1.0f;
+        row_sum[r] *= correction[r];
         moved |= row_moved;
+        far |= fabsf(base) > kNearMax;
         row_max[r] = mx;
+      }
+    }
+    if (__any_sync(0xffffffff, moved)) {
+#pragma unroll
+      for (int m = 0; m < size<1>(acc_o); ++m)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int dd = 0; dd < size<2>(acc_o); ++dd)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) acc_o(make_coord(c, half), m, dd) *= correction[2 * m + half];
+    }
+    // Then P = exp(x unit - max unit) as exp2(x c - max c), one FFMA: max c is
+    // rounded (by at most 2^-24 |max c|: a factor that the row's entries of this
+    // tile share, within 2e-5 of 1 while |max| <= kNearMax). Larger logits (a
+    // bias of -1e30, say) take exp2((x - max) c), exact 0 at the max however
+    // large it is, so that lse = max + log(sum) stays exact.
+    const bool exact = logits && __any_sync(0xffffffff, far);
+#pragma unroll
+    for (int m = 0; m < size<1>(acc_s); ++m) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * m + half;
+        const float base = row_max[r] == -kInf ? 0.0f : row_max[r], base_c = base * c_log2;
         float sum = 0.0f;
-        if (logits) {
+        if (exact) {
 #pragma unroll
           for (int nn = 0; nn < size<2>(acc_s); ++nn)
 #pragma unroll
@@ -665,18 +765,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
               sum += x;
             }
         }
-        row_sum[r] = row_sum[r] * correction[r] + sum;
+        row_sum[r] += sum;
       }
-    }
-    if (__any_sync(0xffffffff, moved)) {
-#pragma unroll
-      for (int m = 0; m < size<1>(acc_o); ++m)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int dd = 0; dd < size<2>(acc_o); ++dd)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) acc_o(make_coord(c, half), m, dd) *= correction[2 * m + half];
     }
 
     // P in the A-operand register layout.
@@ -707,7 +797,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       const float row_lse = sum > 0.0f ? row_max[r] * unit + logf(sum) : -kInf;
       if (p.num_splits > 1) {
         const std::int64_t partial_row =
-            ((std::int64_t{split} * gridDim.z + b) * gridDim.y + h) * p.seqlen_q + row0 + row;
+            ((std::int64_t{split} * p.batch + b) * p.heads + h) * p.seqlen_q + row0 + row;
 #pragma unroll
         for (int dd = 0; dd < size<2>(acc_o); ++dd)
 #pragma unroll
@@ -733,6 +823,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 
 // Merges the split-KV partials: one warp per (b, h, query row) of the grid
 // (B * H * seqlen_q rows), o = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s).
+// Lane t holds the weights of splits t, t + 32, ..., and the lanes sum four
+// neighbouring columns each over the splits, eight splits' loads in flight (a
+// loop over the splits one load at a time is a chain of memory latencies that
+// a decode call would wait on).
 template <class Element>
 __global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int batch, int heads) {
   constexpr float kInf = INFINITY;
@@ -743,22 +837,34 @@ __global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int
   const int h = static_cast<int>(row / p.seqlen_q % heads), b = static_cast<int>(row / p.seqlen_q / heads);
   std::int64_t qs = 0, sq = p.seqlen_q;
   if (p.cu_seqlens_q != nullptr) qs = p.cu_seqlens_q[b], sq = p.cu_seqlens_q[b + 1] - qs;
-  if (i >= sq) return;
-  const int lane = threadIdx.x % 32, d = p.head_dim;
+  if (i >= sq) return;  // the warp's row: the whole warp returns
+  const int lane = threadIdx.x % 32, d = p.head_dim, splits = p.num_splits;
+  auto lse_of = [&](int s) { return s < splits ? p.lse_partial[s * rows + row] : -kInf; };
   float top = -kInf;
-  for (int s = 0; s < p.num_splits; ++s) top = fmaxf(top, p.lse_partial[s * rows + row]);
+  for (int s = lane; s < splits; s += 32) top = fmaxf(top, lse_of(s));
+  for (int w = 16; w >= 1; w /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, w));
   float sum = 0.0f;
   if (top != -kInf)
-    for (int s = 0; s < p.num_splits; ++s) sum += expf(p.lse_partial[s * rows + row] - top);
+    for (int s = lane; s < splits; s += 32) sum += expf(lse_of(s) - top);
+  for (int w = 16; w >= 1; w /= 2) sum += __shfl_xor_sync(0xffffffff, sum, w);
   auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (qs + i) * p.out.sr;
-  for (int col = lane; col < d; col += 32) {
-    float o = 0.0f;
-    if (top != -kInf)
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float w = expf(p.lse_partial[s * rows + row] - top) / sum;
-        o += w * p.o_partial[(s * rows + row) * d + col];
+  for (int c0 = 0; c0 < d; c0 += 128) {
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s0 = 0; s0 < splits && top != -kInf; s0 += 32) {
+      const float weight = expf(lse_of(s0 + lane) - top) / sum;  // 0 past the splits
+      const int n = min(32, splits - s0);
+#pragma unroll 8
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(0xffffffff, weight, j);
+        const float* o_split = p.o_partial + ((s0 + j) * rows + row) * d;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (c0 + 4 * lane + e < d) o[e] += w * o_split[c0 + 4 * lane + e];
       }
-    out[col] = static_cast<Element>(o);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (c0 + 4 * lane + e < d) out[c0 + 4 * lane + e] = static_cast<Element>(o[e]);
   }
   if (p.lse.data != nullptr && lane == 0)
     static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (qs + i) * p.lse.sr] =
@@ -826,6 +932,34 @@ void build_key_lists(ForwardParams& params, int batch, int heads, cudaStream_t s
   list_topk_keys<Element, kBlockM, kThreads><<<lists, kThreads, 0, stream>>>(params, any_sr, key_any);
 }
 
+// The current device's SM count and how many CTAs of forward_kernel<Config> an
+// SM holds, with the kernel's shared-memory limit raised: queried once a
+// device (a decode call is short enough for these queries to show).
+template <class Config>
+cudaError_t kernel_slots(int& sms, int& per_sm) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> cached_sms[kDevices], cached_per_sm[kDevices];  // 0: not queried yet
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < kDevices && cached_per_sm[device].load(std::memory_order_acquire) > 0) {
+    sms = cached_sms[device].load(std::memory_order_relaxed);
+    per_sm = cached_per_sm[device].load(std::memory_order_relaxed);
+    return cudaSuccess;
+  }
+  auto kernel = forward_kernel<Config>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Config::kThreads, Config::kSmemBytes);
+  per_sm = std::max(per_sm, 1);
+  if (err == cudaSuccess && device < kDevices) {
+    cached_sms[device].store(sms, std::memory_order_relaxed);
+    cached_per_sm[device].store(per_sm, std::memory_order_release);
+  }
+  return err;
+}
+
 template <class Config>
 void launch_config(const ForwardParams& in, int batch, int heads, cudaStream_t stream) {
   using Element = typename Config::Element;
@@ -839,16 +973,11 @@ void launch_config(const ForwardParams& in, int batch, int heads, cudaStream_t s
     build_key_lists<Config>(params, batch, heads, stream);
   auto kernel = forward_kernel<Config>;
   cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess)
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
-  int device = 0, sms = 1, per_sm = 1;
-  if (err == cudaSuccess) err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess)
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Config::kThreads, Config::kSmemBytes);
+  int sms = 1, per_sm = 1;
+  if (err == cudaSuccess) err = kernel_slots<Config>(sms, per_sm);
   const std::int64_t blocks_m = (params.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
   params.num_splits = choose_splits(blocks_m * heads * batch, (params.seqlen_k + Config::kBlockN - 1) / Config::kBlockN,
-                                    sms, sms * std::max(per_sm, 1));
+                                    sms, sms * per_sm);
   const std::int64_t partial_rows = std::int64_t{params.num_splits} * batch * heads * params.seqlen_q;
   if (err == cudaSuccess && params.num_splits > 1) {
     err = cudaMallocAsync(reinterpret_cast<void**>(&params.o_partial),
@@ -856,8 +985,8 @@ void launch_config(const ForwardParams& in, int batch, int heads, cudaStream_t s
     params.lse_partial = params.o_partial + partial_rows * params.head_dim;
   }
   if (err == cudaSuccess) {
-    const dim3 grid(static_cast<unsigned>(blocks_m * params.num_splits), static_cast<unsigned>(heads),
-                    static_cast<unsigned>(batch));
+    params.batch = batch, params.heads = heads;
+    const auto grid = static_cast<unsigned>(blocks_m * params.num_splits * batch * heads);
     kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(params);
     err = cudaGetLastError();
   }
