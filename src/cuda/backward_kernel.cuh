@@ -304,10 +304,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         load_rows<Config>(d0, k + c0 * p.k.sr, p.k.sr, sk - c0, d, p.vector_k);
         if (second) load_rows<Config>(d1, v + c0 * p.v.sr, p.v.sr, sk - c0, d, p.vector_v);
       }
-      const std::int64_t key = lists ? (c0 + tid < list_count ? list_keys[c0 + tid] : -1) : (c0 + tid < sk ? c0 + tid : -1);
-      if (key_only_bias && tid < kStep && key >= 0)
-        key_bias_next = load_float<Element>(p.bias.data, p.bias_float32,
-                                            b * p.bias.sb + (h / p.bias_group) * p.bias.sh + (seq.ks + key) * p.bias.sc);
+      if (key_only_bias && tid < kStep) {
+        const std::int64_t key = lists ? (c0 + tid < list_count ? list_keys[c0 + tid] : -1) : (c0 + tid < sk ? c0 + tid : -1);
+        if (key >= 0)
+          key_bias_next = load_float<Element>(p.bias.data, p.bias_float32,
+                                              b * p.bias.sb + (h / p.bias_group) * p.bias.sh + (seq.ks + key) * p.bias.sc);
+      }
     }
   };
   {
