@@ -160,10 +160,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const std::int64_t sq = seq.sq, sk = seq.sk, offset = sk - sq;  // bottom-right alignment
   // CTAs start in order of work under causal, heads fastest, so that the longest
   // ones (dk/dv: the first key blocks, which see the most queries; dq: the last
-  // query blocks, which see the most keys) start first for every head.
+  // query blocks, which see the most keys; dk/dv key groups: the last groups,
+  // whose keys' rows end last and span the most) start first for every head.
   const int blocks = gridDim.x, linear = blockIdx.x + blocks * blockIdx.y;
   const int head = linear % gridDim.y;
-  const int row_block = kKeyRows ? linear / gridDim.y : blocks - 1 - linear / gridDim.y;
+  const bool first_last = !kKeyRows || p.group_rows != nullptr;
+  const int row_block = first_last ? blocks - 1 - linear / gridDim.y : linear / gridDim.y;
   const std::int64_t row0 = std::int64_t{row_block} * kBlockRows, own_len = kKeyRows ? sk : sq;
   if (row0 >= own_len) return;
   const std::int64_t row_last = min(row0 + kBlockRows, own_len) - 1;
