@@ -347,6 +347,35 @@ std::vector<Shape> broadcast_shapes(std::int64_t B, std::int64_t H, std::int64_t
   return shapes;
 }
 
+// Top-k settings shared by the forward and the backward matrices (case i of a
+// kind; sizes and heads are the caller's). Per-row biases (thresholds): bias
+// heads Hk / H, a float32 bias (i = 2), permuted (i = 1), a mask from i = 2.
+void topk_per_row(Case& c, int i) {
+  c.options.causal = i != 1;
+  c.options.keep_window_size = i == 3 ? 1 : 100;
+  c.bias_shape = {c.B, i % 2 ? c.H : c.Hk, c.Sq, c.Sk};
+  c.bias_dtype = i == 2 ? DType::kFloat32 : c.dtype;
+  c.bias_layout.permuted = i == 1;
+  if (i >= 2) c.mask_shape = {1, i == 2 ? c.H : 1, c.Sq, c.Sk}, c.mask_density = 0.5;
+}
+// A key padding mask (folded into the intervals) of one head (i = 0) or H.
+void topk_padding(Case& c, int i) {
+  c.options.causal = true;
+  c.options.keep_window_size = 128;
+  c.mask_pattern = Case::MaskPattern::kKeyPadding;
+  c.mask_shape = {c.B, i ? c.H : 1, 1, c.Sk};
+  c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+}
+// Varlen with a key-only bias of (total_k, Hb): intervals (i = 0) or, with a
+// left window, thresholds (i = 1).
+void topk_varlen(Case& c, int i) {
+  c.seqlens_q = {1, 300, 0, 130}, c.seqlens_k = {7, 500, 5, 130};
+  c.bias_shape = {642, i ? c.H : 1};
+  c.options.causal = true;
+  c.options.keep_window_size = 50;
+  if (i) c.options.sliding_window = {80, 0};
+}
+
 std::vector<Case> matrix(bool small) {
   std::vector<Case> cases;
   const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
@@ -658,12 +687,7 @@ std::vector<Case> matrix(bool small) {
   for (int i = 0; i < 4; ++i) {
     Case c = base(i < 2 ? 400 : 1000, i < 2 ? 1100 : 600, i % 2 ? DType::kFloat16 : DType::kBFloat16);
     c.H = 8, c.Hk = 2;
-    c.options.causal = i != 1;
-    c.options.keep_window_size = i == 3 ? 1 : 100;
-    c.bias_shape = {c.B, i % 2 ? c.H : c.Hk, c.Sq, c.Sk};
-    c.bias_dtype = i == 2 ? DType::kFloat32 : c.dtype;
-    c.bias_layout.permuted = i == 1;
-    if (i >= 2) c.mask_shape = {1, i == 2 ? c.H : 1, c.Sq, c.Sk}, c.mask_density = 0.5;
+    topk_per_row(c, i);
     c.name = name(c, "top-k " + std::to_string(*c.options.keep_window_size) + " per-row bias " +
                          dmattn_test::shape_str(c.bias_shape) + (i >= 2 ? " + mask" : ""));
     cases.push_back(c);
@@ -673,21 +697,13 @@ std::vector<Case> matrix(bool small) {
   for (int i = 0; i < 2; ++i) {
     Case c = base(700, 900, DType::kBFloat16);
     c.B = 2, c.H = 8, c.Hk = 2;
-    c.options.causal = true;
-    c.options.keep_window_size = 128;
-    c.mask_pattern = Case::MaskPattern::kKeyPadding;
-    c.mask_shape = {c.B, i ? c.H : 1, 1, c.Sk};
-    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    topk_padding(c, i);
     c.name = name(c, "top-k 128 key-only bias + padding mask " + dmattn_test::shape_str(c.mask_shape));
     cases.push_back(c);
   }
   for (int i = 0; i < 2; ++i) {
     Case c = base(1, 1, i ? DType::kFloat16 : DType::kBFloat16);
-    c.seqlens_q = {1, 300, 0, 130}, c.seqlens_k = {7, 500, 5, 130};
-    c.bias_shape = {642, i ? c.H : 1};
-    c.options.causal = true;
-    c.options.keep_window_size = 50;
-    if (i) c.options.sliding_window = {80, 0};  // thresholds on varlen
+    topk_varlen(c, i);
     c.name = name(c, "top-k 50 varlen bias heads " + std::to_string(c.bias_shape[1]) + (i ? " window (80,0)" : ""));
     cases.push_back(c);
   }
@@ -905,31 +921,18 @@ std::vector<Case> topk_backward_cases(Make&& make) {
   }
   for (int i = 0; i < 4; ++i) {  // per-row biases and masks: thresholds
     Case c = make("top-k per-row bias" + std::string(i >= 2 ? " + mask" : ""), i < 2 ? 300 : 500, i < 2 ? 700 : 400, 4, 2);
-    c.options.causal = i != 1;
-    c.options.keep_window_size = i == 3 ? 1 : 100;
-    c.bias_shape = {c.B, i % 2 ? c.H : c.Hk, c.Sq, c.Sk};
-    c.bias_dtype = i == 2 ? DType::kFloat32 : c.dtype;
-    c.bias_layout.permuted = i == 1;
-    if (i >= 2) c.mask_shape = {1, i == 2 ? c.H : 1, c.Sq, c.Sk}, c.mask_density = 0.5;
+    topk_per_row(c, i);
     cases.push_back(c);
   }
   for (int i = 0; i < 2; ++i) {  // key padding masks, folded into the intervals
     Case c = make("top-k 128 + padding mask", 700, 900, 4, 2);
     c.B = 2;
-    c.options.causal = true;
-    c.options.keep_window_size = 128;
-    c.mask_pattern = Case::MaskPattern::kKeyPadding;
-    c.mask_shape = {c.B, i ? c.H : 1, 1, c.Sk};
-    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    topk_padding(c, i);
     cases.push_back(c);
   }
   for (int i = 0; i < 2; ++i) {  // varlen: intervals, and thresholds (left window)
     Case c = make(i ? "top-k 50 varlen window (80,0)" : "top-k 50 varlen", 1, 1, 4, 2);
-    c.seqlens_q = {1, 300, 0, 130}, c.seqlens_k = {7, 500, 5, 130};
-    c.bias_shape = {642, i ? c.H : 1};
-    c.options.causal = true;
-    c.options.keep_window_size = 50;
-    if (i) c.options.sliding_window = {80, 0};
+    topk_varlen(c, i);
     cases.push_back(c);
   }
   Case keys = make("top-k 50 bias over heads only", 300, 400, 4, 2);  // dbias summed over keys
@@ -1271,27 +1274,32 @@ int bench() {
       std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s %.3f ms  %.1f TFLOP/s\n",
                   static_cast<long long>(S), with_bias ? "key-only bias" : "no mask", ms, flops / (ms * 1e-3) / 1e12);
     }
-  // Forward + backward (backward FLOPs counted as 2.5x the forward's): no mask, and
-  // a learnable key-only bias (B, Hk, 1, S) with its gradient.
-  for (bool with_bias : {false, true}) {
+  // Forward + backward at S = 16384 (backward FLOPs counted as 2.5x the
+  // forward's): no mask, a learnable key-only bias (B, Hk, 1, S) with its
+  // gradient, and below the same with a bool mask or keep_window_size.
+  const auto fwd_bwd = [&](const char* what, bool with_bias, const std::optional<dmattn::TensorView>& mask,
+                           std::int64_t keep_window, int iters) {
     const std::int64_t S = 16384;
     HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
     random(q), random(k), random(v);
     HostTensor bias(DType::kBFloat16, {B, Hk, 1, S}), out(DType::kBFloat16, {B, S, H, D}), lse(DType::kFloat32, {B, H, S});
     random(bias);
     const DeviceTensor dq(q), dk(k), dv(v), db(bias), dout(out), dlse(lse), ddo(q), gq(q), gk(k), gv(v), gb(bias);
-    dmattn::Inputs in{dq.view(), dk.view(), dv.view(), std::nullopt, std::nullopt};
+    dmattn::Inputs in{dq.view(), dk.view(), dv.view(), mask, std::nullopt};
     dmattn::Gradients g{gq.view(), gk.view(), gv.view(), std::nullopt};
     if (with_bias) in.bias = db.view(), g.dbias = gb.view();
     dmattn::Options o;
     o.causal = true;
-    const float fwd = time_forward(in, dout, dlse, o, 5);
-    const float bwd = time_call([&] { dmattn::backward(in, dout.view(), ddo.view(), dlse.view(), g, o); }, 5);
+    if (keep_window > 0) o.keep_window_size = keep_window;
+    const float fwd = time_forward(in, dout, dlse, o, iters);
+    const float bwd = time_call([&] { dmattn::backward(in, dout.view(), ddo.view(), dlse.view(), g, o); }, iters);
     const double flops = 4.0 * B * H * D * double(S) * double(S) / 2.0;
     std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s fwd %.3f ms  bwd %.3f ms (%.1f TFLOP/s)  fwd+bwd %.3f ms\n",
-                static_cast<long long>(S), with_bias ? "key-only bias" : "no mask", fwd, bwd,
-                2.5 * flops / (bwd * 1e-3) / 1e12, fwd + bwd);
-  }
+                static_cast<long long>(S), what, fwd, bwd, 2.5 * flops / (bwd * 1e-3) / 1e12, fwd + bwd);
+    if (keep_window > 0) print_topk_fill(bias, keep_window);
+  };
+  fwd_bwd("no mask", false, std::nullopt, 0, 5);
+  fwd_bwd("key-only bias", true, std::nullopt, 0, 5);
   {  // A sparse mask: about 1024 random keys a causal row (bench_gpu.py's top-1024 case), with the key bias.
     const std::int64_t S = 4096;
     HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
@@ -1321,31 +1329,10 @@ int bench() {
     std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld key-only bias (B, 8, 1, S), keep_window_size 1024  %.3f ms\n",
                 static_cast<long long>(S), ms);
   }
-  {  // Top-k fwd + bwd, the selection in both calls, dbias of the key-only bias.
+  // Top-k (the selection in both calls) and a bool top-1024 mask, key-only bias and its gradient.
+  fwd_bwd("key-only bias (B, 8, 1, S), keep_window_size 1024 (TFLOP/s of the dense work)", true, std::nullopt, 1024, 5);
+  {  // A bool mask of about 1024 random keys a causal row (B, 8, S, S), fwd + bwd.
     const std::int64_t S = 16384;
-    HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
-    random(q), random(k), random(v);
-    HostTensor bias(DType::kBFloat16, {B, Hk, 1, S}), out(DType::kBFloat16, {B, S, H, D}), lse(DType::kFloat32, {B, H, S});
-    random(bias);
-    const DeviceTensor dq(q), dk(k), dv(v), db(bias), dout(out), dlse(lse), ddo(q), gq(q), gk(k), gv(v), gb(bias);
-    const dmattn::Inputs in{dq.view(), dk.view(), dv.view(), std::nullopt, db.view()};
-    dmattn::Options o;
-    o.causal = true;
-    o.keep_window_size = 1024;
-    const float fwd = time_forward(in, dout, dlse, o, 5);
-    const float bwd = time_call(
-        [&] { dmattn::backward(in, dout.view(), ddo.view(), dlse.view(), {gq.view(), gk.view(), gv.view(), gb.view()}, o); }, 5);
-    std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld key-only bias (B, 8, 1, S), keep_window_size 1024  "
-                "fwd %.3f ms  bwd %.3f ms  fwd+bwd %.3f ms\n",
-                static_cast<long long>(S), fwd, bwd, fwd + bwd);
-    print_topk_fill(bias, 1024);
-  }
-  {  // A bool mask of about 1024 random keys a causal row (B, 8, S, S), key-only bias: fwd + bwd.
-    const std::int64_t S = 16384;
-    HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
-    random(q), random(k), random(v);
-    HostTensor bias(DType::kBFloat16, {B, Hk, 1, S}), out(DType::kBFloat16, {B, S, H, D}), lse(DType::kFloat32, {B, H, S});
-    random(bias);
     std::vector<unsigned char> mask_bytes(static_cast<std::size_t>(B * Hk * S * S));
     for (std::size_t e = 0; e < mask_bytes.size(); ++e) {  // a hash per element: cheap at 2 G elements
       std::uint64_t x = (e + 1) * 0x9E3779B97F4A7C15ull;
@@ -1359,16 +1346,7 @@ int bench() {
     check_cuda(cudaMemcpy(mask_dev, mask_bytes.data(), mask_bytes.size(), cudaMemcpyHostToDevice), "cudaMemcpy");
     const dmattn::TensorView mask_view =
         dmattn::TensorView::contiguous(mask_dev, DType::kBool, {B, Hk, S, S}, {dmattn::DeviceType::kCUDA, 0});
-    const DeviceTensor dq(q), dk(k), dv(v), db(bias), dout(out), dlse(lse), ddo(q), gq(q), gk(k), gv(v), gb(bias);
-    const dmattn::Inputs in{dq.view(), dk.view(), dv.view(), mask_view, db.view()};
-    dmattn::Options o;
-    o.causal = true;
-    const float fwd = time_forward(in, dout, dlse, o, 3);
-    const float bwd = time_call(
-        [&] { dmattn::backward(in, dout.view(), ddo.view(), dlse.view(), {gq.view(), gk.view(), gv.view(), gb.view()}, o); }, 3);
-    std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld key-only bias + 1024-a-row bool mask (B, 8, S, S)  "
-                "fwd %.3f ms  bwd %.3f ms  fwd+bwd %.3f ms\n",
-                static_cast<long long>(S), fwd, bwd, fwd + bwd);
+    fwd_bwd("key-only bias + 1024-a-row bool mask (B, 8, S, S)", true, mask_view, 0, 3);
   }
   // Decode: one query row over Sk keys; bound by reading K and V. B=4 at 128k
   // keys is the case of the GB/s target.
