@@ -935,6 +935,13 @@ std::vector<Case> topk_backward_cases(Make&& make) {
     topk_varlen(c, i);
     cases.push_back(c);
   }
+  for (int i = 0; i < 2; ++i) {  // groups whose rows span more than 64 query tiles: chunks added in order
+    Case c = make("top-k chunked key groups", 3000, 3000, 4, 2);
+    c.options.causal = i == 0;
+    c.options.keep_window_size = i ? 100 : 256;
+    c.bias_shape = {c.B, i ? 1 : c.Hk, 1, c.Sk};
+    cases.push_back(c);
+  }
   Case keys = make("top-k 50 bias over heads only", 300, 400, 4, 2);  // dbias summed over keys
   keys.B = 2;
   keys.options.causal = true;
@@ -988,6 +995,12 @@ std::vector<Case> backward_matrix(bool small) {
       if (per_row) t.mask_shape = {t.B, 1, t.Sq, t.Sk};
       cases.push_back(finish(t));
     }
+    Case chunks = make("small top-k 64 chunked key groups", 2100, 2100, 2, 1);  // more than 64 query tiles a group
+    chunks.B = 1;
+    chunks.options.causal = true;
+    chunks.options.keep_window_size = 64;
+    chunks.bias_shape = {1, 1, 1, chunks.Sk};
+    cases.push_back(finish(chunks));
     return cases;
   }
   // Sizes, GQA and MQA, causal or not.

@@ -56,6 +56,12 @@ struct BackwardParams : AttentionParams, KeyLists {
   const std::int32_t* key_order = nullptr;
   const KeyRows* group_rows = nullptr;
   std::int64_t key_groups = 0;
+  // Chunks: with chunks > 1, CTA (g * chunks + c) walks chunk c of group g's
+  // query tiles, chunk_tiles a chunk, and the chunks of a group add their sums
+  // in order through slot g of chunk_acc (float32), chunk_turn[g] the next chunk.
+  int chunks = 1, chunk_tiles = 0;
+  float* chunk_acc = nullptr;
+  int* chunk_turn = nullptr;
 
   // dbias: dense extents (batch, heads, rows, keys) of the bias before broadcasting
   // (varlen: B, Hb, 1, max_seqlen_k with local keys). Direct (scratch == nullptr):

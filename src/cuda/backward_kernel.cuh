@@ -45,6 +45,8 @@ struct BackwardConfig {
   // Columns a step: the accumulators of 16 x D rows a warp (dK and dV, or dQ) and
   // the S and dP tiles of 16 x step must fit in 255 registers.
   static constexpr int kDkvStep = 32, kDqStep = 64;
+  // A dk/dv key group walks at most this many query tiles a CTA (chunks).
+  static constexpr int kChunkTiles = 64;
   static_assert(kHeadDim <= 128, "the CUDA backward takes head dims up to 128");
   static constexpr int kSmemRow = kHeadDim % 64 == 0 ? 64 : 32;
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
@@ -162,10 +164,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   // ones (dk/dv: the first key blocks, which see the most queries; dq: the last
   // query blocks, which see the most keys; dk/dv key groups: the last groups,
   // whose keys' rows end last and span the most) start first for every head.
+  // Key groups split into chunks of query tiles (BackwardParams::chunks) take
+  // consecutive CTAs, chunk 0 first.
   const int blocks = gridDim.x, linear = blockIdx.x + blocks * blockIdx.y;
-  const int head = linear % gridDim.y;
-  const bool first_last = !kKeyRows || p.group_rows != nullptr;
-  const int row_block = first_last ? blocks - 1 - linear / gridDim.y : linear / gridDim.y;
+  const int head = linear % gridDim.y, order = linear / gridDim.y;
+  const bool key_groups = kKeyRows && p.group_rows != nullptr;
+  const int chunk = key_groups ? order % p.chunks : 0;
+  const int row_block = key_groups ? blocks / p.chunks - 1 - order / p.chunks : (kKeyRows ? order : blocks - 1 - order);
   const std::int64_t row0 = std::int64_t{row_block} * kBlockRows, own_len = kKeyRows ? sk : sq;
   if (row0 >= own_len) return;
   const std::int64_t row_last = min(row0 + kBlockRows, own_len) - 1;
@@ -180,7 +185,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   // key's interval; with top-k thresholds: the dense walk, each element tested
   // against its row's threshold.
   const bool lists = !kKeyRows && p.mask_keys != nullptr;
-  const bool key_groups = kKeyRows && p.group_rows != nullptr;
   const bool thresholds = kKeyRows && p.topk_thresholds != nullptr;
   std::int64_t list_block = 0;
   int list_count = 0;
@@ -192,12 +196,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const std::int32_t* list_keys = lists ? p.mask_keys + list_block * p.keys_stride : nullptr;
 
   // The column blocks any row of the CTA may use: [first, end) for each head.
+  int n_chunks = 1;  // chunks of this CTA's key group that have query tiles
   std::int64_t col_lo = 0, col_hi = kKeyRows ? sq : sk;
   if (lists) {
     col_hi = list_count;
-  } else if (key_groups) {
+  } else if (key_groups) {  // this chunk's share of the group's query tiles
     const KeyRows rows = p.group_rows[(std::int64_t{b} * kv_heads + kvh) * p.key_groups + row_block];
+    const std::int64_t tile_lo = rows.start / kStep, tiles = (rows.end + kStep - 1) / kStep - tile_lo;
+    if (p.chunks > 1 && rows.end > rows.start) n_chunks = static_cast<int>((tiles + p.chunk_tiles - 1) / p.chunk_tiles);
+    if (chunk >= n_chunks) return;
     col_lo = rows.start, col_hi = rows.end;
+    if (n_chunks > 1) {
+      col_lo = max(col_lo, (tile_lo + std::int64_t{chunk} * p.chunk_tiles) * kStep);
+      col_hi = min(col_hi, (tile_lo + std::int64_t{chunk + 1} * p.chunk_tiles) * kStep);
+    }
   } else if constexpr (kKeyRows) {  // query i sees key j iff i + offset - left <= j <= i + offset (+ right)
     if (p.causal) col_lo = max(col_lo, row0 - offset);
     if (p.window_right >= 0) col_lo = max(col_lo, row0 - offset - p.window_right);
@@ -380,6 +392,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto direct = [&](int hb, std::int64_t i, std::int64_t j) {  // dbias element offset
     return db_b * p.dbias.sb + hb * p.dbias.sh + (p.db_rows == 1 ? 0 : seq.qs + i) * p.dbias.sr +
            (p.db_cols == 1 ? 0 : seq.ks + j) * p.dbias.sc;
+  };
+  // Key-only dbias of bias head hb: the quad-reduced sums x of the thread's two rows.
+  auto store_key_sums = [&](int hb, const float* x) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = own_keys[get<0>(cS(make_coord(make_coord(0, half), 0, 0)))];
+      if (lane % 4 != 0 || key < 0) continue;
+      if (db_slice != nullptr)
+        db_slice[dense(hb, 0, key)] += x[half];
+      else
+        store_float<Element>(p.dbias.data, p.bias_float32, direct(hb, 0, key), x[half]);
+    }
   };
 
   // Online row max and sum of the dq rows (the statistics pass).
@@ -602,22 +626,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
           }
         }
       }
-      // Key-only dbias: the sums of a bias head are complete when the next step has another.
+      // Key-only dbias: the sums of a bias head are complete when the next step
+      // has another (chunks of a key group: in the epilogue, one bias head).
       const int t_next = next(t);
-      if (p.bias_grad == BiasGrad::kPerKey && (t_next >= total || (h_first + t_next / span) / p.bias_group != hb)) {
+      if (p.bias_grad == BiasGrad::kPerKey && n_chunks == 1 &&
+          (t_next >= total || (h_first + t_next / span) / p.bias_group != hb)) {
+        float x[2];
 #pragma unroll
-        for (int m = 0; m < kM; ++m)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const float x = quad_sum(key_sum[2 * m + half]);
-            key_sum[2 * m + half] = 0.0f;
-            const int key = own_keys[get<0>(cS(make_coord(make_coord(0, half), m, 0)))];
-            if (lane % 4 != 0 || key < 0) continue;
-            if (db_slice != nullptr)
-              db_slice[dense(hb, 0, key)] += x;
-            else
-              store_float<Element>(p.dbias.data, p.bias_float32, direct(hb, 0, key), x);
-          }
+        for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]), key_sum[half] = 0.0f;
+        store_key_sums(hb, x);
       }
     }
   };
@@ -678,6 +695,48 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     }
   };
   if constexpr (kKeyRows) {
+    if (n_chunks > 1) {
+      // Chunks of a key group add their dK, dV (unscaled) and key dbias sums in
+      // chunk order through a float32 slot: chunk c waits until the group's turn
+      // counter reads c (chunk c - 1 started before it: CTAs start in order),
+      // adds the slot, and passes it on; the last chunk writes the gradients.
+      const std::int64_t slot_id = (std::int64_t{b} * kv_heads + kvh) * p.key_groups + row_block;
+      constexpr int kAcc = decltype(size(acc_a))::value;
+      float* slot = p.chunk_acc + slot_id * (2 * kAcc * Config::kThreads + kBlockRows);
+      float* key_slot = slot + 2 * kAcc * Config::kThreads;
+      int* turn = p.chunk_turn + slot_id;
+      if (tid == 0)
+        while (atomicAdd(turn, 0) != chunk) __nanosleep(256);
+      __syncthreads();
+      float x[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]);
+      const int my_row[2] = {get<0>(cS(make_coord(make_coord(0, 0), 0, 0))), get<0>(cS(make_coord(make_coord(0, 1), 0, 0)))};
+      if (chunk > 0) {
+#pragma unroll
+        for (int e = 0; e < kAcc; ++e) {
+          acc_a(e) += __ldcg(slot + e * Config::kThreads + tid);
+          acc_b(e) += __ldcg(slot + (kAcc + e) * Config::kThreads + tid);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) x[half] += __ldcg(key_slot + my_row[half]);
+      }
+      if (chunk + 1 < n_chunks) {
+#pragma unroll
+        for (int e = 0; e < kAcc; ++e) {
+          __stcg(slot + e * Config::kThreads + tid, acc_a(e));
+          __stcg(slot + (kAcc + e) * Config::kThreads + tid, acc_b(e));
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          if (lane % 4 == 0) __stcg(key_slot + my_row[half], x[half]);
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicExch(turn, chunk + 1);
+        return;
+      }
+      if (p.bias_grad == BiasGrad::kPerKey) store_key_sums(h_first / p.bias_group, x);
+    }
     store(acc_a, p.dk, kvh, seq.ks, scale);
     store(acc_b, p.dv, kvh, seq.ks, 1.0f);
   } else {
@@ -821,14 +880,32 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
                 Config::kThreads, Config::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
   }
+ // Key groups: chunks of at most kChunkTiles query tiles where the rows of a
+  // group may span more (needs one bias head per kv head for the key dbias).
+  std::int32_t* chunk_memory = nullptr;
+  const std::int64_t query_tiles = (p.seqlen_q + Config::kDkvStep - 1) / Config::kDkvStep + 1;
+  const bool one_bias_head =
+      p.bias_grad == BiasGrad::kNone || (p.bias_grad == BiasGrad::kPerKey && p.bias_group % p.group == 0);
+  if (err == cudaSuccess && p.group_rows != nullptr && one_bias_head && query_tiles > Config::kChunkTiles) {
+    p.chunk_tiles = Config::kChunkTiles;
+    p.chunks = static_cast<int>((query_tiles + Config::kChunkTiles - 1) / Config::kChunkTiles);
+    const std::int64_t slots = std::int64_t{batch} * kv_heads * p.key_groups;
+    const std::int64_t turn_words = (slots + 63) / 64 * 64;
+    const std::int64_t slot_floats = 2 * Config::kBlockRows * kHeadDim + Config::kBlockRows;
+    err = cudaMallocAsync(reinterpret_cast<void**>(&chunk_memory),
+                          static_cast<std::size_t>(turn_words + slots * slot_floats) * 4, stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(chunk_memory, 0, static_cast<std::size_t>(slots) * 4, stream);
+    p.chunk_turn = chunk_memory;
+    p.chunk_acc = reinterpret_cast<float*>(chunk_memory + turn_words);
+  }
   if (err == cudaSuccess && key_blocks > 0) {
-    dkv_kernel<<<dim3(static_cast<unsigned>(key_blocks), static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)),
+    dkv_kernel<<<dim3(static_cast<unsigned>(key_blocks * p.chunks), static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)),
                  Config::kThreads, Config::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
   }
   if (slices > 0) reduce(slices);
   for (void* ptr : {static_cast<void*>(p.row_max), static_cast<void*>(p.scratch), static_cast<void*>(p.mask_bits),
-                    static_cast<void*>(dkv_tiles)})
+                    static_cast<void*>(dkv_tiles), static_cast<void*>(chunk_memory)})
     if (ptr != nullptr) cudaFreeAsync(ptr, stream);
   check_cuda(err, ("backward launch (head dim " + std::to_string(kHeadDim) + ")").c_str());
 }
