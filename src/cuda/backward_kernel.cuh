@@ -1,15 +1,23 @@
 // The sm80-class backward (mma.sync through CuTe, cp.async loads), without
-// atomics: every output element is written by one CTA, so dq, dk, dv and dbias
-// are bitwise reproducible.
+// atomic arithmetic: every output element is written by one CTA (the chunks of
+// a top-k key group add their float32 sums in a fixed order, handing a turn
+// counter on), so dq, dk, dv and dbias are bitwise reproducible.
 //   row_stats:       delta_i = <do_i, o_i> and the row statistics from lse.
 //   backward_kernel<kKeyRows = false> (dq): one CTA owns 128 query rows of one
-//                    (batch, head) and walks their key blocks; it first recomputes
-//                    the row max and sum where |lse| is too large for float32 to
-//                    hold them (a bias of -1e30), for itself and the dk/dv pass.
+//                    (batch, head) and walks their key blocks, or with a mask or
+//                    top-k the block's key list (the forward's pre-passes: keys
+//                    gathered 64 a step, one bit per allowed pair); it first
+//                    recomputes the row max and sum where |lse| is too large for
+//                    float32 to hold them (a bias of -1e30), for itself and dk/dv.
 //   backward_kernel<kKeyRows = true> (dk, dv, dbias): one CTA owns 128 keys of one
 //                    (batch, kv head) and walks the query blocks of the G query
 //                    heads of the group; dbias is reduced inside the CTA in its
-//                    fixed loop order, across CTAs through float32 slices.
+//                    fixed loop order, across CTAs through float32 slices. Top-k
+//                    intervals: the 128 keys are a group of keys sorted by their
+//                    row interval (selection.h KeyGroups), gathered, tested per
+//                    element against their intervals, and long groups split into
+//                    chunks that add up in order; thresholds: the dense walk with
+//                    the threshold test.
 //   reduce_bias_grad: sums the dbias slices in order (or zero-fills dbias).
 // Both walks use the same tile: each warp owns 16 rows (its accumulators), the
 // columns stream through double-buffered shared memory, and
