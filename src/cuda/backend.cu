@@ -161,7 +161,15 @@ void launch_backward(const Problem& p, const cuda::BackwardParams& params) {
   }
 }
 
-void dispatch_backward(const Problem& p, const cuda::BackwardParams& params);
+void dispatch_backward(const Problem& p, const cuda::BackwardParams& params) {
+#define DMATTN_CUDA_HEAD_DIM(D) \
+  if (p.head_dim <= (D)) return launch_backward<D>(p, params);
+#include "forward_head_dims.inc"
+#undef DMATTN_CUDA_HEAD_DIM
+  throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
+              std::string("a head_dim <= the largest compiled CUDA head dim (DMATTN_HEAD_DIMS = ") + DMATTN_HEAD_DIMS + ")",
+              std::to_string(p.head_dim));
+}
 
 // Which in-kernel reduction a dbias of this broadcast shape takes (BiasGrad).
 cuda::BiasGrad bias_grad_kind(const Problem& p) {
@@ -208,16 +216,6 @@ void run_backward(const Problem& p) {
         cuda::free_groups(groups, stream);
         cuda::free_selection(sel, stream);
       });
-}
-
-void dispatch_backward(const Problem& p, const cuda::BackwardParams& params) {
-#define DMATTN_CUDA_HEAD_DIM(D) \
-  if (p.head_dim <= (D)) return launch_backward<D>(p, params);
-#include "forward_head_dims.inc"
-#undef DMATTN_CUDA_HEAD_DIM
-  throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
-              std::string("a head_dim <= the largest compiled CUDA head dim (DMATTN_HEAD_DIMS = ") + DMATTN_HEAD_DIMS + ")",
-              std::to_string(p.head_dim));
 }
 
 }  // namespace
