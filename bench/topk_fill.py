@@ -10,6 +10,10 @@ union of the keys whose interval meets the block, gathered and padded to BN:
   gather   = sum over query blocks of BM * roundup(|union|, BN)
   tileskip = sum over query blocks of BM * BN * (key tiles holding a union key)
 
+The backward's dk/dv walk groups 128 keys sorted by a key of their interval
+and runs each group over the 32-row query tiles that cover its keys' rows
+(group_fill; several sort keys compared).
+
 Bias models follow Doge's key-only bias A * softplus(dt) with A = 1 and a few
 kinds of dt. Pure Python, no dependencies: python3 bench/topk_fill.py [S] [w]
 """
@@ -55,6 +59,27 @@ def fill(intervals, bm, bn):
     return useful, gather, tileskip
 
 
+def group_fill(intervals, sort_key, g=128, t=32):
+    """dk/dv walk: keys sorted by sort_key(start, end) in groups of g, each group
+    over the t-row query tiles covering its keys' rows; returns computed entries."""
+    keys = sorted((iv for iv in intervals if iv[1] > iv[0]), key=lambda iv: sort_key(*iv))
+    work = 0
+    for i in range(0, len(keys), g):
+        lo = min(s for s, _ in keys[i:i + g])
+        hi = max(e for _, e in keys[i:i + g])
+        work += g * ((hi + t - 1) // t - lo // t) * t
+    return work
+
+
+GROUPINGS = {
+    "(floor(log2 length), start)": lambda s, e: (int(math.log2(e - s)), s),
+    "(floor(2 log2 length), start)": lambda s, e: (int(2 * math.log2(e - s)), s),
+    "start": lambda s, e: s,
+    "start + end": lambda s, e: s + e,
+    "end (the backward's)": lambda s, e: e,
+}
+
+
 def main():
     s = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
     w = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
@@ -80,6 +105,15 @@ def main():
             useful, gather, tileskip = fill(intervals, bm, 64)
             print(f"| {name} | {bm} | {useful / dense:.3f} | {useful / gather:.3f} | {useful / tileskip:.3f} "
                   f"| {gather / dense:.3f} |")
+    print("\nBackward dk/dv: groups of 128 sorted keys over 32-row query tiles")
+    print("| bias | sort key | fill | work / dense causal |")
+    print("|---|---|---|---|")
+    for name, bias in models.items():
+        intervals = key_intervals(bias, w)
+        useful = sum(e - s for s, e in intervals)
+        for key_name, key in GROUPINGS.items():
+            work = group_fill(intervals, key)
+            print(f"| {name} | {key_name} | {useful / work:.3f} | {work / dense:.3f} |")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/selection.h"
 #include "dmattn/dmattn.h"
+#include "problem.h"
 #include "tensor.h"
 
 using dmattn::DType;
@@ -345,6 +347,35 @@ std::vector<Shape> broadcast_shapes(std::int64_t B, std::int64_t H, std::int64_t
   return shapes;
 }
 
+// Top-k settings shared by the forward and the backward matrices (case i of a
+// kind; sizes and heads are the caller's). Per-row biases (thresholds): bias
+// heads Hk / H, a float32 bias (i = 2), permuted (i = 1), a mask from i = 2.
+void topk_per_row(Case& c, int i) {
+  c.options.causal = i != 1;
+  c.options.keep_window_size = i == 3 ? 1 : 100;
+  c.bias_shape = {c.B, i % 2 ? c.H : c.Hk, c.Sq, c.Sk};
+  c.bias_dtype = i == 2 ? DType::kFloat32 : c.dtype;
+  c.bias_layout.permuted = i == 1;
+  if (i >= 2) c.mask_shape = {1, i == 2 ? c.H : 1, c.Sq, c.Sk}, c.mask_density = 0.5;
+}
+// A key padding mask (folded into the intervals) of one head (i = 0) or H.
+void topk_padding(Case& c, int i) {
+  c.options.causal = true;
+  c.options.keep_window_size = 128;
+  c.mask_pattern = Case::MaskPattern::kKeyPadding;
+  c.mask_shape = {c.B, i ? c.H : 1, 1, c.Sk};
+  c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+}
+// Varlen with a key-only bias of (total_k, Hb): intervals (i = 0) or, with a
+// left window, thresholds (i = 1).
+void topk_varlen(Case& c, int i) {
+  c.seqlens_q = {1, 300, 0, 130}, c.seqlens_k = {7, 500, 5, 130};
+  c.bias_shape = {642, i ? c.H : 1};
+  c.options.causal = true;
+  c.options.keep_window_size = 50;
+  if (i) c.options.sliding_window = {80, 0};
+}
+
 std::vector<Case> matrix(bool small) {
   std::vector<Case> cases;
   const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
@@ -656,12 +687,7 @@ std::vector<Case> matrix(bool small) {
   for (int i = 0; i < 4; ++i) {
     Case c = base(i < 2 ? 400 : 1000, i < 2 ? 1100 : 600, i % 2 ? DType::kFloat16 : DType::kBFloat16);
     c.H = 8, c.Hk = 2;
-    c.options.causal = i != 1;
-    c.options.keep_window_size = i == 3 ? 1 : 100;
-    c.bias_shape = {c.B, i % 2 ? c.H : c.Hk, c.Sq, c.Sk};
-    c.bias_dtype = i == 2 ? DType::kFloat32 : c.dtype;
-    c.bias_layout.permuted = i == 1;
-    if (i >= 2) c.mask_shape = {1, i == 2 ? c.H : 1, c.Sq, c.Sk}, c.mask_density = 0.5;
+    topk_per_row(c, i);
     c.name = name(c, "top-k " + std::to_string(*c.options.keep_window_size) + " per-row bias " +
                          dmattn_test::shape_str(c.bias_shape) + (i >= 2 ? " + mask" : ""));
     cases.push_back(c);
@@ -671,21 +697,13 @@ std::vector<Case> matrix(bool small) {
   for (int i = 0; i < 2; ++i) {
     Case c = base(700, 900, DType::kBFloat16);
     c.B = 2, c.H = 8, c.Hk = 2;
-    c.options.causal = true;
-    c.options.keep_window_size = 128;
-    c.mask_pattern = Case::MaskPattern::kKeyPadding;
-    c.mask_shape = {c.B, i ? c.H : 1, 1, c.Sk};
-    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    topk_padding(c, i);
     c.name = name(c, "top-k 128 key-only bias + padding mask " + dmattn_test::shape_str(c.mask_shape));
     cases.push_back(c);
   }
   for (int i = 0; i < 2; ++i) {
     Case c = base(1, 1, i ? DType::kFloat16 : DType::kBFloat16);
-    c.seqlens_q = {1, 300, 0, 130}, c.seqlens_k = {7, 500, 5, 130};
-    c.bias_shape = {642, i ? c.H : 1};
-    c.options.causal = true;
-    c.options.keep_window_size = 50;
-    if (i) c.options.sliding_window = {80, 0};  // thresholds on varlen
+    topk_varlen(c, i);
     c.name = name(c, "top-k 50 varlen bias heads " + std::to_string(c.bias_shape[1]) + (i ? " window (80,0)" : ""));
     cases.push_back(c);
   }
@@ -852,6 +870,87 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
   return r;
 }
 
+// Top-k backward cases (keep_window_size), mirroring the forward's: key-only
+// biases (intervals: dq key lists, dk/dv key groups) causal with Sq < Sk, = Sk,
+// > Sk and not causal, bias heads 1 / Hk / H, bias batch 1 / B; w = 1, w >= Sk,
+// w = Sk - 1; ties (constant and four-valued biases); right and left windows;
+// per-row biases and masks (thresholds); key padding masks; varlen; odd sizes;
+// a bias broadcast over keys (dbias summed over keys: contiguous key groups).
+template <class Make>
+std::vector<Case> topk_backward_cases(Make&& make) {
+  std::vector<Case> cases;
+  const std::int64_t sizes[][2] = {{300, 1000}, {1000, 1000}, {1000, 300}, {1, 700}, {65, 65}, {7, 7}, {1, 1}};
+  for (int i = 0; i < 7; ++i)
+    for (bool causal : {true, false}) {
+      Case c = make("top-k key-only bias", sizes[i][0], sizes[i][1], 4, 2);
+      c.options.causal = causal;
+      c.options.keep_window_size = i >= 4 ? 3 + i : 64 + 13 * i;
+      c.bias_shape = {i % 2 ? 1 : c.B, i % 3 == 0 ? c.Hk : i % 3 == 1 ? c.H : 1, 1, c.Sk};
+      c.bias_dtype = i == 2 ? DType::kFloat32 : c.dtype;
+      c.bias_layout.sliced = i == 1, c.bias_layout.permuted = i == 3;
+      c.name += " w" + std::to_string(*c.options.keep_window_size);
+      cases.push_back(c);
+    }
+  struct Variant {
+    const char* what;
+    std::int64_t w;
+    double lo, hi, quantum;
+    std::int64_t left, right;
+  };
+  const Variant variants[] = {{"w=1", 1, -2, 2, 0, -1, -1},
+                              {"w>=Sk", 5000, -2, 2, 0, -1, -1},
+                              {"w=Sk-1", 776, -2, 2, 0, -1, -1},
+                              {"constant bias (ties)", 100, 0.5, 0.5, 0, -1, -1},
+                              {"four bias values (ties)", 33, 0, 4, 1, -1, -1},
+                              {"right window 30", 50, -2, 2, 0, -1, 30},
+                              {"left window 300", 64, -2, 2, 0, 300, -1},
+                              {"window (200,0)", 90, -2, 2, 0, 200, 0}};
+  for (const Variant& t : variants) {
+    // w = 1: p = 1 on the kept key and dS = p (dp - delta) is rounding noise in
+    // float32 (zero in float64; exactly zero in the low-precision CPU run, whose
+    // dp and delta are the same sums). dbias adds that noise over the rows that
+    // keep a key: few rows keep it under the 1e-5 floor.
+    Case c = make(std::string("top-k ") + t.what, t.w == 1 ? 64 : 650, 777, 4, 2);
+    c.B = 2;
+    c.options.causal = t.right < 0;
+    c.options.keep_window_size = t.w;
+    c.options.sliding_window = {t.left, t.right};
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    c.bias_lo = t.lo, c.bias_hi = t.hi, c.bias_quantum = t.quantum;
+    cases.push_back(c);
+  }
+  for (int i = 0; i < 4; ++i) {  // per-row biases and masks: thresholds
+    Case c = make("top-k per-row bias" + std::string(i >= 2 ? " + mask" : ""), i < 2 ? 300 : 500, i < 2 ? 700 : 400, 4, 2);
+    topk_per_row(c, i);
+    cases.push_back(c);
+  }
+  for (int i = 0; i < 2; ++i) {  // key padding masks, folded into the intervals
+    Case c = make("top-k 128 + padding mask", 700, 900, 4, 2);
+    c.B = 2;
+    topk_padding(c, i);
+    cases.push_back(c);
+  }
+  for (int i = 0; i < 2; ++i) {  // varlen: intervals, and thresholds (left window)
+    Case c = make(i ? "top-k 50 varlen window (80,0)" : "top-k 50 varlen", 1, 1, 4, 2);
+    topk_varlen(c, i);
+    cases.push_back(c);
+  }
+  for (int i = 0; i < 2; ++i) {  // groups whose rows span more than 64 query tiles: chunks added in order
+    Case c = make("top-k chunked key groups", 3000, 3000, 4, 2);
+    c.options.causal = i == 0;
+    c.options.keep_window_size = i ? 100 : 256;
+    c.bias_shape = {c.B, i ? 1 : c.Hk, 1, c.Sk};
+    cases.push_back(c);
+  }
+  Case keys = make("top-k 50 bias over heads only", 300, 400, 4, 2);  // dbias summed over keys
+  keys.B = 2;
+  keys.options.causal = true;
+  keys.options.keep_window_size = 50;
+  keys.bias_shape = {keys.B, keys.Hk, 1, 1};
+  cases.push_back(keys);
+  return cases;
+}
+
 std::vector<Case> backward_matrix(bool small) {
   std::vector<Case> cases;
   int n = 0;
@@ -888,6 +987,20 @@ std::vector<Case> backward_matrix(bool small) {
     v.bias_shape = {139, 1};
     v.options.causal = true;
     cases.push_back(finish(v));
+    for (bool per_row : {false, true}) {  // top-k: key groups (intervals), thresholds with a mask
+      Case t = make(per_row ? "small top-k 20 per-row bias + mask" : "small top-k 20", 150, 200, 4, 2);
+      t.options.causal = true;
+      t.options.keep_window_size = 20;
+      t.bias_shape = per_row ? Shape{t.B, t.Hk, t.Sq, t.Sk} : Shape{1, t.Hk, 1, t.Sk};
+      if (per_row) t.mask_shape = {t.B, 1, t.Sq, t.Sk};
+      cases.push_back(finish(t));
+    }
+    Case chunks = make("small top-k 64 chunked key groups", 2100, 2100, 2, 1);  // more than 64 query tiles a group
+    chunks.B = 1;
+    chunks.options.causal = true;
+    chunks.options.keep_window_size = 64;
+    chunks.bias_shape = {1, 1, 1, chunks.Sk};
+    cases.push_back(finish(chunks));
     return cases;
   }
   // Sizes, GQA and MQA, causal or not.
@@ -1010,28 +1123,46 @@ std::vector<Case> backward_matrix(bool small) {
       c.name += shape == 2 ? " window (0,0)" : "";
       cases.push_back(finish(c));
     }
+  for (Case& c : topk_backward_cases(make)) cases.push_back(finish(c));
   return cases;
 }
 
-// The CUDA backward refuses keep_window_size (its top-k arrives later) with a clear error.
-Outcome keep_window_refused(Rng& rng) {
-  HostTensor q(DType::kBFloat16, {1, 8, 2, 64}), bias(DType::kBFloat16, {1, 2, 1, 8}), out(DType::kBFloat16, {1, 8, 2, 64}),
-      lse(DType::kFloat32, {1, 2, 8});
-  q.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
-  bias.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
-  lse.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); });
-  const DeviceTensor dq(q), db(bias), dout(out), dlse(lse), gq(q), gk(q), gv(q);
-  dmattn::Options o;
-  o.keep_window_size = 4;
+// The seed's failure case (NaN under top-k in bf16): B=1, H=8/Hk=2, S=4096,
+// w=2048, causal, a Doge-style key-only bias A_h * softplus(dt_j) with fresh
+// random A, dt, q, k, v and dout at each of 20 forward + backward steps on the
+// GPU: out, dq, dk, dv and dbias must be finite.
+Outcome topk_nan_sweep(Rng& rng) {
+  const std::int64_t B = 1, H = 8, Hk = 2, D = 128, S = 4096;
   Outcome r;
-  try {
-    dmattn::backward({dq.view(), dq.view(), dq.view(), std::nullopt, db.view()}, dout.view(), dq.view(), dlse.view(),
-                     {gq.view(), gk.view(), gv.view(), std::nullopt}, o);
-    r.pass = false, r.detail = "no error thrown";
-  } catch (const dmattn::Error& e) {
-    r.pass = e.kind() == dmattn::Error::Kind::kUnsupported && e.argument() == "keep_window_size";
-    r.detail = e.what();
+  for (int step = 0; step < 20 && r.pass; ++step) {
+    HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D}),
+        dout(DType::kBFloat16, {B, S, H, D}), bias(DType::kBFloat16, {B, Hk, 1, S});
+    const double spread = rng.uniform(0.5, 4.0);
+    for (HostTensor* t : {&q, &k, &v, &dout}) t->fill([&](std::int64_t) { return rng.uniform(-spread, spread); });
+    const double a[2] = {rng.uniform(-8.0, 8.0), rng.uniform(-8.0, 8.0)};
+    bias.fill([&](std::int64_t i) {
+      const double dt = rng.uniform(-12.0, 12.0);
+      return a[i / S] * (dt > 0 ? dt + std::log1p(std::exp(-dt)) : std::log1p(std::exp(dt)));
+    });
+    const DeviceTensor dq(q), dk(k), dv(v), ddo(dout), db(bias), out(dout), gq(q), gk(k), gv(v), gb(bias);
+    const DeviceTensor lse(HostTensor(DType::kFloat32, {B, H, S}));
+    dmattn::Options o;
+    o.causal = true;
+    o.keep_window_size = 2048;
+    const dmattn::Inputs in{dq.view(), dk.view(), dv.view(), std::nullopt, db.view()};
+    dmattn::forward(in, out.view(), lse.view(), o);
+    dmattn::backward(in, out.view(), ddo.view(), lse.view(), {gq.view(), gk.view(), gv.view(), gb.view()}, o);
+    check_cuda(cudaDeviceSynchronize(), "top-k forward + backward");
+    const char* names[5] = {"out", "dq", "dk", "dv", "dbias"};
+    const DeviceTensor* outputs[5] = {&out, &gq, &gk, &gv, &gb};
+    for (int t = 0; t < 5; ++t) {
+      bool pad = true;
+      const std::vector<double> x = outputs[t]->values(&pad);
+      const auto bad = std::count_if(x.begin(), x.end(), [](double e) { return !std::isfinite(e); });
+      if (bad > 0) r.pass = false, r.detail += "step " + std::to_string(step) + ": " + std::to_string(bad) + " non-finite in " + names[t] + "  ";
+    }
   }
+  if (r.pass) r.detail = "20 steps, all finite";
   return r;
 }
 
@@ -1054,10 +1185,12 @@ int check(bool small, bool backward_only) {
   if (!backward_only)
     for (const Case& c : matrix(small)) run(c, run_case);
   for (const Case& c : backward_matrix(small)) run(c, run_backward_case);
-  const Outcome refused = keep_window_refused(rng);
-  (refused.pass ? passed : failed)++;
-  std::printf("%s  %-90s %s\n", refused.pass ? "PASS" : "FAIL", "keep_window_size refused by the CUDA backward",
-              refused.detail.c_str());
+  if (!small) {
+    const Outcome sweep = topk_nan_sweep(rng);
+    (sweep.pass ? passed : failed)++;
+    std::printf("%s  %-90s %s\n", sweep.pass ? "PASS" : "FAIL",
+                "top-k NaN sweep bf16 B1 S4096 H8/2 w2048 causal, Doge bias A*softplus(dt), 20 fwd+bwd", sweep.detail.c_str());
+  }
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }
@@ -1086,6 +1219,54 @@ float time_forward(const dmattn::Inputs& in, const DeviceTensor& out, const Devi
   return time_call([&] { dmattn::forward(in, out.view(), lse.view(), o); }, iters);
 }
 
+// Fill efficiency (useful entries / computed entries) of the top-k backward's
+// walks for a key-only bias (B = 1, Hb heads, causal, Sq = Sk), from the CPU's
+// exact selection: dq, 128-row query blocks over their key lists in 64-key
+// tiles; dk/dv, groups of 128 keys sorted by interval end over the 32-row query
+// tiles that cover the group's rows.
+void print_topk_fill(const HostTensor& bias, std::int64_t w) {
+  const Shape shape = bias.shape();
+  const std::int64_t heads = shape[1], S = shape[3];
+  dmattn::Problem p;
+  p.batch = 1, p.heads = heads, p.kv_heads = heads, p.head_dim = 8;
+  p.seqlen_q = p.seqlen_k = S;
+  const dmattn::TensorView view = bias.view();
+  p.bias = {view.data, view.dtype, view.stride[0], view.stride[1], 0, view.stride[3]};
+  p.bias_shape = {1, heads, 1, S};
+  p.causal = true;
+  p.keep_window_size = w;
+  const dmattn::cpu::Selection sel = dmattn::cpu::select_topk(p);
+  double useful = 0, dq_work = 0, dkv_work = 0;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    std::vector<std::int64_t> order;
+    for (std::int64_t j = 0; j < S; ++j) {
+      const auto& r = sel.interval(0, h, j);
+      useful += static_cast<double>(r.end - r.start);
+      if (r.end > r.start) order.push_back(j);
+    }
+    for (std::int64_t i0 = 0; i0 < S; i0 += 128) {
+      std::int64_t listed = 0;
+      for (std::int64_t j = 0; j < S; ++j) {
+        const auto& r = sel.interval(0, h, j);
+        listed += r.end > r.start && r.start < i0 + 128 && r.end > i0;
+      }
+      dq_work += static_cast<double>(std::min<std::int64_t>(128, S - i0) * ((listed + 63) / 64 * 64));
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::int64_t a, std::int64_t b) { return sel.interval(0, h, a).end < sel.interval(0, h, b).end; });
+    for (std::size_t g = 0; g < order.size(); g += 128) {
+      std::int64_t lo = S, hi = 0;
+      for (std::size_t e = g; e < std::min(order.size(), g + 128); ++e)
+        lo = std::min(lo, sel.interval(0, h, order[e]).start), hi = std::max(hi, sel.interval(0, h, order[e]).end);
+      dkv_work += 128.0 * static_cast<double>((hi + 31) / 32 - lo / 32) * 32;
+    }
+  }
+  const double dense = static_cast<double>(heads) * S * (S + 1) / 2;
+  std::printf("  fill (useful / computed entries): dq key lists %.3f, dk/dv key groups %.3f; computed / dense causal: "
+              "dq %.3f, dk/dv %.3f; selected / dense causal %.3f\n",
+              useful / dq_work, useful / dkv_work, dq_work / dense, dkv_work / dense, useful / dense);
+}
+
 int bench() {
   Rng rng;
   const std::int64_t B = 1, H = 32, Hk = 8, D = 128;
@@ -1106,27 +1287,32 @@ int bench() {
       std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s %.3f ms  %.1f TFLOP/s\n",
                   static_cast<long long>(S), with_bias ? "key-only bias" : "no mask", ms, flops / (ms * 1e-3) / 1e12);
     }
-  // Forward + backward (backward FLOPs counted as 2.5x the forward's): no mask, and
-  // a learnable key-only bias (B, Hk, 1, S) with its gradient.
-  for (bool with_bias : {false, true}) {
+  // Forward + backward at S = 16384 (backward FLOPs counted as 2.5x the
+  // forward's): no mask, a learnable key-only bias (B, Hk, 1, S) with its
+  // gradient, and below the same with a bool mask or keep_window_size.
+  const auto fwd_bwd = [&](const char* what, bool with_bias, const std::optional<dmattn::TensorView>& mask,
+                           std::int64_t keep_window, int iters) {
     const std::int64_t S = 16384;
     HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
     random(q), random(k), random(v);
     HostTensor bias(DType::kBFloat16, {B, Hk, 1, S}), out(DType::kBFloat16, {B, S, H, D}), lse(DType::kFloat32, {B, H, S});
     random(bias);
     const DeviceTensor dq(q), dk(k), dv(v), db(bias), dout(out), dlse(lse), ddo(q), gq(q), gk(k), gv(v), gb(bias);
-    dmattn::Inputs in{dq.view(), dk.view(), dv.view(), std::nullopt, std::nullopt};
+    dmattn::Inputs in{dq.view(), dk.view(), dv.view(), mask, std::nullopt};
     dmattn::Gradients g{gq.view(), gk.view(), gv.view(), std::nullopt};
     if (with_bias) in.bias = db.view(), g.dbias = gb.view();
     dmattn::Options o;
     o.causal = true;
-    const float fwd = time_forward(in, dout, dlse, o, 5);
-    const float bwd = time_call([&] { dmattn::backward(in, dout.view(), ddo.view(), dlse.view(), g, o); }, 5);
+    if (keep_window > 0) o.keep_window_size = keep_window;
+    const float fwd = time_forward(in, dout, dlse, o, iters);
+    const float bwd = time_call([&] { dmattn::backward(in, dout.view(), ddo.view(), dlse.view(), g, o); }, iters);
     const double flops = 4.0 * B * H * D * double(S) * double(S) / 2.0;
     std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s fwd %.3f ms  bwd %.3f ms (%.1f TFLOP/s)  fwd+bwd %.3f ms\n",
-                static_cast<long long>(S), with_bias ? "key-only bias" : "no mask", fwd, bwd,
-                2.5 * flops / (bwd * 1e-3) / 1e12, fwd + bwd);
-  }
+                static_cast<long long>(S), what, fwd, bwd, 2.5 * flops / (bwd * 1e-3) / 1e12, fwd + bwd);
+    if (keep_window > 0) print_topk_fill(bias, keep_window);
+  };
+  fwd_bwd("no mask", false, std::nullopt, 0, 5);
+  fwd_bwd("key-only bias", true, std::nullopt, 0, 5);
   {  // A sparse mask: about 1024 random keys a causal row (bench_gpu.py's top-1024 case), with the key bias.
     const std::int64_t S = 4096;
     HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
@@ -1155,6 +1341,25 @@ int bench() {
     const float ms = time_forward({dq.view(), dk.view(), dv.view(), std::nullopt, db.view()}, dout, dlse, o, 10);
     std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld key-only bias (B, 8, 1, S), keep_window_size 1024  %.3f ms\n",
                 static_cast<long long>(S), ms);
+  }
+  // Top-k (the selection in both calls) and a bool top-1024 mask, key-only bias and its gradient.
+  fwd_bwd("key-only bias (B, 8, 1, S), keep_window_size 1024 (TFLOP/s of the dense work)", true, std::nullopt, 1024, 5);
+  {  // A bool mask of about 1024 random keys a causal row (B, 8, S, S), fwd + bwd.
+    const std::int64_t S = 16384;
+    std::vector<unsigned char> mask_bytes(static_cast<std::size_t>(B * Hk * S * S));
+    for (std::size_t e = 0; e < mask_bytes.size(); ++e) {  // a hash per element: cheap at 2 G elements
+      std::uint64_t x = (e + 1) * 0x9E3779B97F4A7C15ull;
+      x = (x ^ (x >> 31)) * 0xBF58476D1CE4E5B9ull;
+      x ^= x >> 29;
+      mask_bytes[e] = (x % static_cast<std::uint64_t>(e / S % S + 1)) < 1024 ? 1 : 0;
+    }
+    void* mask_dev = nullptr;
+    check_cuda(cudaMalloc(&mask_dev, mask_bytes.size()), "cudaMalloc");
+    std::unique_ptr<void, decltype(&cudaFree)> mask_owner(mask_dev, cudaFree);
+    check_cuda(cudaMemcpy(mask_dev, mask_bytes.data(), mask_bytes.size(), cudaMemcpyHostToDevice), "cudaMemcpy");
+    const dmattn::TensorView mask_view =
+        dmattn::TensorView::contiguous(mask_dev, DType::kBool, {B, Hk, S, S}, {dmattn::DeviceType::kCUDA, 0});
+    fwd_bwd("key-only bias + 1024-a-row bool mask (B, 8, S, S)", true, mask_view, 0, 3);
   }
   // Decode: one query row over Sk keys; bound by reading K and V. B=4 at 128k
   // keys is the case of the GB/s target.

@@ -102,6 +102,31 @@ void launch_head_dim(const Problem& p, const cuda::ForwardParams& params, std::i
               std::to_string(p.head_dim));
 }
 
+// Runs launch(), then release() (the stream-ordered frees of its scratch), also
+// when launch throws: that error is the one reported.
+template <class Launch, class Release>
+void launch_then_release(Launch&& launch, Release&& release) {
+  try {
+    launch();
+  } catch (...) {
+    try {
+      release();
+    } catch (...) {
+    }
+    throw;
+  }
+  release();
+}
+
+// The top-k selection of p on its stream, handed to the kernels in params.
+cuda::DeviceSelection select(const Problem& p, cuda::AttentionParams& params) {
+  cuda::DeviceSelection sel = cuda::select_topk(p);
+  params.topk_intervals = sel.intervals, params.topk_thresholds = sel.thresholds;
+  params.topk_heads = static_cast<int>(sel.heads), params.topk_group = static_cast<int>(sel.group);
+  params.keep_window_size = p.keep_window_size;
+  return sel;
+}
+
 // Top-k: the selection is computed first, on the stream (no host sync), the
 // forward's pre-passes list the selected keys from it, and it is freed
 // (stream-ordered) once they are enqueued.
@@ -114,23 +139,12 @@ void run_forward(const Problem& p) {
 
   const DeviceGuard guard(p.device.index);
   cuda::DeviceSelection sel;
-  if (p.keep_window_size > 0 && p.seqlen_k > 0) {
-    sel = cuda::select_topk(p);
-    params.topk_intervals = sel.intervals, params.topk_thresholds = sel.thresholds;
-    params.topk_heads = static_cast<int>(sel.heads), params.topk_group = static_cast<int>(sel.group);
-    params.keep_window_size = p.keep_window_size;
-  }
-  const auto stream = static_cast<cudaStream_t>(p.stream);
-  try {
-    launch_head_dim(p, params, launch_heads);
-  } catch (...) {
-    try {
-      cuda::free_selection(sel, stream);
-    } catch (...) {  // the launch error is the one to report
-    }
-    throw;
-  }
-  cuda::free_selection(sel, stream);
+  launch_then_release(
+      [&] {
+        if (p.keep_window_size > 0 && p.seqlen_k > 0) sel = select(p, params);
+        launch_head_dim(p, params, launch_heads);
+      },
+      [&] { cuda::free_selection(sel, static_cast<cudaStream_t>(p.stream)); });
 }
 
 template <int kHeadDim>
@@ -147,6 +161,16 @@ void launch_backward(const Problem& p, const cuda::BackwardParams& params) {
   }
 }
 
+void dispatch_backward(const Problem& p, const cuda::BackwardParams& params) {
+#define DMATTN_CUDA_HEAD_DIM(D) \
+  if (p.head_dim <= (D)) return launch_backward<D>(p, params);
+#include "forward_head_dims.inc"
+#undef DMATTN_CUDA_HEAD_DIM
+  throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
+              std::string("a head_dim <= the largest compiled CUDA head dim (DMATTN_HEAD_DIMS = ") + DMATTN_HEAD_DIMS + ")",
+              std::to_string(p.head_dim));
+}
+
 // Which in-kernel reduction a dbias of this broadcast shape takes (BiasGrad).
 cuda::BiasGrad bias_grad_kind(const Problem& p) {
   if (!p.dbias.present()) return cuda::BiasGrad::kNone;
@@ -154,10 +178,10 @@ cuda::BiasGrad bias_grad_kind(const Problem& p) {
   return p.bias_shape.rows == 1 ? cuda::BiasGrad::kPerKey : cuda::BiasGrad::kPerElement;
 }
 
+// Top-k: the selection runs on the stream like the forward's; intervals are
+// then grouped for the dk/dv walk (sorted by rows unless dbias needs
+// contiguous keys), and both are freed once the kernels are enqueued.
 void run_backward(const Problem& p) {
-  if (p.keep_window_size > 0)
-    throw Error(Error::Kind::kUnsupported, "keep_window_size", "none on CUDA (top-k arrives with a later release)",
-                std::to_string(p.keep_window_size));
   if (p.batch == 0) return;
   cuda::BackwardParams params;
   set_attention_params(p, params);
@@ -172,13 +196,26 @@ void run_backward(const Problem& p) {
   }
 
   const DeviceGuard guard(p.device.index);
-#define DMATTN_CUDA_HEAD_DIM(D) \
-  if (p.head_dim <= (D)) return launch_backward<D>(p, params);
-#include "forward_head_dims.inc"
-#undef DMATTN_CUDA_HEAD_DIM
-  throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
-              std::string("a head_dim <= the largest compiled CUDA head dim (DMATTN_HEAD_DIMS = ") + DMATTN_HEAD_DIMS + ")",
-              std::to_string(p.head_dim));
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  cuda::DeviceSelection sel;
+  cuda::KeyGroups groups;
+  launch_then_release(
+      [&] {
+        if (p.keep_window_size > 0 && p.seqlen_k > 0 && p.seqlen_q > 0) {
+          sel = select(p, params);
+          if (sel.intervals != nullptr) {
+            const bool sort = params.bias_grad == cuda::BiasGrad::kNone || params.bias_grad == cuda::BiasGrad::kPerKey;
+            groups = cuda::group_keys(sel, p.batch, p.heads, p.kv_heads, p.seqlen_k, p.cu_seqlens_k,
+                                      cuda::kBackwardBlockRows, sort, stream);
+            params.key_order = groups.order, params.group_rows = groups.rows, params.key_groups = groups.groups;
+          }
+        }
+        dispatch_backward(p, params);
+      },
+      [&] {
+        cuda::free_groups(groups, stream);
+        cuda::free_selection(sel, stream);
+      });
 }
 
 }  // namespace

@@ -9,6 +9,9 @@
 
 namespace dmattn::cuda {
 
+// Rows of a backward CTA: queries of a dq block, keys of a dk/dv group.
+constexpr int kBackwardBlockRows = 128;
+
 // Where the dbias reduction of an element happens (SPEC 4: dbias sums dl over
 // every dimension the bias broadcasts).
 enum class BiasGrad : int {
@@ -28,8 +31,9 @@ struct MaskTiles {
 };
 
 // A validated backward Problem reduced to what the kernels read (dout, dq, dk,
-// dv like the token operands, dbias like the bias).
-struct BackwardParams : AttentionParams {
+// dv like the token operands, dbias like the bias). With a mask or a top-k
+// selection the dq walk takes the key lists (KeyLists, rows of kBlockRows).
+struct BackwardParams : AttentionParams, KeyLists {
   Operand dout, dq, dk, dv, dbias;
   int heads = 1;
   bool vector_dout = false;
@@ -42,7 +46,22 @@ struct BackwardParams : AttentionParams {
   float* row_inv = nullptr;
   float* row_delta = nullptr;
 
-  MaskTiles dq_tiles, dkv_tiles;  // tiles of the dq walk and of the dk/dv walk
+  MaskTiles dkv_tiles;  // mask tiles of the dk/dv walk (a mask without top-k, or top-k thresholds)
+
+  // Top-k intervals, dk/dv walk (selection.h KeyGroups): CTA (b, kv head, g) owns
+  // the keys at positions [g * kBlockRows, ..) of key_order (contiguous keys when
+  // null) and walks the query rows group_rows of its group; each element is
+  // tested against its key's interval. Thresholds: the dk/dv walk is the dense
+  // one, each element tested against its row's threshold.
+  const std::int32_t* key_order = nullptr;
+  const KeyRows* group_rows = nullptr;
+  std::int64_t key_groups = 0;
+  // Chunks: with chunks > 1, CTA (g * chunks + c) walks chunk c of group g's
+  // query tiles, chunk_tiles a chunk, and the chunks of a group add their sums
+  // in order through slot g of chunk_acc (float32), chunk_turn[g] the next chunk.
+  int chunks = 1, chunk_tiles = 0;
+  float* chunk_acc = nullptr;
+  int* chunk_turn = nullptr;
 
   // dbias: dense extents (batch, heads, rows, keys) of the bias before broadcasting
   // (varlen: B, Hb, 1, max_seqlen_k with local keys). Direct (scratch == nullptr):

@@ -1,15 +1,23 @@
 // The sm80-class backward (mma.sync through CuTe, cp.async loads), without
-// atomics: every output element is written by one CTA, so dq, dk, dv and dbias
-// are bitwise reproducible.
+// atomic arithmetic: every output element is written by one CTA (the chunks of
+// a top-k key group add their float32 sums in a fixed order, handing a turn
+// counter on), so dq, dk, dv and dbias are bitwise reproducible.
 //   row_stats:       delta_i = <do_i, o_i> and the row statistics from lse.
 //   backward_kernel<kKeyRows = false> (dq): one CTA owns 128 query rows of one
-//                    (batch, head) and walks their key blocks; it first recomputes
-//                    the row max and sum where |lse| is too large for float32 to
-//                    hold them (a bias of -1e30), for itself and the dk/dv pass.
+//                    (batch, head) and walks their key blocks, or with a mask or
+//                    top-k the block's key list (the forward's pre-passes: keys
+//                    gathered 64 a step, one bit per allowed pair); it first
+//                    recomputes the row max and sum where |lse| is too large for
+//                    float32 to hold them (a bias of -1e30), for itself and dk/dv.
 //   backward_kernel<kKeyRows = true> (dk, dv, dbias): one CTA owns 128 keys of one
 //                    (batch, kv head) and walks the query blocks of the G query
 //                    heads of the group; dbias is reduced inside the CTA in its
-//                    fixed loop order, across CTAs through float32 slices.
+//                    fixed loop order, across CTAs through float32 slices. Top-k
+//                    intervals: the 128 keys are a group of keys sorted by their
+//                    row interval (selection.h KeyGroups), gathered, tested per
+//                    element against their intervals, and long groups split into
+//                    chunks that add up in order; thresholds: the dense walk with
+//                    the threshold test.
 //   reduce_bias_grad: sums the dbias slices in order (or zero-fills dbias).
 // Both walks use the same tile: each warp owns 16 rows (its accumulators), the
 // columns stream through double-buffered shared memory, and
@@ -30,6 +38,7 @@
 
 #include "backward.h"
 #include "common.cuh"
+#include "forward_kernel.cuh"
 
 namespace dmattn::cuda {
 
@@ -40,9 +49,12 @@ struct BackwardConfig {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockRows = 16 * kWarps;  // the CTA's own rows: keys (dk/dv) or queries (dq)
+  static_assert(kBlockRows == kBackwardBlockRows, "backward.h names the rows a block");
   // Columns a step: the accumulators of 16 x D rows a warp (dK and dV, or dQ) and
   // the S and dP tiles of 16 x step must fit in 255 registers.
   static constexpr int kDkvStep = 32, kDqStep = 64;
+  // A dk/dv key group walks at most this many query tiles a CTA (chunks).
+  static constexpr int kChunkTiles = 64;
   static_assert(kHeadDim <= 128, "the CUDA backward takes head dims up to 128");
   static constexpr int kSmemRow = kHeadDim % 64 == 0 ? 64 : 32;
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
@@ -69,8 +81,11 @@ struct BackwardConfig {
   // or of the CTA's rows, whichever is larger.
   static constexpr int kStatFloats = 6 * kMaxStep > 3 * kBlockRows ? 6 * kMaxStep : 3 * kBlockRows;
   static constexpr int kAddLd = kMaxStep + 4;  // row stride of the staged tile (fewer bank conflicts)
-  static constexpr int kSmemBytes = (2 * kRowElems + 4 * kColElems) * int(sizeof(Element)) +
-                                    (kStatFloats + kBlockRows * kAddLd + kBlockRows + kMaxStep) * 4;
+  static constexpr int kFloats = kStatFloats + kBlockRows * kAddLd + kBlockRows + kMaxStep;
+  static_assert(kFloats % 2 == 0, "the per-row words behind the floats are 8-byte aligned");
+  // Behind the floats, 16 bytes a row: dq, the list bits of the rows (two
+  // buffers of 64-bit words); dk/dv, the keys of the rows and their intervals.
+  static constexpr int kSmemBytes = (2 * kRowElems + 4 * kColElems) * int(sizeof(Element)) + kFloats * 4 + kBlockRows * 16;
 };
 
 // acc += A B^T with A already in registers. B spans the whole head dim here, so
@@ -155,20 +170,55 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const std::int64_t sq = seq.sq, sk = seq.sk, offset = sk - sq;  // bottom-right alignment
   // CTAs start in order of work under causal, heads fastest, so that the longest
   // ones (dk/dv: the first key blocks, which see the most queries; dq: the last
-  // query blocks, which see the most keys) start first for every head.
+  // query blocks, which see the most keys; dk/dv key groups: the last groups,
+  // whose keys' rows end last and span the most) start first for every head.
+  // Key groups split into chunks of query tiles (BackwardParams::chunks) take
+  // consecutive CTAs, chunk 0 first.
   const int blocks = gridDim.x, linear = blockIdx.x + blocks * blockIdx.y;
-  const int head = linear % gridDim.y;
-  const int row_block = kKeyRows ? linear / gridDim.y : blocks - 1 - linear / gridDim.y;
+  const int head = linear % gridDim.y, order = linear / gridDim.y;
+  const bool key_groups = kKeyRows && p.group_rows != nullptr;
+  const int chunk = key_groups ? order % p.chunks : 0;
+  const int row_block = key_groups ? blocks / p.chunks - 1 - order / p.chunks : (kKeyRows ? order : blocks - 1 - order);
   const std::int64_t row0 = std::int64_t{row_block} * kBlockRows, own_len = kKeyRows ? sk : sq;
   if (row0 >= own_len) return;
   const std::int64_t row_last = min(row0 + kBlockRows, own_len) - 1;
   const int kvh = kKeyRows ? head : head / p.group;
   const int h_first = kKeyRows ? kvh * p.group : head;
   const int n_heads = kKeyRows ? p.group : 1;
+  const int kv_heads = p.heads / p.group;
+
+  // Walks. dq with a mask or top-k: the block's key list (KeyLists), its allowed
+  // pairs from the list bits. dk/dv with top-k intervals: the keys of a group
+  // (key_order) over the group's query rows, each element tested against its
+  // key's interval; with top-k thresholds: the dense walk, each element tested
+  // against its row's threshold.
+  const bool lists = !kKeyRows && p.mask_keys != nullptr;
+  const bool thresholds = kKeyRows && p.topk_thresholds != nullptr;
+  std::int64_t list_block = 0;
+  int list_count = 0;
+  if (lists) {
+    list_block = ((p.list_batched ? b : 0) * std::int64_t{p.heads / p.list_group} + head / p.list_group) * p.mask_blocks +
+                 row_block;
+    list_count = p.mask_counts[list_block];
+  }
+  const std::int32_t* list_keys = lists ? p.mask_keys + list_block * p.keys_stride : nullptr;
 
   // The column blocks any row of the CTA may use: [first, end) for each head.
+  int n_chunks = 1;  // chunks of this CTA's key group that have query tiles
   std::int64_t col_lo = 0, col_hi = kKeyRows ? sq : sk;
-  if constexpr (kKeyRows) {  // query i sees key j iff i + offset - left <= j <= i + offset (+ right)
+  if (lists) {
+    col_hi = list_count;
+  } else if (key_groups) {  // this chunk's share of the group's query tiles
+    const KeyRows rows = p.group_rows[(std::int64_t{b} * kv_heads + kvh) * p.key_groups + row_block];
+    const std::int64_t tile_lo = rows.start / kStep, tiles = (rows.end + kStep - 1) / kStep - tile_lo;
+    if (p.chunks > 1 && rows.end > rows.start) n_chunks = static_cast<int>((tiles + p.chunk_tiles - 1) / p.chunk_tiles);
+    if (chunk >= n_chunks) return;
+    col_lo = rows.start, col_hi = rows.end;
+    if (n_chunks > 1) {
+      col_lo = max(col_lo, (tile_lo + std::int64_t{chunk} * p.chunk_tiles) * kStep);
+      col_hi = min(col_hi, (tile_lo + std::int64_t{chunk + 1} * p.chunk_tiles) * kStep);
+    }
+  } else if constexpr (kKeyRows) {  // query i sees key j iff i + offset - left <= j <= i + offset (+ right)
     if (p.causal) col_lo = max(col_lo, row0 - offset);
     if (p.window_right >= 0) col_lo = max(col_lo, row0 - offset - p.window_right);
     if (p.window_left >= 0) col_hi = min(col_hi, row_last - offset + p.window_left + 1);
@@ -181,8 +231,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const int span = col_hi > col_lo ? static_cast<int>((col_hi + kStep - 1) / kStep) - first : 0;
   const int total = n_heads * span;  // steps: head h_first + t / span, column block first + t % span
 
-  const bool has_mask = p.mask.data != nullptr, has_bias = p.bias.data != nullptr;
-  const MaskTiles& tiles = kKeyRows ? p.dkv_tiles : p.dq_tiles;
+  const bool has_bias = p.bias.data != nullptr;
+  const MaskTiles& tiles = p.dkv_tiles;
+  const bool has_tiles = kKeyRows && tiles.data != nullptr;
   auto tile_class = [&](int t) -> int {
     const int h = h_first + t / span, blk = first + t % span;
     const std::int64_t qb = kKeyRows ? blk : row_block, kb = kKeyRows ? row_block : blk;
@@ -190,7 +241,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   };
   auto next = [&](int t) {
     ++t;
-    while (has_mask && t < total && tile_class(t) == kTileEmpty) ++t;
+    while (has_tiles && t < total && tile_class(t) == kTileEmpty) ++t;
     return t;
   };
 
@@ -201,6 +252,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   float* tile_add = stats + Config::kStatFloats;           // the staged bias / allowed term, then dS
   float* key_add = tile_add + kBlockRows * Config::kAddLd;  // a key-only bias of the step's keys
   float* red = key_add + kBlockRows;                        // column sums (dbias over keys and queries)
+  auto* row_bits = reinterpret_cast<std::uint64_t*>(smem + Config::kSmemBytes - kBlockRows * 16);  // dq
+  auto* own_keys = reinterpret_cast<std::int32_t*>(row_bits);                                      // dk/dv
+  auto* own_rows = reinterpret_cast<KeyRows*>(own_keys + kBlockRows);                             // dk/dv
   constexpr int kAddLd = Config::kAddLd;
   Tensor sA0 = make_tensor(make_smem_ptr(rows_smem), typename Config::SmemLayoutRows{});
   Tensor sA1 = make_tensor(make_smem_ptr(rows_smem + Config::kRowElems), typename Config::SmemLayoutRows{});
@@ -222,6 +276,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   // one key a thread) and stages them in key_add.
   float key_bias_rows[2];  // the two rows of the thread in its warp's 16 (kM = 1)
   int key_bias_head = -1;
+  int rows_head = -1;  // the selection head of own_rows (dk/dv, key groups)
   float key_bias_now = 0.0f, key_bias_next = 0.0f;
   const bool key_only_bias = has_bias && p.bias.sr == 0;
 
@@ -251,18 +306,49 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       load_rows<Config>(d1, dout + h * p.dout.sh + c0 * p.dout.sr, p.dout.sr, sq - c0, d, p.vector_dout);
       load_stats(stats + buf * 3 * kStep, h, c0, kStep);
     } else {
-      load_rows<Config>(d0, k + c0 * p.k.sr, p.k.sr, sk - c0, d, p.vector_k);
-      if (second) load_rows<Config>(d1, v + c0 * p.v.sr, p.v.sr, sk - c0, d, p.vector_v);
-      if (key_only_bias && tid < kStep && c0 + tid < sk)
-        key_bias_next = load_float<Element>(p.bias.data, p.bias_float32,
-                                            b * p.bias.sb + (h / p.bias_group) * p.bias.sh + (seq.ks + c0 + tid) * p.bias.sc);
+      if (lists) {  // K and V rows gathered by key, the rows' bits of the tile
+        const std::int64_t at = c0 + tile_row<Config, kStep>();
+        const std::int64_t key = at < list_count ? list_keys[at] : -1;
+        load_tile<Config>(d0, k, p.k.sr, key, d, p.vector_k);
+        if (second) load_tile<Config>(d1, v, p.v.sr, key, d, p.vector_v);
+        if (tid < kBlockRows) {
+          std::uint64_t* dst = row_bits + buf * kBlockRows + tid;
+          if (row0 + tid < sq) {
+            const std::uint32_t* src = p.mask_bits + (list_block / p.mask_blocks * p.seqlen_q + row0 + tid) * p.bits_sr + c0 / 32;
+            const auto smem_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_dst), "l"(src));
+          } else {
+            *dst = 0;
+          }
+        }
+        cp_async_fence();
+      } else {
+        load_rows<Config>(d0, k + c0 * p.k.sr, p.k.sr, sk - c0, d, p.vector_k);
+        if (second) load_rows<Config>(d1, v + c0 * p.v.sr, p.v.sr, sk - c0, d, p.vector_v);
+      }
+      if (key_only_bias && tid < kStep) {
+        const std::int64_t key = lists ? (c0 + tid < list_count ? list_keys[c0 + tid] : -1) : (c0 + tid < sk ? c0 + tid : -1);
+        if (key >= 0)
+          key_bias_next = load_float<Element>(p.bias.data, p.bias_float32,
+                                              b * p.bias.sb + (h / p.bias_group) * p.bias.sh + (seq.ks + key) * p.bias.sc);
+      }
     }
   };
   {
     Tensor d0 = sA0, d1 = sA1;
-    if constexpr (kKeyRows) {
-      load_rows<Config>(d0, k + row0 * p.k.sr, p.k.sr, sk - row0, d, p.vector_k);
-      load_rows<Config>(d1, v + row0 * p.v.sr, p.v.sr, sk - row0, d, p.vector_v);
+    if constexpr (kKeyRows) {  // the CTA's keys: row0 on, or gathered from key_order
+      auto own_key = [&](int r) -> std::int64_t {
+        const std::int64_t pos = row0 + r;
+        if (pos >= p.seqlen_k) return -1;
+        const std::int64_t j =
+            p.key_order != nullptr ? p.key_order[(std::int64_t{b} * kv_heads + kvh) * p.seqlen_k + pos] : pos;
+        return j < sk ? j : -1;
+      };
+      const std::int64_t key = own_key(tile_row<Config, kBlockRows>());
+      load_tile<Config>(d0, k, p.k.sr, key, d, p.vector_k);
+      load_tile<Config>(d1, v, p.v.sr, key, d, p.vector_v);
+      cp_async_fence();
+      if (tid < kBlockRows) own_keys[tid] = static_cast<std::int32_t>(own_key(tid));
     } else {
       const int h = h_first;
       load_rows<Config>(d0, q + h * p.q.sh + row0 * p.q.sr, p.q.sr, sq - row0, d, p.vector_q);
@@ -315,6 +401,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     return db_b * p.dbias.sb + hb * p.dbias.sh + (p.db_rows == 1 ? 0 : seq.qs + i) * p.dbias.sr +
            (p.db_cols == 1 ? 0 : seq.ks + j) * p.dbias.sc;
   };
+  // Key-only dbias of bias head hb: the quad-reduced sums x of the thread's two rows.
+  auto store_key_sums = [&](int hb, const float* x) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = own_keys[get<0>(cS(make_coord(make_coord(0, half), 0, 0)))];
+      if (lane % 4 != 0 || key < 0) continue;
+      if (db_slice != nullptr)
+        db_slice[dense(hb, 0, key)] += x[half];
+      else
+        store_float<Element>(p.dbias.data, p.bias_float32, direct(hb, 0, key), x[half]);
+    }
+  };
 
   // Online row max and sum of the dq rows (the statistics pass).
   float run_max[2 * kM], run_sum[2 * kM];
@@ -325,39 +423,58 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto compute = [&](int t, int buf, bool stats_only) {
     const int h = h_first + t / span, blk = first + t % span, hb = h / p.bias_group;
     const std::int64_t q0 = kKeyRows ? std::int64_t{blk} * kStep : row0;
-    const std::int64_t k0 = kKeyRows ? row0 : std::int64_t{blk} * kStep;
+    // A list step's columns are the list's entries [c0, c0 + kStep), keys from 0.
+    const std::int64_t c0 = std::int64_t{blk} * kStep, k0 = kKeyRows ? row0 : (lists ? 0 : c0);
     constexpr int kQ = kKeyRows ? kStep : kBlockRows, kK = kKeyRows ? kBlockRows : kStep;
     const float* st = kKeyRows ? stats + buf * 3 * kStep : stats;  // max, inv, delta of the tile's queries
+    if (key_groups && h / p.topk_group != rows_head) {  // the intervals of the CTA's keys for this head
+      rows_head = h / p.topk_group;
+      if (tid < kBlockRows) {
+        const int key = own_keys[tid];
+        own_rows[tid] = key >= 0 ? p.topk_intervals[(std::int64_t{b} * p.topk_heads + rows_head) * p.seqlen_k + key]
+                                 : KeyRows{0, 0};
+      }
+      __syncthreads();
+    }
 
     // The allowed set and the bias, staged in shared memory as one additive term
     // per tile element (bias or -inf): a tile wholly inside the sequences, the
     // causal band, the window and a full mask tile needs none unless its bias
     // varies along the queries; a key-only bias then takes one value per key.
-    const bool mask_full = !has_mask || tile_class(t) == kTileFull;
-    const bool whole = mask_full && q0 + kQ <= sq && k0 + kK <= sk && (!p.causal || k0 + kK - 1 <= q0 + offset) &&
+    // Lists and key groups fold all of it into their per-element test, which
+    // thresholds stage.
+    const bool mask_full = !has_tiles || tile_class(t) == kTileFull;
+    const bool whole = lists || key_groups || (!thresholds && mask_full && q0 + kQ <= sq && k0 + kK <= sk && (!p.causal || k0 + kK - 1 <= q0 + offset) &&
                        (p.window_left < 0 || k0 >= q0 + kQ - 1 + offset - p.window_left) &&
-                       (p.window_right < 0 || k0 + kK - 1 <= q0 + offset + p.window_right);
+                       (p.window_right < 0 || k0 + kK - 1 <= q0 + offset + p.window_right));
     const bool staged = !whole || (has_bias && p.bias.sr != 0) ||
                         (kKeyRows && !stats_only && (p.bias_grad == BiasGrad::kPerElement || p.bias_grad == BiasGrad::kReduceKeys));
     const bool key_bias = !staged && has_bias;
-    const std::int64_t bias_tile = b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + (seq.ks + k0) * p.bias.sc;
+    const std::int64_t bias_rows = b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + seq.ks * p.bias.sc;
     if (staged) {
       const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - k0);
       const int lo = p.window_left < 0 ? -kTileFar : clamp_to_tile(q0 + offset - k0 - p.window_left);
       const int hi = p.causal ? clamp_to_tile(q0 + offset - k0) : kTileFar;
       const int right = p.window_right < 0 ? kTileFar : clamp_to_tile(q0 + offset - k0 + p.window_right);
       const std::uint8_t* mask_tile = nullptr;
-      if (has_mask)
+      if (!mask_full)
         mask_tile = static_cast<const std::uint8_t*>(p.mask.data) + b * p.mask.sb + (h / p.mask_group) * p.mask.sh +
                     (seq.qs + q0) * p.mask.sr + (seq.ks + k0) * p.mask.sc;
 #pragma unroll 4
       for (int e = tid; e < kBlockRows * kStep; e += Config::kThreads) {
         const int r = e / kStep, c = e % kStep;
         const int qi = kKeyRows ? c : r, kj = kKeyRows ? r : c;
-        const bool ok = qi < qrows && kj < kcols && kj <= qi + hi && kj >= qi + lo && kj <= qi + right &&
-                        (mask_full || mask_tile[qi * p.mask.sr + kj * p.mask.sc] != 0);
+        const std::int64_t key = lists ? (c0 + kj < list_count ? list_keys[c0 + kj] : -1) : k0 + kj;
+        const bool ok = lists ? qi < qrows && key >= 0
+                              : qi < qrows && kj < kcols && kj <= qi + hi && kj >= qi + lo && kj <= qi + right &&
+                                    (mask_full || mask_tile[qi * p.mask.sr + kj * p.mask.sc] != 0);
         float x = ok ? 0.0f : -kInf;
-        if (has_bias && ok) x = load_float<Element>(p.bias.data, p.bias_float32, bias_tile + qi * p.bias.sr + kj * p.bias.sc);
+        if (has_bias && ok) x = load_float<Element>(p.bias.data, p.bias_float32, bias_rows + qi * p.bias.sr + key * p.bias.sc);
+        if (thresholds && ok) {  // (bias_ij, j) >= the row's threshold (SPEC 3)
+          const RowThreshold thr =
+              p.topk_thresholds[(std::int64_t{b} * p.topk_heads + h / p.topk_group) * p.seqlen_q + q0 + qi];
+          if (!(x > thr.value || (x == thr.value && key >= thr.key))) x = -kInf;
+        }
         tile_add[r * kAddLd + c] = x;
       }
     } else if (key_bias) {
@@ -368,9 +485,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
           for (int m = 0; m < kM; ++m)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-              const int kj = get<0>(cS(make_coord(make_coord(0, half), m, 0)));
+              const int key = own_keys[get<0>(cS(make_coord(make_coord(0, half), m, 0)))];
               key_bias_rows[2 * m + half] =
-                  kj < sk - k0 ? load_float<Element>(p.bias.data, p.bias_float32, bias_tile + kj * p.bias.sc) : 0.0f;
+                  key >= 0 ? load_float<Element>(p.bias.data, p.bias_float32, bias_rows + key * p.bias.sc) : 0.0f;
             }
         }
       } else if (tid < kK) {
@@ -393,6 +510,21 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     // where dbias needs the tile, dS goes back to shared memory.
     const bool keep_ds = kKeyRows && !stats_only && staged &&
                          (p.bias_grad == BiasGrad::kPerElement || p.bias_grad == BiasGrad::kReduceKeys);
+    // The allowed columns of the thread's two rows (bit = column), from the list
+    // bits (dq) or the interval of the row's key (dk/dv: queries [start, end)).
+    const bool use_allow = lists || key_groups;
+    std::uint64_t allow[2] = {0, 0};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = get<0>(cS(make_coord(make_coord(0, half), 0, 0)));
+      if (lists) allow[half] = row_bits[buf * kBlockRows + r];
+      if (key_groups) {
+        const KeyRows rows = own_rows[r];
+        const auto lo = static_cast<int>(min(max(rows.start - q0, std::int64_t{0}), std::int64_t{kStep}));
+        const auto hi = static_cast<int>(min(max(rows.end - q0, std::int64_t{0}), std::int64_t{kStep}));
+        allow[half] = hi > lo ? ((std::uint64_t{1} << hi) - 1) & ~((std::uint64_t{1} << lo) - 1) : 0;
+      }
+    }
     // Query-major order: a query's statistics are read once and die. The loop is
     // compiled once per (softcap, additive term) so that no element tests them.
     auto elementwise = [&](auto with_softcap, auto add_kind) {  // add_kind: 0 none, 1 staged tile, 2 key-only
@@ -410,6 +542,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         if constexpr (kSoftcap) tanh_x = tanhf(x * inv_softcap), x = softcap * tanh_x;
         if constexpr (kAdd == 1) x += tile_add[r * kAddLd + col];
         if constexpr (kAdd == 2) x += kKeyRows ? key_bias_rows[2 * m + half] : key_add[kj];
+        if (use_allow && !((allow[half] >> col) & 1)) x = -kInf;
         if (stats_only) {
           acc_s(at) = x;
           continue;
@@ -501,23 +634,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
           }
         }
       }
-      // Key-only dbias: the sums of a bias head are complete when the next step has another.
+      // Key-only dbias: the sums of a bias head are complete when the next step
+      // has another (chunks of a key group: in the epilogue, one bias head).
       const int t_next = next(t);
-      if (p.bias_grad == BiasGrad::kPerKey && (t_next >= total || (h_first + t_next / span) / p.bias_group != hb)) {
-        const int kcols = clamp_to_tile(sk - k0);
+      if (p.bias_grad == BiasGrad::kPerKey && n_chunks == 1 &&
+          (t_next >= total || (h_first + t_next / span) / p.bias_group != hb)) {
+        float x[2];
 #pragma unroll
-        for (int m = 0; m < kM; ++m)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const float x = quad_sum(key_sum[2 * m + half]);
-            key_sum[2 * m + half] = 0.0f;
-            const int kj = get<0>(cS(make_coord(make_coord(0, half), m, 0)));
-            if (lane % 4 != 0 || kj >= kcols) continue;
-            if (db_slice != nullptr)
-              db_slice[dense(hb, 0, k0 + kj)] += x;
-            else
-              store_float<Element>(p.dbias.data, p.bias_float32, direct(hb, 0, k0 + kj), x);
-          }
+        for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]), key_sum[half] = 0.0f;
+        store_key_sums(hb, x);
       }
     }
   };
@@ -569,14 +694,57 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   // Epilogue: dq = scale * acc_a; dk = scale * acc_a, dv = acc_b.
   Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kHeadDim>>{}));
   auto store = [&](auto& acc, const Operand& o, int head, std::int64_t start, float factor) {
-    auto* dst = static_cast<Element*>(o.data) + b * o.sb + head * o.sh + (start + row0) * o.sr;
+    auto* dst = static_cast<Element*>(o.data) + b * o.sb + head * o.sh + start * o.sr;
 #pragma unroll
     for (int e = 0; e < size(acc); ++e) {
       const int row = get<0>(cO(e)), col = get<1>(cO(e));
-      if (row0 + row < own_len && col < d) dst[row * o.sr + col] = static_cast<Element>(acc(e) * factor);
+      const std::int64_t at = kKeyRows ? own_keys[row] : (row0 + row < own_len ? row0 + row : -1);  // dk/dv: by key
+      if (at >= 0 && col < d) dst[at * o.sr + col] = static_cast<Element>(acc(e) * factor);
     }
   };
   if constexpr (kKeyRows) {
+    if (n_chunks > 1) {
+      // Chunks of a key group add their dK, dV (unscaled) and key dbias sums in
+      // chunk order through a float32 slot: chunk c waits until the group's turn
+      // counter reads c (chunk c - 1 started before it: CTAs start in order),
+      // adds the slot, and passes it on; the last chunk writes the gradients.
+      const std::int64_t slot_id = (std::int64_t{b} * kv_heads + kvh) * p.key_groups + row_block;
+      constexpr int kAcc = decltype(size(acc_a))::value;
+      float* slot = p.chunk_acc + slot_id * (2 * kAcc * Config::kThreads + kBlockRows);
+      float* key_slot = slot + 2 * kAcc * Config::kThreads;
+      int* turn = p.chunk_turn + slot_id;
+      if (tid == 0)
+        while (atomicAdd(turn, 0) != chunk) __nanosleep(256);
+      __syncthreads();
+      float x[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]);
+      const int my_row[2] = {get<0>(cS(make_coord(make_coord(0, 0), 0, 0))), get<0>(cS(make_coord(make_coord(0, 1), 0, 0)))};
+      if (chunk > 0) {
+#pragma unroll
+        for (int e = 0; e < kAcc; ++e) {
+          acc_a(e) += __ldcg(slot + e * Config::kThreads + tid);
+          acc_b(e) += __ldcg(slot + (kAcc + e) * Config::kThreads + tid);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) x[half] += __ldcg(key_slot + my_row[half]);
+      }
+      if (chunk + 1 < n_chunks) {
+#pragma unroll
+        for (int e = 0; e < kAcc; ++e) {
+          __stcg(slot + e * Config::kThreads + tid, acc_a(e));
+          __stcg(slot + (kAcc + e) * Config::kThreads + tid, acc_b(e));
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          if (lane % 4 == 0) __stcg(key_slot + my_row[half], x[half]);
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicExch(turn, chunk + 1);
+        return;
+      }
+      if (p.bias_grad == BiasGrad::kPerKey) store_key_sums(h_first / p.bias_group, x);
+    }
     store(acc_a, p.dk, kvh, seq.ks, scale);
     store(acc_b, p.dv, kvh, seq.ks, 1.0f);
   } else {
@@ -650,6 +818,13 @@ MaskTiles classify_tiles(const BackwardParams& p, int batch, cudaStream_t stream
   return tiles;
 }
 
+// What build_key_lists needs of a configuration: the dq kernel's rows a block.
+template <class Element_, int kBlockM_>
+struct KeyListConfig {
+  using Element = Element_;
+  static constexpr int kBlockM = kBlockM_, kThreads = 128;
+};
+
 template <class Element, int kHeadDim>
 void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   using Config = BackwardConfig<Element, kHeadDim>;
@@ -672,7 +847,6 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   }
   const std::int64_t db_elements = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
 
-  std::uint8_t* dq_tiles = nullptr;
   std::uint8_t* dkv_tiles = nullptr;
   cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&p.row_max), static_cast<std::size_t>(3 * rows + 1) * 4, stream);
   if (err == cudaSuccess) {
@@ -683,9 +857,16 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
       if (err == cudaSuccess) err = cudaMemsetAsync(p.scratch, 0, bytes, stream);
     }
   }
-  if (err == cudaSuccess && p.mask.data != nullptr && p.seqlen_k > 0 && p.seqlen_q > 0) {
-    p.dq_tiles = classify_tiles<Config::kBlockRows, Config::kDqStep, Config::kThreads>(p, batch, stream, &dq_tiles);
-    p.dkv_tiles = classify_tiles<Config::kDkvStep, Config::kBlockRows, Config::kThreads>(p, batch, stream, &dkv_tiles);
+  // dq walks key lists of its blocks (the forward's pre-passes); dk/dv the mask
+  // tile classes unless top-k intervals have folded the mask into themselves.
+  const bool topk = p.topk_intervals != nullptr || p.topk_thresholds != nullptr;
+  ForwardParams lists;
+  if (err == cudaSuccess && (p.mask.data != nullptr || topk) && p.seqlen_k > 0 && p.seqlen_q > 0) {
+    static_cast<AttentionParams&>(lists) = p;
+    build_key_lists<KeyListConfig<Element, Config::kBlockRows>>(lists, batch, p.heads, stream);
+    static_cast<KeyLists&>(p) = lists;
+    if (p.mask.data != nullptr && p.topk_intervals == nullptr)
+      p.dkv_tiles = classify_tiles<Config::kDkvStep, Config::kBlockRows, Config::kThreads>(p, batch, stream, &dkv_tiles);
   }
   if (err == cudaSuccess && rows > 0) {
     row_stats<Element><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p, batch);
@@ -707,14 +888,32 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
                 Config::kThreads, Config::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
   }
+ // Key groups: chunks of at most kChunkTiles query tiles where the rows of a
+  // group may span more (needs one bias head per kv head for the key dbias).
+  std::int32_t* chunk_memory = nullptr;
+  const std::int64_t query_tiles = (p.seqlen_q + Config::kDkvStep - 1) / Config::kDkvStep + 1;
+  const bool one_bias_head =
+      p.bias_grad == BiasGrad::kNone || (p.bias_grad == BiasGrad::kPerKey && p.bias_group % p.group == 0);
+  if (err == cudaSuccess && p.group_rows != nullptr && one_bias_head && query_tiles > Config::kChunkTiles) {
+    p.chunk_tiles = Config::kChunkTiles;
+    p.chunks = static_cast<int>((query_tiles + Config::kChunkTiles - 1) / Config::kChunkTiles);
+    const std::int64_t slots = std::int64_t{batch} * kv_heads * p.key_groups;
+    const std::int64_t turn_words = (slots + 63) / 64 * 64;
+    const std::int64_t slot_floats = 2 * Config::kBlockRows * kHeadDim + Config::kBlockRows;
+    err = cudaMallocAsync(reinterpret_cast<void**>(&chunk_memory),
+                          static_cast<std::size_t>(turn_words + slots * slot_floats) * 4, stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(chunk_memory, 0, static_cast<std::size_t>(slots) * 4, stream);
+    p.chunk_turn = chunk_memory;
+    p.chunk_acc = reinterpret_cast<float*>(chunk_memory + turn_words);
+  }
   if (err == cudaSuccess && key_blocks > 0) {
-    dkv_kernel<<<dim3(static_cast<unsigned>(key_blocks), static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)),
+    dkv_kernel<<<dim3(static_cast<unsigned>(key_blocks * p.chunks), static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)),
                  Config::kThreads, Config::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
   }
   if (slices > 0) reduce(slices);
-  for (void* ptr : {static_cast<void*>(p.row_max), static_cast<void*>(p.scratch), static_cast<void*>(dq_tiles),
-                    static_cast<void*>(dkv_tiles)})
+  for (void* ptr : {static_cast<void*>(p.row_max), static_cast<void*>(p.scratch), static_cast<void*>(p.mask_bits),
+                    static_cast<void*>(dkv_tiles), static_cast<void*>(chunk_memory)})
     if (ptr != nullptr) cudaFreeAsync(ptr, stream);
   check_cuda(err, ("backward launch (head dim " + std::to_string(kHeadDim) + ")").c_str());
 }

@@ -27,20 +27,21 @@ struct AttentionParams {
   std::int64_t window_left = -1, window_right = -1;
   // 16-byte cp.async loads are legal for q, k, v rows (base and strides checked).
   bool vector_q = false, vector_k = false, vector_v = false;
-};
-
-// A validated forward Problem reduced to what the kernel reads.
-struct ForwardParams : AttentionParams {
   // Top-k (keep_window_size): the selection of the Problem (selection.h), one
   // of the two arrays set; its `topk_heads` selection heads per batch, query
-  // head h reading selection head h / topk_group. The key lists below are then
+  // head h reading selection head h / topk_group. Key lists (KeyLists) are then
   // built from it (and the mask, if any) instead of from the mask alone.
   const KeyRows* topk_intervals = nullptr;
   const RowThreshold* topk_thresholds = nullptr;
   int topk_heads = 0, topk_group = 1;
   std::int64_t keep_window_size = 0;
-  // The allowed pairs (mask and/or top-k), written by pre-passes before the
-  // forward (see launch_config), per list slice z = (b if list_batched, else 0)
+};
+
+// Key lists of a mask and/or a top-k selection, for the forward and for the
+// backward's dq walk.
+struct KeyLists {
+  // The allowed pairs (mask and/or top-k), written by the pre-passes of
+  // forward_kernel.cuh build_key_lists, per list slice z = (b if list_batched, else 0)
   // * (H / list_group) + h / list_group and query block m of kBlockM rows: the
   // keys with at least one allowed (row, key) pair in the block (mask, top-k,
   // causal, window and key range together), ascending, local to the sequence,
@@ -48,7 +49,7 @@ struct ForwardParams : AttentionParams {
   // mask_blocks + m] <= keys_stride of them; and for each local query row i,
   // bit t % 32 of word mask_bits[(z * seqlen_q + i) * bits_sr + t / 32] says
   // whether the row may see the block's key t (0 past the count). bits_sr is
-  // even, so that the two words of a 64-key tile load as one. The forward walks
+  // even, so that the two words of a 64-key tile load as one. The kernels walk
   // these keys, 64 a tile. No lists (mask_keys null): no mask and no top-k.
   std::int32_t* mask_keys = nullptr;
   std::int32_t* mask_counts = nullptr;
@@ -57,6 +58,10 @@ struct ForwardParams : AttentionParams {
   int mask_blocks = 0;
   int list_group = 1;
   bool list_batched = true;
+};
+
+// A validated forward Problem reduced to what the kernel reads.
+struct ForwardParams : AttentionParams, KeyLists {
   // Split-KV, for grids too small to fill the GPU (decode): split s of a query
   // block takes its s-th share of the key blocks and writes float32 partials,
   // o normalised by its own sum and lse, at partial row

@@ -392,6 +392,60 @@ __global__ void __launch_bounds__(kThreads) row_thresholds(Params p, int kbits, 
   if (threadIdx.x == 0) out[row] = result;
 }
 
+
+// ---- key groups for the backward (dk/dv) ----------------------------------
+// What the grouping kernels read: slice z = b * kv_heads + kvh uses selection
+// heads [first, last] (those of the query heads of kv head kvh).
+struct GroupParams {
+  const KeyRows* intervals = nullptr;
+  std::int64_t sel_heads = 0, sel_group = 1, group = 1, kv_heads = 1, seqlen_k = 0;
+  const std::int32_t* cu_seqlens_k = nullptr;
+  __device__ std::int64_t sk(std::int64_t b) const {
+    return cu_seqlens_k == nullptr ? seqlen_k : cu_seqlens_k[b + 1] - cu_seqlens_k[b];
+  }
+  __device__ std::int64_t first_head(std::int64_t z) const { return z % kv_heads * group / sel_group; }
+  __device__ std::int64_t last_head(std::int64_t z) const { return (z % kv_heads * group + group - 1) / sel_group; }
+  __device__ KeyRows at(std::int64_t z, std::int64_t s, std::int64_t j) const {
+    return intervals[(z / kv_heads * sel_heads + s) * seqlen_k + j];
+  }
+};
+
+// Sort keys, one thread per (slice, key): slice in the top bits, then the end of
+// the key's interval (of the slice's first selection head); empty and
+// out-of-sequence keys all ones.
+__global__ void __launch_bounds__(kThreads) group_sort_keys(const GroupParams p, std::int64_t items, std::uint64_t* keys,
+                                                            std::int32_t* values) {
+  const std::int64_t e = std::int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  if (e >= items) return;
+  const std::int64_t z = e / p.seqlen_k, j = e % p.seqlen_k;
+  std::uint64_t end = 0xffffffffu;
+  if (j < p.sk(z / p.kv_heads)) {
+    const KeyRows r = p.at(z, p.first_head(z), j);
+    if (r.end > r.start) end = static_cast<std::uint32_t>(r.end);
+  }
+  keys[e] = static_cast<std::uint64_t>(z) << 32 | end;
+  values[e] = static_cast<std::int32_t>(j);
+}
+
+// One CTA of `block` threads per (group g, slice z): the union of the rows of
+// the group's keys over the slice's selection heads.
+__global__ void group_rows(const GroupParams p, const std::int32_t* order, std::int64_t groups, KeyRows* rows) {
+  const std::int64_t z = blockIdx.y, pos = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  __shared__ int lo, hi;
+  if (threadIdx.x == 0) lo = INT_MAX, hi = INT_MIN;
+  __syncthreads();
+  if (pos < p.seqlen_k) {
+    const std::int64_t j = order != nullptr ? order[z * p.seqlen_k + pos] : pos;
+    if (j < p.sk(z / p.kv_heads))
+      for (std::int64_t s = p.first_head(z); s <= p.last_head(z); ++s) {
+        const KeyRows r = p.at(z, s, j);
+        if (r.end > r.start) atomicMin(&lo, r.start), atomicMax(&hi, r.end);
+      }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) rows[z * groups + blockIdx.x] = lo < hi ? KeyRows{lo, hi} : KeyRows{0, 0};
+}
+
 }  // namespace
 
 DeviceSelection select_topk(const Problem& p) {
@@ -438,6 +492,57 @@ void free_selection(DeviceSelection& sel, cudaStream_t stream) {
   if (sel.thresholds != nullptr) check(cudaFreeAsync(sel.thresholds, stream), "cudaFreeAsync");
   sel.intervals = nullptr;
   sel.thresholds = nullptr;
+}
+
+KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                     std::int64_t seqlen_k, const std::int32_t* cu_seqlens_k, int block, bool sort,
+                     cudaStream_t stream) {
+  GroupParams p;
+  p.intervals = sel.intervals;
+  p.sel_heads = sel.heads, p.sel_group = sel.group, p.group = heads / kv_heads, p.kv_heads = kv_heads;
+  p.seqlen_k = seqlen_k, p.cu_seqlens_k = cu_seqlens_k;
+  KeyGroups g;
+  const std::int64_t slices = batch * kv_heads, items = slices * seqlen_k;
+  g.groups = (seqlen_k + block - 1) / block;
+  if (items == 0) return g;
+  sort = sort && items <= INT_MAX && 32 + ceil_log2(slices) <= 64;
+  std::size_t sort_bytes = 0;
+  if (sort)
+    check(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const std::uint64_t*>(nullptr),
+                                          static_cast<std::uint64_t*>(nullptr), static_cast<const std::int32_t*>(nullptr),
+                                          static_cast<std::int32_t*>(nullptr), static_cast<int>(items), 0,
+                                          32 + ceil_log2(slices), stream),
+          "radix sort size");
+  const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const auto n = static_cast<std::size_t>(items);
+  const std::size_t rows_bytes = aligned(static_cast<std::size_t>(slices * g.groups) * sizeof(KeyRows));
+  const std::size_t order_bytes = sort ? aligned(n * 4) : 0;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&g.rows), rows_bytes + order_bytes, stream), "cudaMallocAsync");
+  if (sort) {
+    g.order = reinterpret_cast<std::int32_t*>(reinterpret_cast<char*>(g.rows) + rows_bytes);
+    char* scratch = nullptr;
+    const std::size_t sizes[] = {aligned(n * 8), aligned(n * 8), aligned(n * 4), aligned(sort_bytes)};
+    check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), sizes[0] + sizes[1] + sizes[2] + sizes[3], stream),
+          "cudaMallocAsync");
+    auto* keys_in = reinterpret_cast<std::uint64_t*>(scratch);
+    auto* keys_out = reinterpret_cast<std::uint64_t*>(scratch + sizes[0]);
+    auto* values_in = reinterpret_cast<std::int32_t*>(scratch + sizes[0] + sizes[1]);
+    void* temp = scratch + sizes[0] + sizes[1] + sizes[2];
+    group_sort_keys<<<blocks_for(items), kThreads, 0, stream>>>(p, items, keys_in, values_in);
+    check(cub::DeviceRadixSort::SortPairs(temp, sort_bytes, keys_in, keys_out, values_in, g.order,
+                                          static_cast<int>(items), 0, 32 + ceil_log2(slices), stream),
+          "radix sort");
+    check(cudaFreeAsync(scratch, stream), "cudaFreeAsync");
+  }
+  group_rows<<<dim3(static_cast<unsigned>(g.groups), static_cast<unsigned>(slices)), block, 0, stream>>>(p, g.order, g.groups,
+                                                                                                         g.rows);
+  check(cudaGetLastError(), "key group kernels");
+  return g;
+}
+
+void free_groups(KeyGroups& groups, cudaStream_t stream) {
+  if (groups.rows != nullptr) check(cudaFreeAsync(groups.rows, stream), "cudaFreeAsync");
+  groups = KeyGroups{};
 }
 
 }  // namespace dmattn::cuda

@@ -60,4 +60,25 @@ struct DeviceSelection {
 DeviceSelection select_topk(const Problem& p);
 void free_selection(DeviceSelection& sel, cudaStream_t stream);
 
+// Keys of an interval selection grouped for the backward's dk/dv walk: per
+// (b, kv head) slice z = b * kv_heads + kvh, group g owns the keys at positions
+// [block * g, block * g + block) of order[z * seqlen_k ..] (local indices; the
+// identity when order is null), and rows[z * groups + g] is the union over the
+// query heads of kv head kvh of their keys' row intervals ({0, 0}: none).
+// Sorted (by interval end, empty and out-of-sequence keys last), keys with
+// similar rows share a group; a query-head group with several selection heads
+// is sorted by the selection head of its first query head.
+struct KeyGroups {
+  std::int32_t* order = nullptr;
+  KeyRows* rows = nullptr;
+  std::int64_t groups = 0;  // per slice: ceil(seqlen_k / block)
+};
+
+// Enqueues the grouping of sel (kIntervals) on stream. `heads` / `kv_heads`
+// query / kv heads, cu_seqlens_k as in the Problem (device, varlen only).
+KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                     std::int64_t seqlen_k, const std::int32_t* cu_seqlens_k, int block, bool sort,
+                     cudaStream_t stream);
+void free_groups(KeyGroups& groups, cudaStream_t stream);
+
 }  // namespace dmattn::cuda
