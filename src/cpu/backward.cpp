@@ -70,14 +70,11 @@ struct KeyTile {
 };
 
 // Gradient tile of rows [i0, i0 + nr) against keys: on return P = p_ij, G = dS_ij
-// (the dbias term) and dS() the score gradient (with softcap's factor). With
-// fp16/bf16 inputs, P and dS() are rounded to that dtype, as the naive
-// computation in that dtype (and FlashAttention-style kernels) feed them to the
-// next matrix products; G stays in A.
+// (the dbias term) and dS() the score gradient (with softcap's factor).
 template <class A>
 struct GradTile {
-  std::vector<A> P, G, T, row, dS_rounded;
-  bool softcap = false, rounded = false;
+  std::vector<A> P, G, T, row;
+  bool softcap = false;
 
   void compute(const Problem& p, const HeadLogits<A>& head, const RowBlock<A>& rows, const KeyTile<A>& kt,
                std::int64_t i0, std::int64_t nr, const std::int64_t* keys, std::int64_t nc) {
@@ -89,16 +86,8 @@ struct GradTile {
     matmul_xyt(nr, nc, D, ld, rows.dO.data(), kt.VT.data(), G.data());
     softmax_backward(nr, nc, ld, rows.max.data(), rows.inv_sum.data(), rows.delta.data(), softcap, P.data(), G.data(),
                      T.data());
-    rounded = p.q.dtype == DType::kFloat16 || p.q.dtype == DType::kBFloat16;
-    if (!rounded) return;
-    const A* ds = softcap ? T.data() : G.data();
-    dS_rounded.resize(nr * ld);
-    for (std::int64_t e = 0; e < nr * ld; ++e) {
-      P[e] = round_to(p.q.dtype, P[e]);
-      dS_rounded[e] = round_to(p.q.dtype, ds[e]);
-    }
   }
-  const A* dS() const { return rounded ? dS_rounded.data() : softcap ? T.data() : G.data(); }
+  const A* dS() const { return softcap ? T.data() : G.data(); }
 };
 
 template <class A>

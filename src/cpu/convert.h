@@ -56,13 +56,6 @@ inline std::uint16_t float_to_fp16(float f) {
   return sign | static_cast<std::uint16_t>(((au + round) >> 13) - (112u << 10));
 }
 
-// x rounded to the nearest value of a 16-bit float dtype (fp16 or bf16).
-template <class A>
-A round_to(DType dtype, A x) {
-  const auto f = static_cast<float>(x);
-  return static_cast<A>(dtype == DType::kFloat16 ? fp16_to_float(float_to_fp16(f)) : bf16_to_float(float_to_bf16(f)));
-}
-
 // dst[c] = element (base + offset(c)) of `data`, converted to A, for c < n.
 // Bool elements read as 0 / 1.
 template <class A, class Offset>
