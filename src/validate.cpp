@@ -302,7 +302,9 @@ Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options
   p.causal = options.causal;
   p.window_left = options.sliding_window.left;
   p.window_right = options.sliding_window.right;
-  p.keep_window_size = options.keep_window_size.value_or(0);
+  // A row never has more than Sk allowed keys: a window that wide keeps them all (no top-k).
+  const std::int64_t keep = options.keep_window_size.value_or(0);
+  p.keep_window_size = keep < p.seqlen_k ? keep : 0;
   p.deterministic = options.deterministic;
   return p;
 }
