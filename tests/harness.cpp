@@ -38,17 +38,6 @@ const char* values_str(Values v) {
   return "?";
 }
 
-RefOptions ref_options(const dmattn::Options& o, std::int64_t D) {
-  RefOptions r;
-  r.scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
-  r.softcap = o.softcap;
-  r.causal = o.causal;
-  r.window_left = o.sliding_window.left;
-  r.window_right = o.sliding_window.right;
-  r.keep_window_size = o.keep_window_size.value_or(0);
-  return r;
-}
-
 HostTensor random_tensor(DType dtype, Shape shape, const Layout& layout, Rng& rng) {
   HostTensor t(dtype, std::move(shape), layout);
   fill_values(t, Values::kUniform, rng);

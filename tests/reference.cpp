@@ -38,6 +38,17 @@ void select_top_k(const RefProblem& p, std::int64_t b, std::int64_t h, std::int6
 
 }  // namespace
 
+RefOptions ref_options(const dmattn::Options& o, std::int64_t D) {
+  RefOptions r;
+  r.scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
+  r.softcap = o.softcap;
+  r.causal = o.causal;
+  r.window_left = o.sliding_window.left;
+  r.window_right = o.sliding_window.right;
+  r.keep_window_size = o.keep_window_size.value_or(0);
+  return r;
+}
+
 RefResult reference(const RefProblem& p, const std::optional<std::vector<double>>& dout, const Rounding& r) {
   const RefOptions& o = p.options;
   const std::int64_t B = p.B, Sq = p.Sq, Sk = p.Sk, H = p.H, D = p.D;

@@ -22,6 +22,9 @@ struct RefOptions {
   std::int64_t keep_window_size = 0;                 // 0 = no top-k
 };
 
+// The oracle's options of a library call on head dim D.
+RefOptions ref_options(const dmattn::Options& o, std::int64_t D);
+
 // All tensors dense, row-major, float64.
 struct RefProblem {
   std::int64_t B = 0, Sq = 0, Sk = 0, H = 0, Hk = 0, D = 0;
