@@ -496,7 +496,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   // dtype's lowest, where b / scale may not even be finite) are added to the
   // logits by an FFMA.
   constexpr float kFoldMax = 64.0f;
-  const float scale = p.scale, softcap = p.softcap, inv_scale = 1.0f / scale;
+  const float scale = p.scale, softcap = p.softcap;
   const bool fold_bias = key_bias && softcap == 0.0f && scale > 0.0f;
   struct Extras {
     float bias = 0.0f;
@@ -523,7 +523,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     if (threadIdx.x < kBlockN) {
       s_bias[s * kBlockN + threadIdx.x] = e.bias, s_keys[s * kBlockN + threadIdx.x] = e.key;
       if (fold_bias) {  // column j at 4 (j / 2) + j % 2 and 2 past it: the C registers of an MMA
-        const float folded = e.bias * inv_scale;
+        const float folded = e.bias / scale;
         float* pair = s_folded + s * 2 * kBlockN + 4 * (threadIdx.x / 2) + threadIdx.x % 2;
         pair[0] = folded, pair[2] = folded;
         const bool foldable = fabsf(e.bias) <= kFoldMax && fabsf(folded) < kInf;
@@ -659,7 +659,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
       for (int e = 0; e < size(acc_s); ++e) acc_s(e) *= scale;
     }
-    if (key_bias && !fold) {  // one value per key, staged in shared memory
+    if (key_bias && !fold) {  // one value per key, staged in shared memory (a folded tile holds it already)
       const float pre = softcap > 0.0f ? 1.0f : scale;
       const float* bias_cols = s_bias + stage * kBlockN + col_base;
 #pragma unroll
@@ -675,7 +675,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
             x1 = fmaf(x1, pre, value.y);
           }
       }
-    } else if (has_bias) {
+    } else if (has_bias && !key_bias) {
       const int rows = clamp_to_tile(sq - row0);
       const int* keys = s_keys + stage * kBlockN + col_base;
       auto add_bias = [&](auto* bias) {
