@@ -71,10 +71,8 @@ struct ForwardConfig {
 
   static constexpr int kTileElems = kBlockN * kHeadDim;  // one K or V stage buffer
   // Behind Q, K and V, each stage has the mask bits of its tile (kBlockM 64-bit
-  // rows), a key-only bias row twice (kBlockN floats, and over the scale with
-  // each pair of columns repeated: 2 kBlockN floats), its key indices (kBlockN)
-  // and a word a 32 keys saying whether the second form holds them.
-  static constexpr int kExtrasBytes = kStages * (kBlockM * 8 + kBlockN * 16 + kBlockN / 8);
+  // rows), a key-only bias row (kBlockN floats) and its key indices (kBlockN).
+  static constexpr int kExtrasBytes = kStages * (kBlockM * 8 + kBlockN * 8);
   static constexpr int kSmemBytes =
       (kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + kExtrasBytes;
 };
@@ -483,21 +481,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   // tile's K and V and stored after its S = Q K^T, so that no thread waits on
   // them: the tile's mask bits by row, the key-only bias, the key of each column.
   std::uint64_t* const s_bits = reinterpret_cast<std::uint64_t*>(smem + (Config::kSmemBytes - Config::kExtrasBytes));
-  float* const s_folded = reinterpret_cast<float*>(s_bits + kStages * kBlockM);
-  float* const s_bias = s_folded + kStages * 2 * kBlockN;
+  float* const s_bias = reinterpret_cast<float*>(s_bits + kStages * kBlockM);
   int* const s_keys = reinterpret_cast<int*>(s_bias + kStages * kBlockN);
-  unsigned* const s_foldable = reinterpret_cast<unsigned*>(s_keys + kStages * kBlockN);
   const bool key_bias = has_bias && p.bias.sr == 0, extras_needed = has_bias || has_mask;
-  // Folding: a key-only bias b without softcap enters S = Q K^T as the MMA's
-  // initial accumulator b / scale, so that the tile holds (l / scale) as without
-  // a bias and the bias costs no instruction an element. A tile folds when all
-  // its |b| <= kFoldMax: the accumulator's rounding at b / scale then moves a
-  // logit by a few float32 ulps of 64 at most (2e-5). Larger biases (-1e30, the
-  // dtype's lowest, where b / scale may not even be finite) are added to the
-  // logits by an FFMA.
-  constexpr float kFoldMax = 64.0f;
-  const float scale = p.scale, softcap = p.softcap;
-  const bool fold_bias = key_bias && softcap == 0.0f && scale > 0.0f;
   struct Extras {
     float bias = 0.0f;
     int key = -1;  // -1: past the keys
@@ -520,18 +506,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     return e;
   };
   auto store_extras = [&](int s, const Extras& e) {
-    if (threadIdx.x < kBlockN) {
-      s_bias[s * kBlockN + threadIdx.x] = e.bias, s_keys[s * kBlockN + threadIdx.x] = e.key;
-      if (fold_bias) {  // column j at 4 (j / 2) + j % 2 and 2 past it: the C registers of an MMA
-        const float folded = e.bias / scale;
-        float* pair = s_folded + s * 2 * kBlockN + 4 * (threadIdx.x / 2) + threadIdx.x % 2;
-        pair[0] = folded, pair[2] = folded;
-        const bool foldable = fabsf(e.bias) <= kFoldMax && fabsf(folded) < kInf;
-        const unsigned all = __all_sync(0xffffffff, foldable);
-        if (threadIdx.x % 32 == 0) s_foldable[s * (kBlockN / 32) + threadIdx.x / 32] = all;
-      }
-    }
-    if (has_mask && threadIdx.x < kBlockM) s_bits[s * kBlockM + threadIdx.x] = e.bits;
+    if (threadIdx.x < kBlockN) s_bias[s * kBlockN + threadIdx.x] = e.bias, s_keys[s * kBlockN + threadIdx.x] = e.key;
+    if (threadIdx.x < kBlockM) s_bits[s * kBlockM + threadIdx.x] = e.bits;
   };
 
   typename Config::TiledMma mma;
@@ -562,13 +538,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
   for (int r = 0; r < kRows; ++r) row_max[r] = -kInf, row_sum[r] = 0.0f;
 
-  // The logit l is x * unit for what a tile holds, x: with neither softcap nor
-  // bias, and with a folded bias, the product q.k (plus b / scale), unit =
-  // scale; otherwise the tile is turned into the logits themselves (unit = 1).
-  // The unit may change from tile to tile; the row maxima are logits.
-  // exp(l - max) = exp2(x c - max log2 e) with c = unit log2 e (see the online
-  // softmax below).
+  // The logit l is x * unit for what the tile holds, x: with neither softcap
+  // nor bias the raw product q.k (unit = scale); otherwise the tile is turned
+  // into the logits themselves (unit = 1). exp(l - max l) = exp2(x c - max x c)
+  // with c = unit log2 e (see the online softmax below).
+  const float scale = p.scale, softcap = p.softcap;
   const bool logits = has_bias || softcap > 0.0f;
+  const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
   constexpr float kNearMax = 256.0f;  // logits up to this size take the one-FFMA exp
 
   // Prologue: Q with the first stage, then kStages - 1 key blocks in flight.
@@ -622,27 +598,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 
     Tensor tSsK = ldsm_k.partition_S(stage_k(stage));
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    bool fold = fold_bias;
-#pragma unroll
-    for (int w = 0; w < kBlockN / 32; ++w) fold = fold && s_foldable[stage * (kBlockN / 32) + w] != 0;
-    auto qk = [&] { gemm_ss(mma, acc_s, copy_q, tSsQ, tSrQ, tSrQv, copy_k, tSsK, tSrK, tSrKv); };
-    if (fold) {  // S = Q K^T + b / scale: the C registers of the columns' pair, (c, half) = x, y, z, w
-      const float4* pairs = reinterpret_cast<const float4*>(s_folded + stage * 2 * kBlockN) + lane % 4;
-#pragma unroll
-      for (int nn = 0; nn < size<2>(acc_s); ++nn) {
-        const float4 c = pairs[4 * nn];
-#pragma unroll
-        for (int m = 0; m < size<1>(acc_s); ++m) {
-          acc_s(make_coord(0, 0), m, nn) = c.x, acc_s(make_coord(1, 0), m, nn) = c.y;
-          acc_s(make_coord(0, 1), m, nn) = c.z, acc_s(make_coord(1, 1), m, nn) = c.w;
-        }
-      }
-      qk();
-    } else {
-      clear(acc_s);
-      qk();
-    }
-    const float unit = fold || !logits ? scale : 1.0f, c_log2 = unit * kLog2e;
+    clear(acc_s);
+    gemm_ss(mma, acc_s, copy_q, tSsQ, tSrQ, tSrQv, copy_k, tSsK, tSrK, tSrKv);
     if (has_mask) {
       if (load) load_kv(load_stage, load_row);
       cute::cp_async_fence();
@@ -659,7 +616,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
       for (int e = 0; e < size(acc_s); ++e) acc_s(e) *= scale;
     }
-    if (key_bias && !fold) {  // one value per key, staged in shared memory (a folded tile holds it already)
+    if (key_bias) {  // one value per key, staged in shared memory
       const float pre = softcap > 0.0f ? 1.0f : scale;
       const float* bias_cols = s_bias + stage * kBlockN + col_base;
 #pragma unroll
@@ -675,7 +632,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
             x1 = fmaf(x1, pre, value.y);
           }
       }
-    } else if (has_bias && !key_bias) {
+    } else if (has_bias) {
       const int rows = clamp_to_tile(sq - row0);
       const int* keys = s_keys + stage * kBlockN + col_base;
       auto add_bias = [&](auto* bias) {
@@ -741,10 +698,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     }
 
     // Online softmax: masked entries are -inf and add exactly 0; a row with no
-    // allowed key so far keeps max -inf and sum 0. First the new row maxima
-    // (logits: the tile's largest x times the unit), with O and the sums
-    // rescaled to them (O only when some row max of the warp moved: after the
-    // first tiles it rarely does).
+    // allowed key so far keeps max -inf and sum 0. First the new row maxima,
+    // with O and the sums rescaled to them (O only when some row max of the
+    // warp moved: after the first tiles it rarely does).
     float correction[kRows];
     bool moved = false, far = false;
 #pragma unroll
@@ -752,15 +708,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 2 * m + half;
-        float mx = -kInf;
+        float mx = row_max[r];
 #pragma unroll
         for (int nn = 0; nn < size<2>(acc_s); ++nn)
 #pragma unroll
           for (int c = 0; c < 2; ++c) mx = fmaxf(mx, acc_s(make_coord(c, half), m, nn));
-        mx = fmaxf(row_max[r], quad_max(mx) * unit);
+        mx = quad_max(mx);
         const float base = mx == -kInf ? 0.0f : mx;
         const bool row_moved = mx != row_max[r];
-        correction[r] = row_moved ? exp2_ftz((row_max[r] - base) * kLog2e) : 1.0f;
+        correction[r] = row_moved ? exp2_ftz((row_max[r] - base) * c_log2) : 1.0f;
         row_sum[r] *= correction[r];
         moved |= row_moved;
         far |= fabsf(base) > kNearMax;
@@ -777,18 +733,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
             for (int c = 0; c < 2; ++c) acc_o(make_coord(c, half), m, dd) *= correction[2 * m + half];
     }
-    // Then P = exp(x unit - max) as exp2(x c - max log2 e), one FFMA: max log2 e
-    // is rounded (by at most 2^-24 |max log2 e|: a factor that the row's entries
-    // of this tile share, within 2e-5 of 1 while |max| <= kNearMax). Larger
-    // logits (a bias of -1e30, say) take exp2((x unit - max) log2 e), exact 0 at
-    // the max however large it is, so that lse = max + log(sum) stays exact.
+    // Then P = exp(x unit - max unit) as exp2(x c - max c), one FFMA: max c is
+    // rounded (by at most 2^-24 |max c|: a factor that the row's entries of this
+    // tile share, within 2e-5 of 1 while |max| <= kNearMax). Larger logits (a
+    // bias of -1e30, say) take exp2((x - max) c), exact 0 at the max however
+    // large it is, so that lse = max + log(sum) stays exact.
     const bool exact = logits && __any_sync(0xffffffff, far);
 #pragma unroll
     for (int m = 0; m < size<1>(acc_s); ++m) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 2 * m + half;
-        const float base = row_max[r] == -kInf ? 0.0f : row_max[r], base_c = base * kLog2e;
+        const float base = row_max[r] == -kInf ? 0.0f : row_max[r], base_c = base * c_log2;
         float sum = 0.0f;
         if (exact) {
 #pragma unroll
@@ -796,7 +752,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
               float& x = acc_s(make_coord(c, half), m, nn);
-              x = exp2_ftz(fmaf(x, unit, -base) * kLog2e);
+              x = exp2_ftz((x - base) * c_log2);
               sum += x;
             }
         } else {
@@ -838,7 +794,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       const int row = row_of(m, half);
       if (row0 + row >= sq) continue;
-      const float row_lse = sum > 0.0f ? row_max[r] + logf(sum) : -kInf;
+      const float row_lse = sum > 0.0f ? row_max[r] * unit + logf(sum) : -kInf;
       if (p.num_splits > 1) {
         const std::int64_t partial_row =
             ((std::int64_t{split} * p.batch + b) * p.heads + h) * p.seqlen_q + row0 + row;
