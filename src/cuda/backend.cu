@@ -189,6 +189,7 @@ void run_backward(const Problem& p) {
   params.heads = static_cast<int>(p.heads);
   params.vector_q = vector_loads(p.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
   params.vector_dout = vector_loads(p.dout);
+  params.atomic_dq = !p.deterministic;
   params.bias_grad = bias_grad_kind(p);
   if (params.bias_grad != cuda::BiasGrad::kNone) {
     params.db_batch = p.bias_shape.batch, params.db_heads = p.bias_shape.heads;

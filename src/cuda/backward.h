@@ -74,6 +74,14 @@ struct BackwardParams : AttentionParams, KeyLists {
   std::int64_t db_batch = 1, db_heads = 1, db_rows = 1, db_cols = 1;
   float* scratch = nullptr;
   int contrib_b = 1, contrib_h = 1, contrib_n = 1;
+
+  // dq by atomics (Problem::deterministic false; head dims that are multiples of
+  // 64): the dk/dv kernel adds each step's dQ = dS^T K into float32 dq_acc of
+  // (b, h, local row, kHeadDim) at ((b * heads + h) * seqlen_q + i) * kHeadDim,
+  // the dq kernel only recomputes the row statistics that need it, and finish_dq
+  // writes dq = scale * dq_acc. launch_backward sets dq_acc where atomic_dq allows.
+  bool atomic_dq = false;
+  float* dq_acc = nullptr;
 };
 
 // Launches the backward for `batch` x `heads` on `stream`: row statistics, dq,

@@ -86,7 +86,35 @@ struct BackwardConfig {
   // Behind the floats, 16 bytes a row: dq, the list bits of the rows (two
   // buffers of 64-bit words); dk/dv, the keys of the rows and their intervals.
   static constexpr int kSmemBytes = (2 * kRowElems + 4 * kColElems) * int(sizeof(Element)) + kFloats * 4 + kBlockRows * 16;
+
+  // dq by atomics (BackwardParams::dq_acc), dk/dv kernel: dQ of a step (kDkvStep
+  // queries x D) = dS^T K, 2 x 4 warps over the output (16 queries x 16 columns
+  // an MMA tile, so head dims that are multiples of 64). dS^T is staged as
+  // Element in the columns of tile_add that the dk/dv kernel leaves free (it
+  // stages kDkvStep of kAddLd): key r's queries at r * kDsLd + kDsAt elements,
+  // 16-byte rows 68 words apart, so that ldmatrix and the stores hit every bank once.
+  static constexpr bool kAtomicDq = kHeadDim % 64 == 0;
+  static constexpr int kDsLd = 2 * kAddLd, kDsAt = 2 * kDkvStep;
+  static_assert(kDsAt + kDkvStep <= kDsLd, "dS^T fits in the unused columns of tile_add");
+  using TiledMmaDq = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::_2, cute::_4, cute::_1>>,
+                                    cute::Tile<cute::Int<kDkvStep>, cute::_64, cute::_16>>;
+  static_assert(kDkvStep == 32, "two warps of 16 queries a step");
+  // dS^T as (query, key), and the CTA's key rows as (feature, key): A and B of dS^T K.
+  using SmemLayoutDsT = cute::Layout<cute::Shape<cute::Int<kDkvStep>, cute::Int<kBlockRows>>, cute::Stride<cute::_1, cute::Int<kDsLd>>>;
+  using SmemLayoutRowsT = decltype(cute::composition(
+      SmemLayoutRows{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockRows>>{}, cute::GenRowMajor{})));
 };
+
+// Adds x, y to at[0], at[1] in global memory (8-byte aligned), one vector
+// reduction on sm_90.
+__device__ __forceinline__ void red_add2(float* at, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(x), "f"(y) : "memory");
+#else
+  atomicAdd(at, x);
+  atomicAdd(at + 1, y);
+#endif
+}
 
 // acc += A B^T with A already in registers. B spans the whole head dim here, so
 // one k-slice of it is live at a time (the other warps hide the ldmatrix latency).
@@ -148,6 +176,46 @@ __global__ void __launch_bounds__(256) row_stats(const BackwardParams p, int bat
   p.row_delta[row] = dot;
   p.row_max[row] = empty ? 0.0f : lse;
   p.row_inv[row] = empty ? 0.0f : 1.0f;
+}
+
+// dq by atomics: dQ of a dk/dv step's kDkvStep queries = dS^T K (ds_t staged by
+// the step, k_rows the CTA's keys), added into dq_rows (float32, kHeadDim a row)
+// for queries below `rows` and features below d, 64 features at a time (few
+// registers: the dk/dv accumulators are live).
+template <class Config>
+__device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Element* k_rows, float* dq_rows, int rows,
+                            int d) {
+  using namespace cute;
+  using Block = Shape<Int<Config::kDkvStep>, _64>;
+  typename Config::TiledMmaDq mma;
+  // The thread index, read anew each step: the compiler would otherwise keep
+  // every shared memory offset derived from it live across the whole walk.
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  auto thr = mma.get_thread_slice(tid);
+  auto copy_a = make_tiled_copy_A(typename Config::LdsmAtomT{}, mma);
+  auto copy_b = make_tiled_copy_B(typename Config::LdsmAtomT{}, mma);
+  auto ldsm_a = copy_a.get_thread_slice(tid);
+  auto ldsm_b = copy_b.get_thread_slice(tid);
+  Tensor sA = make_tensor(make_smem_ptr(ds_t), typename Config::SmemLayoutDsT{});
+  Tensor sB = make_tensor(make_smem_ptr(k_rows), typename Config::SmemLayoutRowsT{});
+  Tensor rA = thr.partition_fragment_A(sA);  // (MMA, 1, kBlockRows / 16)
+  Tensor rAv = ldsm_a.retile_D(rA);
+  Tensor c = thr.partition_C(make_identity_tensor(Block{}));
+#pragma unroll 1
+  for (int n0 = 0; n0 < d; n0 += 64) {
+    Tensor sBn = local_tile(sB, Shape<_64, Int<Config::kBlockRows>>{}, make_coord(n0 / 64, 0));
+    Tensor rB = thr.partition_fragment_B(sBn);  // (MMA, 1, kBlockRows / 16)
+    Tensor rBv = ldsm_b.retile_D(rB);
+    Tensor acc = partition_fragment_C(mma, Block{});
+    clear(acc);
+    gemm_ss(mma, acc, copy_a, ldsm_a.partition_S(sA), rA, rAv, copy_b, ldsm_b.partition_S(sBn), rB, rBv);
+#pragma unroll
+    for (int e = 0; e < size(acc); e += 2) {  // elements e, e + 1: adjacent features of a query
+      const int qi = get<0>(c(e)), col = n0 + get<1>(c(e));
+      if (qi < rows && col < d) red_add2(dq_rows + qi * Config::kHeadDim + col, acc(e), acc(e + 1));
+    }
+  }
 }
 
 // Beyond this |lse| a float32 lse = max + log(sum) has lost log(sum) to rounding
@@ -279,6 +347,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   int rows_head = -1;  // the selection head of own_rows (dk/dv, key groups)
   float key_bias_now = 0.0f, key_bias_next = 0.0f;
   const bool key_only_bias = has_bias && p.bias.sr == 0;
+  // dq by atomics: the dk/dv kernel adds dS^T K of each step into dq_acc; the dq
+  // kernel only recomputes the row statistics where they need it.
+  const bool dq_atomic = kKeyRows && Config::kAtomicDq && p.dq_acc != nullptr;
+  const bool dq_stats = !kKeyRows && p.dq_acc != nullptr;
+  auto* ds_t = reinterpret_cast<Element*>(tile_add) + Config::kDsAt;
 
   // Row statistics of queries [i0, i0 + n) of head h into dst[0 .. 3n): max, inv,
   // delta (0 past the sequence), by cp.async so that no thread waits for them.
@@ -352,7 +425,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     } else {
       const int h = h_first;
       load_rows<Config>(d0, q + h * p.q.sh + row0 * p.q.sr, p.q.sr, sq - row0, d, p.vector_q);
-      load_rows<Config>(d1, dout + h * p.dout.sh + row0 * p.dout.sr, p.dout.sr, sq - row0, d, p.vector_dout);
+      if (!dq_stats)
+        load_rows<Config>(d1, dout + h * p.dout.sh + row0 * p.dout.sr, p.dout.sr, sq - row0, d, p.vector_dout);
       load_stats(stats, h, row0, kBlockRows);
     }
   }
@@ -598,12 +672,27 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     // Both operands in Element first: the float tiles are dead before the MMAs.
     Tensor rdS = to_a_operand<Element>(acc_dp);
     Tensor rP = to_a_operand<Element>(acc_s);
+    if constexpr (kKeyRows && Config::kAtomicDq) {
+      if (dq_atomic) {  // dS^T for dQ: adjacent queries of a key as one word
+        const auto* pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rdS.data()));
+#pragma unroll
+        for (int e = 0; e < size(acc_dp); e += 2) {
+          const int r = get<0>(cS(e)), col = get<1>(cS(e));
+          *reinterpret_cast<std::uint32_t*>(ds_t + r * Config::kDsLd + col) = pairs[e / 2];
+        }
+      }
+    }
     gemm_rs(mma, acc_a, rdS, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 0)), rBt, rBtv);
     if constexpr (kKeyRows) {
       gemm_rs(mma, acc_b, rP, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 1)), rBt, rBtv);
 
+      if (dq_atomic || keep_ds) __syncthreads();  // dS^T and the dS tile are in shared memory
+      if constexpr (Config::kAtomicDq) {
+        if (dq_atomic)
+          add_dq_step<Config>(ds_t, rows_smem, p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim,
+                              clamp_to_tile(sq - q0), d);
+      }
       if (keep_ds) {  // dbias from the dS tile (rows: keys, columns: queries), each element by one thread
-        __syncthreads();
         if (p.bias_grad == BiasGrad::kPerElement) {
           const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - k0);
 #pragma unroll 1
@@ -660,7 +749,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     recompute = __syncthreads_or(huge);
   }
   // The walk over the steps: the column tiles of the next step load while this one computes.
-  for (int pass = recompute ? 0 : 1; pass < 2; ++pass) {
+  for (int pass = recompute ? 0 : 1; pass < (dq_stats ? 1 : 2); ++pass) {
     const bool stats_only = pass == 0;
     int t = next(-1), buf = 0;
     if (t < total) issue(t, 0, !stats_only);
@@ -690,6 +779,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         }
     }
   }
+
+  if (dq_stats) return;
 
   // Epilogue: dq = scale * acc_a; dk = scale * acc_a, dv = acc_b.
   Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kHeadDim>>{}));
@@ -774,6 +865,22 @@ __global__ void __launch_bounds__(256) reduce_bias_grad(const BackwardParams p, 
   }
 }
 
+// dq by atomics: dq = scale * dq_acc in the dtype, for the rows of each sequence.
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256) finish_dq(const BackwardParams p, int batch) {
+  const std::int64_t elements = std::int64_t{batch} * p.heads * p.seqlen_q * kHeadDim;
+  for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < elements;
+       e += std::int64_t{gridDim.x} * blockDim.x) {
+    const int col = static_cast<int>(e % kHeadDim);
+    const std::int64_t row = e / kHeadDim, i = row % p.seqlen_q;
+    const int h = static_cast<int>(row / p.seqlen_q % p.heads), b = static_cast<int>(row / p.seqlen_q / p.heads);
+    const Sequence s(p, b);
+    if (col >= p.head_dim || i >= s.sq) continue;
+    static_cast<Element*>(p.dq.data)[b * p.dq.sb + h * p.dq.sh + (s.qs + i) * p.dq.sr + col] =
+        static_cast<Element>(p.dq_acc[e] * p.scale);
+  }
+}
+
 // The mask pre-pass: block (n, m, z) classifies the mask tile of key block n and
 // query block m (m = 0 when the mask is broadcast over rows) of mask batch and
 // head z as empty (no key allowed: the walk skips it, loads included), full
@@ -849,6 +956,11 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
 
   std::uint8_t* dkv_tiles = nullptr;
   cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&p.row_max), static_cast<std::size_t>(3 * rows + 1) * 4, stream);
+  const std::int64_t dq_elements = rows * kHeadDim;
+  if (err == cudaSuccess && p.atomic_dq && Config::kAtomicDq && dq_elements > 0) {
+    err = cudaMallocAsync(reinterpret_cast<void**>(&p.dq_acc), static_cast<std::size_t>(dq_elements) * 4, stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(p.dq_acc, 0, static_cast<std::size_t>(dq_elements) * 4, stream);
+  }
   if (err == cudaSuccess) {
     p.row_inv = p.row_max + rows, p.row_delta = p.row_inv + rows;
     if (slices > 0) {
@@ -912,8 +1024,13 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
     err = cudaGetLastError();
   }
   if (slices > 0) reduce(slices);
+  if (err == cudaSuccess && p.dq_acc != nullptr) {
+    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((dq_elements + 255) / 256, 65536));
+    finish_dq<Element, kHeadDim><<<blocks, 256, 0, stream>>>(p, batch);
+    err = cudaGetLastError();
+  }
   for (void* ptr : {static_cast<void*>(p.row_max), static_cast<void*>(p.scratch), static_cast<void*>(p.mask_bits),
-                    static_cast<void*>(dkv_tiles), static_cast<void*>(chunk_memory)})
+                    static_cast<void*>(dkv_tiles), static_cast<void*>(chunk_memory), static_cast<void*>(p.dq_acc)})
     if (ptr != nullptr) cudaFreeAsync(ptr, stream);
   check_cuda(err, ("backward launch (head dim " + std::to_string(kHeadDim) + ")").c_str());
 }
