@@ -222,7 +222,9 @@ __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Ele
 // (spacing 2^-11 here): the dq kernel recomputes max and sum of such rows.
 constexpr float kLseExact = 4096.0f;
 
-template <class Config, bool kKeyRows>
+// kDqAtomic (dk/dv only): also add dS^T K of each step into dq_acc. Its own
+// instantiation: the code of that product costs registers (spills) every step.
+template <class Config, bool kKeyRows, bool kDqAtomic = false>
 __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const BackwardParams p) {
   using namespace cute;
   using Element = typename Config::Element;
@@ -349,7 +351,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const bool key_only_bias = has_bias && p.bias.sr == 0;
   // dq by atomics: the dk/dv kernel adds dS^T K of each step into dq_acc; the dq
   // kernel only recomputes the row statistics where they need it.
-  const bool dq_atomic = kKeyRows && Config::kAtomicDq && p.dq_acc != nullptr;
+  static_assert(!kDqAtomic || (kKeyRows && Config::kAtomicDq), "dq by atomics: the dk/dv kernel, head dims of 64s");
   const bool dq_stats = !kKeyRows && p.dq_acc != nullptr;
   auto* ds_t = reinterpret_cast<Element*>(tile_add) + Config::kDsAt;
 
@@ -672,26 +674,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     // Both operands in Element first: the float tiles are dead before the MMAs.
     Tensor rdS = to_a_operand<Element>(acc_dp);
     Tensor rP = to_a_operand<Element>(acc_s);
-    if constexpr (kKeyRows && Config::kAtomicDq) {
-      if (dq_atomic) {  // dS^T for dQ: adjacent queries of a key as one word
-        const auto* pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rdS.data()));
+    if constexpr (kDqAtomic) {  // dS^T for dQ: adjacent queries of a key as one word
+      const auto* pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rdS.data()));
 #pragma unroll
-        for (int e = 0; e < size(acc_dp); e += 2) {
-          const int r = get<0>(cS(e)), col = get<1>(cS(e));
-          *reinterpret_cast<std::uint32_t*>(ds_t + r * Config::kDsLd + col) = pairs[e / 2];
-        }
+      for (int e = 0; e < size(acc_dp); e += 2) {
+        const int r = get<0>(cS(e)), col = get<1>(cS(e));
+        *reinterpret_cast<std::uint32_t*>(ds_t + r * Config::kDsLd + col) = pairs[e / 2];
       }
     }
     gemm_rs(mma, acc_a, rdS, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 0)), rBt, rBtv);
     if constexpr (kKeyRows) {
       gemm_rs(mma, acc_b, rP, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 1)), rBt, rBtv);
 
-      if (dq_atomic || keep_ds) __syncthreads();  // dS^T and the dS tile are in shared memory
-      if constexpr (Config::kAtomicDq) {
-        if (dq_atomic)
-          add_dq_step<Config>(ds_t, rows_smem, p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim,
-                              clamp_to_tile(sq - q0), d);
-      }
+      if (kDqAtomic || keep_ds) __syncthreads();  // dS^T and the dS tile are in shared memory
+      if constexpr (kDqAtomic)
+        add_dq_step<Config>(ds_t, rows_smem, p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim,
+                            clamp_to_tile(sq - q0), d);
       if (keep_ds) {  // dbias from the dS tile (rows: keys, columns: queries), each element by one thread
         if (p.bias_grad == BiasGrad::kPerElement) {
           const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - k0);
@@ -993,6 +991,8 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   if (p.bias_grad != BiasGrad::kNone && slices == 0) reduce(0);  // zero-fill what no tile writes
   auto dq_kernel = backward_kernel<Config, false>;
   auto dkv_kernel = backward_kernel<Config, true>;
+  if constexpr (Config::kAtomicDq)
+    if (p.dq_acc != nullptr) dkv_kernel = backward_kernel<Config, true, true>;
   for (auto kernel : {dq_kernel, dkv_kernel})
     if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
   if (err == cudaSuccess && query_blocks > 0) {
