@@ -1,7 +1,10 @@
-// The sm80-class backward (mma.sync through CuTe, cp.async loads), without
-// atomic arithmetic: every output element is written by one CTA (the chunks of
-// a top-k key group add their float32 sums in a fixed order, handing a turn
-// counter on), so dq, dk, dv and dbias are bitwise reproducible.
+// The sm80-class backward (mma.sync through CuTe, cp.async loads). dk, dv and
+// dbias without atomic arithmetic: every output element is written by one CTA
+// (the chunks of a top-k key group add their float32 sums in a fixed order,
+// handing a turn counter on), so they are bitwise reproducible; so is dq with
+// Problem::deterministic. Without it (head dims of 64s) the dk/dv kernel also
+// adds dQ = dS^T K of each step into float32 scratch by atomics, the dq kernel
+// only recomputes the row statistics that need it, and finish_dq rounds dq.
 //   row_stats:       delta_i = <do_i, o_i> and the row statistics from lse.
 //   backward_kernel<kKeyRows = false> (dq): one CTA owns 128 query rows of one
 //                    (batch, head) and walks their key blocks, or with a mask or
@@ -19,6 +22,7 @@
 //                    chunks that add up in order; thresholds: the dense walk with
 //                    the threshold test.
 //   reduce_bias_grad: sums the dbias slices in order (or zero-fills dbias).
+//   finish_dq:       dq = scale * the atomic float32 sums (deterministic = false).
 // Both walks use the same tile: each warp owns 16 rows (its accumulators), the
 // columns stream through double-buffered shared memory, and
 //   S  = A0 B0^T, dP = A1 B1^T          (dq: Q K^T, dO V^T;  dk/dv: K Q^T, V dO^T)
