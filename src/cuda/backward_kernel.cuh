@@ -95,11 +95,13 @@ struct BackwardConfig {
   // queries x D) = dS^T K, 2 x 4 warps over the output (16 queries x 16 columns
   // an MMA tile, so head dims that are multiples of 64). dS^T is staged as
   // Element in the columns of tile_add that the dk/dv kernel leaves free (it
-  // stages kDkvStep of kAddLd): key r's queries at r * kDsLd + kDsAt elements,
-  // 16-byte rows 68 words apart, so that ldmatrix and the stores hit every bank once.
+  // stages kDkvStep of kAddLd), two buffers (by the step's buf) so that the
+  // product of a step can run after the barrier that opens the next one: key
+  // r's queries at r * kDsLd + kDsAt + buf * kDkvStep elements, 16-byte rows 68
+  // words apart, so that ldmatrix and the stores hit every bank once.
   static constexpr bool kAtomicDq = kHeadDim % 64 == 0;
   static constexpr int kDsLd = 2 * kAddLd, kDsAt = 2 * kDkvStep;
-  static_assert(kDsAt + kDkvStep <= kDsLd, "dS^T fits in the unused columns of tile_add");
+  static_assert(kDsAt + 2 * kDkvStep <= kDsLd, "two dS^T buffers fit in the unused columns of tile_add");
   using TiledMmaDq = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::_2, cute::_4, cute::_1>>,
                                     cute::Tile<cute::Int<kDkvStep>, cute::_64, cute::_16>>;
   static_assert(kDkvStep == 32, "two warps of 16 queries a step");
@@ -357,7 +359,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   // kernel only recomputes the row statistics where they need it.
   static_assert(!kDqAtomic || (kKeyRows && Config::kAtomicDq), "dq by atomics: the dk/dv kernel, head dims of 64s");
   const bool dq_stats = !kKeyRows && p.dq_acc != nullptr;
+  // dS^T of a step goes to buffer (step's buf) of ds_t; its product runs after
+  // the next barrier of the walk (dq_pending: where its rows go).
   auto* ds_t = reinterpret_cast<Element*>(tile_add) + Config::kDsAt;
+  float* dq_pending = nullptr;
+  int dq_pending_rows = 0, dq_pending_buf = 0;
+  auto flush_dq = [&] {
+    if constexpr (kDqAtomic) {
+      if (dq_pending != nullptr)
+        add_dq_step<Config>(ds_t + dq_pending_buf * Config::kDkvStep, rows_smem, dq_pending, dq_pending_rows, d);
+      dq_pending = nullptr;
+    }
+  };
 
   // Row statistics of queries [i0, i0 + n) of head h into dst[0 .. 3n): max, inv,
   // delta (0 past the sequence), by cp.async so that no thread waits for them.
@@ -683,18 +696,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
 #pragma unroll
       for (int e = 0; e < size(acc_dp); e += 2) {
         const int r = get<0>(cS(e)), col = get<1>(cS(e));
-        *reinterpret_cast<std::uint32_t*>(ds_t + r * Config::kDsLd + col) = pairs[e / 2];
+        *reinterpret_cast<std::uint32_t*>(ds_t + buf * kStep + r * Config::kDsLd + col) = pairs[e / 2];
       }
+      dq_pending = p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim;
+      dq_pending_rows = clamp_to_tile(sq - q0), dq_pending_buf = buf;
     }
     gemm_rs(mma, acc_a, rdS, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 0)), rBt, rBtv);
     if constexpr (kKeyRows) {
       gemm_rs(mma, acc_b, rP, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 1)), rBt, rBtv);
 
-      if (kDqAtomic || keep_ds) __syncthreads();  // dS^T and the dS tile are in shared memory
-      if constexpr (kDqAtomic)
-        add_dq_step<Config>(ds_t, rows_smem, p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim,
-                            clamp_to_tile(sq - q0), d);
       if (keep_ds) {  // dbias from the dS tile (rows: keys, columns: queries), each element by one thread
+        __syncthreads();
         if (p.bias_grad == BiasGrad::kPerElement) {
           const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - k0);
 #pragma unroll 1
@@ -761,11 +773,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       __syncthreads();  // step t landed; every thread is done with the other buffer
       key_bias_now = key_bias_next;
       if (t_next < total) issue(t_next, buf ^ 1, !stats_only);
+      flush_dq();  // the previous step's dS^T is complete
       compute(t, buf, stats_only);
       t = t_next, buf ^= 1;
     }
     cp_async_wait<0>();
     __syncthreads();
+    flush_dq();
     if (stats_only) {
 #pragma unroll
       for (int m = 0; m < kM; ++m)
