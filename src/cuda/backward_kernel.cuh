@@ -228,9 +228,7 @@ __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Ele
 // (spacing 2^-11 here): the dq kernel recomputes max and sum of such rows.
 constexpr float kLseExact = 4096.0f;
 
-// kDqAtomic (dk/dv only): also add dS^T K of each step into dq_acc. Its own
-// instantiation: the code of that product costs registers (spills) every step.
-template <class Config, bool kKeyRows, bool kDqAtomic = false>
+template <class Config, bool kKeyRows>
 __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const BackwardParams p) {
   using namespace cute;
   using Element = typename Config::Element;
@@ -357,7 +355,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const bool key_only_bias = has_bias && p.bias.sr == 0;
   // dq by atomics: the dk/dv kernel adds dS^T K of each step into dq_acc; the dq
   // kernel only recomputes the row statistics where they need it.
-  static_assert(!kDqAtomic || (kKeyRows && Config::kAtomicDq), "dq by atomics: the dk/dv kernel, head dims of 64s");
+  constexpr bool kDqAtomic = kKeyRows && Config::kAtomicDq;  // the code is there; dq_acc turns it on
+  const bool dq_atomic = kDqAtomic && p.dq_acc != nullptr;
   const bool dq_stats = !kKeyRows && p.dq_acc != nullptr;
   // dS^T of a step goes to buffer (step's buf) of ds_t; its product runs after
   // the next barrier of the walk (dq_pending: where its rows go).
@@ -691,7 +690,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     // Both operands in Element first: the float tiles are dead before the MMAs.
     Tensor rdS = to_a_operand<Element>(acc_dp);
     Tensor rP = to_a_operand<Element>(acc_s);
-    if constexpr (kDqAtomic) {  // dS^T for dQ: adjacent queries of a key as one word
+    if (dq_atomic) {  // dS^T for dQ: adjacent queries of a key as one word
       const auto* pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rdS.data()));
 #pragma unroll
       for (int e = 0; e < size(acc_dp); e += 2) {
@@ -1009,8 +1008,6 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   if (p.bias_grad != BiasGrad::kNone && slices == 0) reduce(0);  // zero-fill what no tile writes
   auto dq_kernel = backward_kernel<Config, false>;
   auto dkv_kernel = backward_kernel<Config, true>;
-  if constexpr (Config::kAtomicDq)
-    if (p.dq_acc != nullptr) dkv_kernel = backward_kernel<Config, true, true>;
   for (auto kernel : {dq_kernel, dkv_kernel})
     if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
   if (err == cudaSuccess && query_blocks > 0) {
