@@ -880,19 +880,23 @@ __global__ void __launch_bounds__(256) reduce_bias_grad(const BackwardParams p, 
   }
 }
 
-// dq by atomics: dq = scale * dq_acc in the dtype, for the rows of each sequence.
+// dq by atomics: dq = scale * dq_acc in the dtype, for the rows of each
+// sequence, four features a thread.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) finish_dq(const BackwardParams p, int batch) {
-  const std::int64_t elements = std::int64_t{batch} * p.heads * p.seqlen_q * kHeadDim;
-  for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < elements;
+  constexpr int kQuads = kHeadDim / 4;
+  const std::int64_t quads = std::int64_t{batch} * p.heads * p.seqlen_q * kQuads;
+  for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < quads;
        e += std::int64_t{gridDim.x} * blockDim.x) {
-    const int col = static_cast<int>(e % kHeadDim);
-    const std::int64_t row = e / kHeadDim, i = row % p.seqlen_q;
+    const int col = static_cast<int>(e % kQuads) * 4;
+    const std::int64_t row = e / kQuads, i = row % p.seqlen_q;
     const int h = static_cast<int>(row / p.seqlen_q % p.heads), b = static_cast<int>(row / p.seqlen_q / p.heads);
     const Sequence s(p, b);
     if (col >= p.head_dim || i >= s.sq) continue;
-    static_cast<Element*>(p.dq.data)[b * p.dq.sb + h * p.dq.sh + (s.qs + i) * p.dq.sr + col] =
-        static_cast<Element>(p.dq_acc[e] * p.scale);
+    const float4 x = reinterpret_cast<const float4*>(p.dq_acc)[e];
+    auto* dst = static_cast<Element*>(p.dq.data) + b * p.dq.sb + h * p.dq.sh + (s.qs + i) * p.dq.sr + col;
+    dst[0] = static_cast<Element>(x.x * p.scale), dst[1] = static_cast<Element>(x.y * p.scale);
+    dst[2] = static_cast<Element>(x.z * p.scale), dst[3] = static_cast<Element>(x.w * p.scale);
   }
 }
 
@@ -1040,7 +1044,7 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   }
   if (slices > 0) reduce(slices);
   if (err == cudaSuccess && p.dq_acc != nullptr) {
-    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((dq_elements + 255) / 256, 65536));
+    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((dq_elements / 4 + 255) / 256, 65536));
     finish_dq<Element, kHeadDim><<<blocks, 256, 0, stream>>>(p, batch);
     err = cudaGetLastError();
   }
