@@ -195,7 +195,8 @@ __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Ele
   using Block = Shape<Int<Config::kDkvStep>, _64>;
   typename Config::TiledMmaDq mma;
   // The thread index, read anew each step: the compiler would otherwise keep
-  // every shared memory offset derived from it live across the whole walk.
+  // the offsets derived from it live across the whole walk (sm_90a, dk/dv
+  // kernel: 88 bytes of spills instead of 44).
   int tid;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
   auto thr = mma.get_thread_slice(tid);
