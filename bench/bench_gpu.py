@@ -25,12 +25,13 @@ shared inputs (what it builds for itself, a materialised bias or a block mask,
 included). The max |difference| of each peer's output from dmattn's is recorded
 as a check.
 
-    python3 bench/bench_gpu.py run --out DIR [--deadline EPOCH] [--commit SHA]
+    python3 bench/bench_gpu.py run --out DIR [--deadline EPOCH] [--commit SHA] [--only TEXT]
     python3 bench/bench_gpu.py report DIR/benchmarks-gpu.json --out docs
 
 `run` writes DIR/benchmarks-gpu.json after every case, then the markdown table
 DIR/benchmarks-gpu.md and the plot DIR/benchmarks-gpu.png; `report` rewrites
-the last two from a JSON. Past --deadline, what is left is recorded as not run.
+the last two from a JSON. Past --deadline, what is left is recorded as not run;
+--only runs the cases whose name contains TEXT (e.g. "keep": the top-k cases).
 """
 
 import argparse
@@ -335,6 +336,8 @@ def run(args):
     print(f"benchmark: {meta}", flush=True)
     results = dict(meta=meta, rows=[])
     for kind, batch, sq, sk in CASES:
+        if args.only and args.only not in kind:
+            continue
         if args.deadline and time.time() > args.deadline:
             results["rows"].append(dict(case=kind, batch=batch, sq=sq, sk=sk, skip="not run: deadline reached"))
             continue
@@ -519,6 +522,7 @@ def main():
     p_run.add_argument("--out", default=os.environ.get("OUT", "docs"))
     p_run.add_argument("--deadline", type=float, default=0.0, help="epoch seconds after which nothing new starts")
     p_run.add_argument("--commit", default=os.environ.get("DMATTN_COMMIT", ""))
+    p_run.add_argument("--only", default="", help="run only the cases whose name contains this text")
     p_report = sub.add_parser("report", help="rewrite the table and the plot from a JSON")
     p_report.add_argument("json")
     p_report.add_argument("--out", default="docs")

@@ -9,7 +9,9 @@
 #   scripts/gpu_all.sh [stage ...]     stages: check selection pytest bench doge (default: all)
 #   env: OUT (default build-gpu/all), BUILD (the CMake build; default build-gpu),
 #        DMATTN_CUDA_ARCHS (default 90a), DMATTN_CUTLASS_DIR, PYTHON (default
-#        python3), BENCH_DEADLINE (epoch seconds: bench cases after it are not run)
+#        python3), BENCH_DEADLINE (epoch seconds: bench cases after it are not run),
+#        BENCH_ONLY (run only the bench cases whose name contains it), DMATTN_COMMIT
+#        (the commit to report, where the tree's git metadata is not its own)
 #
 # Writes only OUT/summary.txt and OUT/logs.tar.gz (every log, the benchmark's
 # JSON, table and plot, the Doge curves).
@@ -57,7 +59,8 @@ doge() {
 }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sed 's/^/device: /' | tee -a "$summary"
-echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$summary"
+export DMATTN_COMMIT=${DMATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+echo "commit: $DMATTN_COMMIT" | tee -a "$summary"
 for s in "${stages[@]}"; do
   case $s in
     check) OUT=$logs/check stage check bash scripts/gpu_check.sh "$build"
@@ -66,7 +69,8 @@ for s in "${stages[@]}"; do
                tail -4 "$logs/selection.log" >>"$summary" ;;
     pytest) stage pytest python_tests
             tail -1 "$logs/pytest.log" >>"$summary" ;;
-    bench) OUT=$logs stage bench bash scripts/bench_gpu.sh ${BENCH_DEADLINE:+--deadline "$BENCH_DEADLINE"}
+    bench) OUT=$logs stage bench bash scripts/bench_gpu.sh ${BENCH_DEADLINE:+--deadline "$BENCH_DEADLINE"} \
+             ${BENCH_ONLY:+--only "$BENCH_ONLY"}
            sed -n '/^## Where dmattn stands/,/^## Reference/p' "$logs/benchmarks-gpu.md" >>"$summary" 2>/dev/null ;;
     doge) stage doge doge
           grep -E "^(eager|dmattn|max)" "$logs/doge.log" >>"$summary" ;;

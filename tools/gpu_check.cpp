@@ -732,9 +732,10 @@ std::vector<Case> matrix(bool small) {
 // materialised) is affordable, the proxy error is the larger of the CPU's and
 // the naive computations' of tests/harness.h (every intermediate rounded; only
 // what is stored rounded). Each gradient: max |gpu - ref| <= 2 * proxy + 1e-5
-// (dbias: + 1e-5 sqrt(n), n the dS entries an element sums), no NaN, nothing written outside the views. The GPU backward runs twice:
-// dk, dv and dbias must be bitwise equal, dq too with options.deterministic (without
-// it dq may be summed by float32 atomics, in any order).
+// (dbias: + 1e-5 sqrt(n), n the dS entries an element sums), no NaN, nothing
+// written outside the views. The GPU backward runs twice: dk, dv and dbias must be
+// bitwise equal, dq too with options.deterministic (without it dq may be summed by
+// float32 atomics, in any order).
 
 struct Gradients {
   std::vector<double> dq, dk, dv, dbias;
@@ -900,10 +901,13 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
   // rounding (dP and delta are sums in different orders); where dS is 0 exactly
   // (a row that keeps one key) the naive computation is exact and that noise is
   // all there is: dbias's absolute slack grows like sqrt(n).
-  double entries = 0.0;
-  for (std::size_t b = 0; b < (varlen ? c.seqlens_q.size() : 1); ++b)
-    entries += double(c.H) * (varlen ? double(c.seqlens_q[b]) * double(c.seqlens_k[b]) : double(c.B * c.Sq * c.Sk));
-  const double slack[4] = {1e-5, 1e-5, 1e-5, 1e-5 * std::sqrt(std::max(1.0, entries / double(std::max<std::size_t>(ref.dbias.size(), 1))))};
+  double entries = double(c.B * c.Sq * c.Sk);
+  if (varlen) {
+    entries = 0.0;
+    for (std::size_t b = 0; b < c.seqlens_q.size(); ++b) entries += double(c.seqlens_q[b]) * double(c.seqlens_k[b]);
+  }
+  const double n = c.H * entries / double(std::max<std::size_t>(ref.dbias.size(), 1));
+  const double slack[4] = {1e-5, 1e-5, 1e-5, 1e-5 * std::sqrt(std::max(1.0, n))};
   for (int i = 0; i < (db ? 4 : 3); ++i) {
     const double err = max_abs_diff(*g[i], *rf[i]), lp_err = max_abs_diff(*lp[i], *rf[i]);
     const bool same = bitwise(*g[i], *ag[i]), must_be_same = i != 0 || c.options.deterministic;
