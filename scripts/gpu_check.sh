@@ -8,7 +8,8 @@
 #   scripts/gpu_check.sh [build-dir]          (default: build-gpu)
 #   env: DMATTN_CUDA_ARCHS (default "80;90a"), DMATTN_HEAD_DIMS (default "128"),
 #        DMATTN_CUTLASS_DIR (default: the nvidia-cutlass pip package's headers),
-#        OUT (where the logs go; default <build-dir>/gpu_check)
+#        OUT (where the logs go; default <build-dir>/gpu_check), CHECK_ONLY (only
+#        the cases whose name contains it, sanitizers included), BENCH (0: no timing)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build-gpu}
@@ -29,18 +30,19 @@ fi
 echo "build: $(( $(date +%s) - start )) s on $(nproc) cores (archs ${DMATTN_CUDA_ARCHS:-80;90a})"
 
 check="$build/dmattn_gpu_check"
-"$check" 2>&1 | tee "$logs/check.log"
+only=(); [ -n "${CHECK_ONLY:-}" ] && only=(--only "$CHECK_ONLY")
+"$check" "${only[@]}" 2>&1 | tee "$logs/check.log"
 check_rc=${PIPESTATUS[0]}
 
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 status=()
 for tool in memcheck racecheck; do
-  "$sanitizer" --tool "$tool" --error-exitcode 1 "$check" --small >"$logs/$tool.log" 2>&1
+  "$sanitizer" --tool "$tool" --error-exitcode 1 "$check" --small "${only[@]}" >"$logs/$tool.log" 2>&1
   rc=$?
   status+=("$tool: $([ $rc -eq 0 ] && echo clean || echo "FAILED (rc $rc)"); $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/$tool.log" | tail -1)")
 done
 
-"$check" --bench 2>&1 | tee "$logs/bench.log"
+[ "${BENCH:-1}" = 0 ] || "$check" --bench 2>&1 | tee "$logs/bench.log"
 
 echo "=== summary ==="
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/device: /'

@@ -5,6 +5,8 @@
 //                               then the backward matrix (run_backward_case)
 //   dmattn_gpu_check --backward the backward matrix only
 //   dmattn_gpu_check --small    a few small cases of both (for compute-sanitizer)
+//   dmattn_gpu_check [--small | --backward] --only TEXT
+//                               only the cases whose name contains TEXT
 //   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal,
 //                               and forward + backward times at S=16384
 //
@@ -1254,11 +1256,12 @@ Outcome topk_nan_sweep(Rng& rng) {
   return r;
 }
 
-int check(bool small, bool backward_only) {
+int check(bool small, bool backward_only, const std::string& only) {
   Rng rng;
   std::printf("dmattn gpu check: %s\n", rng.trace().c_str());
   int passed = 0, failed = 0;
   auto run = [&](const Case& c, Outcome (*runner)(const Case&, Rng&)) {
+    if (c.name.find(only) == std::string::npos) return;
     Outcome r;
     try {
       r = runner(c, rng);
@@ -1273,7 +1276,7 @@ int check(bool small, bool backward_only) {
   if (!backward_only)
     for (const Case& c : matrix(small)) run(c, run_case);
   for (const Case& c : backward_matrix(small)) run(c, run_backward_case);
-  if (!small) {
+  if (!small && only.empty()) {
     const Outcome sweep = topk_nan_sweep(rng);
     (sweep.pass ? passed : failed)++;
     std::printf("%s  %-90s %s\n", sweep.pass ? "PASS" : "FAIL",
@@ -1474,10 +1477,13 @@ int bench() {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  std::string only;
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--only") only = argv[i + 1];
   try {
     if (mode == "--bench") return bench();
-    if (mode == "--backward") return check(false, true);
-    return check(mode == "--small", false);
+    if (mode == "--backward") return check(false, true, only);
+    return check(mode == "--small", false, only);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dmattn_gpu_check: %s\n", e.what());
     return 2;
