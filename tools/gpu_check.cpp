@@ -9,6 +9,7 @@
 //                               only the cases whose name contains TEXT
 //   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal,
 //                               and forward + backward times at S=16384
+//   dmattn_gpu_check --bench-topk the top-k (w = 1024) forward + backward line alone
 //
 // Accuracy rule (SPEC 5): max |gpu - ref| <= 2 * max |lowp - ref| + 1e-5 on out,
 // where ref is the CPU backend in float64 and lowp the CPU backend run on the same
@@ -970,6 +971,15 @@ std::vector<Case> topk_backward_cases(Make&& make) {
     c.bias_lo = t.lo, c.bias_hi = t.hi, c.bias_quantum = t.quantum;
     cases.push_back(c);
   }
+  {  // |lse| beyond float32's reach: the dq kernel recomputes the rows' statistics over the key lists
+    Case c = make("top-k 100 constant bias -1e30 (rows recomputed)", 650, 777, 4, 2);
+    c.options.causal = true;
+    c.options.keep_window_size = 100;
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    c.bias_dtype = DType::kFloat32;
+    c.bias_lo = c.bias_hi = -1e30;
+    cases.push_back(c);
+  }
   for (int i = 0; i < 4; ++i) {  // per-row biases and masks: thresholds
     Case c = make("top-k per-row bias" + std::string(i >= 2 ? " + mask" : ""), i < 2 ? 300 : 500, i < 2 ? 700 : 400, 4, 2);
     topk_per_row(c, i);
@@ -1313,9 +1323,11 @@ float time_forward(const dmattn::Inputs& in, const DeviceTensor& out, const Devi
 // Fill efficiency (useful entries / computed entries) of the top-k backward's
 // walks for a key-only bias (B = 1, Hb heads, causal, Sq = Sk), from the CPU's
 // exact selection: dq, 128-row query blocks over their key lists in 64-key
-// tiles; dk/dv, groups of 128 keys sorted by interval end over the 32-row query
-// tiles that cover the group's rows.
-void print_topk_fill(const HostTensor& bias, std::int64_t w) {
+// tiles; dk/dv, groups of 128 keys over the 32-row query tiles that cover the
+// group's rows, the keys sorted by interval end and then strips of `strip`
+// groups by interval start (src/cuda/selection.cu group_keys; strip 1: by end
+// alone).
+void print_topk_fill(const HostTensor& bias, std::int64_t w, std::size_t strip) {
   const Shape shape = bias.shape();
   const std::int64_t heads = shape[1], S = shape[3];
   dmattn::Problem p;
@@ -1345,6 +1357,9 @@ void print_topk_fill(const HostTensor& bias, std::int64_t w) {
     }
     std::stable_sort(order.begin(), order.end(),
                      [&](std::int64_t a, std::int64_t b) { return sel.interval(0, h, a).end < sel.interval(0, h, b).end; });
+    for (std::size_t g = 0; g < order.size(); g += 128 * strip)
+      std::stable_sort(order.begin() + g, order.begin() + std::min(order.size(), g + 128 * strip),
+                       [&](std::int64_t a, std::int64_t b) { return sel.interval(0, h, a).start < sel.interval(0, h, b).start; });
     for (std::size_t g = 0; g < order.size(); g += 128) {
       std::int64_t lo = S, hi = 0;
       for (std::size_t e = g; e < std::min(order.size(), g + 128); ++e)
@@ -1353,16 +1368,18 @@ void print_topk_fill(const HostTensor& bias, std::int64_t w) {
     }
   }
   const double dense = static_cast<double>(heads) * S * (S + 1) / 2;
-  std::printf("  fill (useful / computed entries): dq key lists %.3f, dk/dv key groups %.3f; computed / dense causal: "
-              "dq %.3f, dk/dv %.3f; selected / dense causal %.3f\n",
-              useful / dq_work, useful / dkv_work, dq_work / dense, dkv_work / dense, useful / dense);
+  std::printf("  fill (useful / computed entries): dq key lists %.3f, dk/dv key groups (strips of %zu) %.3f; computed / "
+              "dense causal: dq %.3f, dk/dv %.3f; selected / dense causal %.3f\n",
+              useful / dq_work, strip, useful / dkv_work, dq_work / dense, dkv_work / dense, useful / dense);
 }
 
-int bench() {
+// topk_only: the top-k fwd + bwd line alone (a short run to profile).
+int bench(bool topk_only) {
   Rng rng;
   const std::int64_t B = 1, H = 32, Hk = 8, D = 128;
   auto random = [&](HostTensor& t) { t.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); }); };
   for (std::int64_t S : {4096, 16384})
+    if (!topk_only)
     for (bool with_bias : {false, true}) {
       HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
       random(q), random(k), random(v);
@@ -1401,8 +1418,14 @@ int bench() {
     const double flops = 4.0 * B * H * D * double(S) * double(S) / 2.0;
     std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s fwd %.3f ms  bwd %.3f ms (%.1f TFLOP/s)  fwd+bwd %.3f ms\n",
                 static_cast<long long>(S), what, fwd, bwd, 2.5 * flops / (bwd * 1e-3) / 1e12, fwd + bwd);
-    if (keep_window > 0) print_topk_fill(bias, keep_window);
+    if (keep_window > 0)
+      for (std::size_t strip : {1, 3}) print_topk_fill(bias, keep_window, strip);
   };
+  const char* topk_line = "key-only bias (B, 8, 1, S), keep_window_size 1024 (TFLOP/s of the dense work)";
+  if (topk_only) {
+    fwd_bwd(topk_line, true, std::nullopt, 1024, 5);
+    return 0;
+  }
   fwd_bwd("no mask", false, std::nullopt, 0, 5);
   fwd_bwd("no mask deterministic (two-kernel dq)", false, std::nullopt, 0, 5, true);
   fwd_bwd("key-only bias", true, std::nullopt, 0, 5);
@@ -1436,7 +1459,7 @@ int bench() {
                 static_cast<long long>(S), ms);
   }
   // Top-k (the selection in both calls) and a bool top-1024 mask, key-only bias and its gradient.
-  fwd_bwd("key-only bias (B, 8, 1, S), keep_window_size 1024 (TFLOP/s of the dense work)", true, std::nullopt, 1024, 5);
+  fwd_bwd(topk_line, true, std::nullopt, 1024, 5);
   {  // A bool mask of about 1024 random keys a causal row (B, 8, S, S), fwd + bwd.
     const std::int64_t S = 16384;
     std::vector<unsigned char> mask_bytes(static_cast<std::size_t>(B * Hk * S * S));
@@ -1481,7 +1504,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; ++i)
     if (std::string(argv[i]) == "--only") only = argv[i + 1];
   try {
-    if (mode == "--bench") return bench();
+    if (mode == "--bench" || mode == "--bench-topk") return bench(mode == "--bench-topk");
     if (mode == "--backward") return check(false, true, only);
     return check(mode == "--small", false, only);
   } catch (const std::exception& e) {

@@ -206,8 +206,8 @@ void run_backward(const Problem& p) {
           sel = select(p, params);
           if (sel.intervals != nullptr) {
             const bool sort = params.bias_grad == cuda::BiasGrad::kNone || params.bias_grad == cuda::BiasGrad::kPerKey;
-            groups = cuda::group_keys(sel, p.batch, p.heads, p.kv_heads, p.seqlen_k, p.cu_seqlens_k,
-                                      cuda::kBackwardBlockRows, sort, stream);
+            groups = cuda::group_keys(sel, p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k, p.cu_seqlens_k,
+                                      sort, stream);
             params.key_order = groups.order, params.group_rows = groups.rows, params.key_groups = groups.groups;
           }
         }

@@ -10,7 +10,7 @@
 namespace dmattn::cuda {
 
 // Rows of a backward CTA: queries of a dq block, keys of a dk/dv group.
-constexpr int kBackwardBlockRows = 128;
+constexpr int kBackwardBlockRows = kKeyGroupKeys;
 
 // Where the dbias reduction of an element happens (SPEC 4: dbias sums dl over
 // every dimension the bias broadcasts).
@@ -82,6 +82,9 @@ struct BackwardParams : AttentionParams, KeyLists {
   // writes dq = scale * dq_acc. launch_backward sets dq_acc where atomic_dq allows.
   bool atomic_dq = false;
   float* dq_acc = nullptr;
+  // With dq_acc: 1 once row_stats finds a row whose statistics the dq kernel
+  // recomputes; while 0 the dq kernel and its key lists' pre-passes do nothing.
+  int* huge_rows = nullptr;
 };
 
 // Launches the backward for `batch` x `heads` on `stream`: row statistics, dq,

@@ -57,8 +57,10 @@ struct BackwardConfig {
   // Columns a step: the accumulators of 16 x D rows a warp (dK and dV, or dQ) and
   // the S and dP tiles of 16 x step must fit in 255 registers.
   static constexpr int kDkvStep = 32, kDqStep = 64;
-  // A dk/dv key group walks at most this many query tiles a CTA (chunks).
-  static constexpr int kChunkTiles = 64;
+  // A dk/dv key group walks at most this many query tiles a CTA (chunks): 32
+  // rather than 64 evens out the CTAs' work (H100, S = 16384, w = 1024: dk/dv
+  // kernel docs/topk-gpu.md).
+  static constexpr int kChunkTiles = 32;
   static_assert(kHeadDim <= 128, "the CUDA backward takes head dims up to 128");
   static constexpr int kSmemRow = kHeadDim % 64 == 0 ? 64 : 32;
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
@@ -158,9 +160,13 @@ struct Sequence {
   }
 };
 
+// Beyond this |lse| a float32 lse = max + log(sum) has lost log(sum) to rounding
+// (spacing 2^-11 here): the dq kernel recomputes max and sum of such rows.
+constexpr float kLseExact = 4096.0f;
+
 // One warp per (b, h, query row): delta = <do, o> in float32, and the row
 // statistics from lse (row_max = lse, row_inv = 1; 0 and 0 for a row with no
-// allowed key, lse = -inf).
+// allowed key, lse = -inf); sets *huge_rows where |lse| exceeds kLseExact.
 template <class Element>
 __global__ void __launch_bounds__(256) row_stats(const BackwardParams p, int batch) {
   const std::int64_t row = std::int64_t{blockIdx.x} * 8 + threadIdx.x / 32;  // (b * H + h) * seqlen_q + i
@@ -182,6 +188,7 @@ __global__ void __launch_bounds__(256) row_stats(const BackwardParams p, int bat
   p.row_delta[row] = dot;
   p.row_max[row] = empty ? 0.0f : lse;
   p.row_inv[row] = empty ? 0.0f : 1.0f;
+  if (p.huge_rows != nullptr && !empty && fabsf(lse) > kLseExact) *p.huge_rows = 1;
 }
 
 // dq by atomics: dQ of a dk/dv step's kDkvStep queries = dS^T K (ds_t staged by
@@ -225,10 +232,6 @@ __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Ele
   }
 }
 
-// Beyond this |lse| a float32 lse = max + log(sum) has lost log(sum) to rounding
-// (spacing 2^-11 here): the dq kernel recomputes max and sum of such rows.
-constexpr float kLseExact = 4096.0f;
-
 template <class Config, bool kKeyRows>
 __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const BackwardParams p) {
   using namespace cute;
@@ -256,6 +259,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const int row_block = key_groups ? blocks / p.chunks - 1 - order / p.chunks : (kKeyRows ? order : blocks - 1 - order);
   const std::int64_t row0 = std::int64_t{row_block} * kBlockRows, own_len = kKeyRows ? sk : sq;
   if (row0 >= own_len) return;
+  if (!kKeyRows && p.huge_rows != nullptr && *p.huge_rows == 0) return;  // dq by atomics: no row to recompute
   const std::int64_t row_last = min(row0 + kBlockRows, own_len) - 1;
   const int kvh = kKeyRows ? head : head / p.group;
   const int h_first = kKeyRows ? kvh * p.group : head;
@@ -980,6 +984,8 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   if (err == cudaSuccess && p.atomic_dq && Config::kAtomicDq && dq_elements > 0) {
     err = cudaMallocAsync(reinterpret_cast<void**>(&p.dq_acc), static_cast<std::size_t>(dq_elements) * 4, stream);
     if (err == cudaSuccess) err = cudaMemsetAsync(p.dq_acc, 0, static_cast<std::size_t>(dq_elements) * 4, stream);
+    p.huge_rows = reinterpret_cast<int*>(p.row_max + 3 * rows);
+    if (err == cudaSuccess) err = cudaMemsetAsync(p.huge_rows, 0, 4, stream);
   }
   if (err == cudaSuccess) {
     p.row_inv = p.row_max + rows, p.row_delta = p.row_inv + rows;
@@ -989,20 +995,22 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
       if (err == cudaSuccess) err = cudaMemsetAsync(p.scratch, 0, bytes, stream);
     }
   }
-  // dq walks key lists of its blocks (the forward's pre-passes); dk/dv the mask
-  // tile classes unless top-k intervals have folded the mask into themselves.
+  if (err == cudaSuccess && rows > 0) {
+    row_stats<Element><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p, batch);
+    err = cudaGetLastError();
+  }
+  // dq walks key lists of its blocks (the forward's pre-passes; by atomics
+  // only where row_stats found rows to recompute); dk/dv the mask tile classes
+  // unless top-k intervals have folded the mask into themselves.
   const bool topk = p.topk_intervals != nullptr || p.topk_thresholds != nullptr;
   ForwardParams lists;
   if (err == cudaSuccess && (p.mask.data != nullptr || topk) && p.seqlen_k > 0 && p.seqlen_q > 0) {
     static_cast<AttentionParams&>(lists) = p;
+    lists.build_if = p.huge_rows;
     build_key_lists<KeyListConfig<Element, Config::kBlockRows>>(lists, batch, p.heads, stream);
     static_cast<KeyLists&>(p) = lists;
     if (p.mask.data != nullptr && p.topk_intervals == nullptr)
       p.dkv_tiles = classify_tiles<Config::kDkvStep, Config::kBlockRows, Config::kThreads>(p, batch, stream, &dkv_tiles);
-  }
-  if (err == cudaSuccess && rows > 0) {
-    row_stats<Element><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p, batch);
-    err = cudaGetLastError();
   }
   const auto reduce = [&](int n) {
     if (err != cudaSuccess || db_elements == 0) return;

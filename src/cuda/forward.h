@@ -58,6 +58,9 @@ struct KeyLists {
   int mask_blocks = 0;
   int list_group = 1;
   bool list_batched = true;
+  // Set (device memory): the pre-passes build nothing while *build_if is 0 (the
+  // backward's dq by atomics reads lists only for rows it recomputes).
+  const int* build_if = nullptr;
 };
 
 // A validated forward Problem reduced to what the kernel reads.

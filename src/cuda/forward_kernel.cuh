@@ -197,12 +197,16 @@ __device__ void list_block_keys(const ForwardParams& p, std::int64_t block, std:
   }
 }
 
+// Whether the pre-passes skip their work (KeyLists::build_if).
+__device__ inline bool skip_lists(const KeyLists& p) { return p.build_if != nullptr && *p.build_if == 0; }
+
 // Mask pre-pass 1. Block (n, m, z) reads the mask of keys 64 n .. 64 n + 63 for
 // the rows of query block m of slice z, one warp a row and 32 bytes at once,
 // into each row's key-indexed bits and `key_any` (bits_sr words a block). The
 // mask takes no varlen: rows and keys are the batched ones.
 template <int kBlockM, int kThreads>
 __global__ void __launch_bounds__(kThreads) pack_mask(const ForwardParams p, int mask_heads, std::uint32_t* key_any) {
+  if (skip_lists(p)) return;
   const int n = blockIdx.x;
   const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM;
   const int rows = static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0));
@@ -219,6 +223,7 @@ __global__ void __launch_bounds__(kThreads) pack_mask(const ForwardParams p, int
 // rewrites its rows' bits in place, from key-indexed to list-indexed.
 template <int kBlockM, int kThreads>
 __global__ void __launch_bounds__(kThreads) gather_mask_keys(const ForwardParams p, const std::uint32_t* key_any) {
+  if (skip_lists(p)) return;
   const std::int64_t block = std::int64_t{blockIdx.y} * p.mask_blocks + blockIdx.x;
   const std::uint32_t* any = key_any + block * p.bits_sr;
   const std::int64_t row0 = std::int64_t{blockIdx.x} * kBlockM;
@@ -269,6 +274,7 @@ __device__ bool threshold_keeps(const ForwardParams& p, const TopkSlice& s, std:
 // words a block) the keys of tile n that some row of query block m keeps.
 template <class Element, int kBlockM, int kThreads>
 __global__ void __launch_bounds__(kThreads) mark_topk(const ForwardParams p, std::int64_t any_sr, std::uint32_t* key_any) {
+  if (skip_lists(p)) return;
   const TopkSlice s = topk_slice(p, blockIdx.z);
   const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM;
   mark_tile<kThreads>(
@@ -287,6 +293,7 @@ __global__ void __launch_bounds__(kThreads) mark_topk(const ForwardParams p, std
 template <class Element, int kBlockM, int kThreads>
 __global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p, std::int64_t any_sr,
                                                            const std::uint32_t* key_any) {
+  if (skip_lists(p)) return;
   const TopkSlice s = topk_slice(p, blockIdx.y);
   const std::int64_t block = std::int64_t{blockIdx.y} * p.mask_blocks + blockIdx.x;
   const std::int64_t row0 = std::int64_t{blockIdx.x} * kBlockM;

@@ -62,22 +62,26 @@ void free_selection(DeviceSelection& sel, cudaStream_t stream);
 
 // Keys of an interval selection grouped for the backward's dk/dv walk: per
 // (b, kv head) slice z = b * kv_heads + kvh, group g owns the keys at positions
-// [block * g, block * g + block) of order[z * seqlen_k ..] (local indices; the
+// [128 g, 128 g + 128) of order[z * seqlen_k ..] (local indices; the
 // identity when order is null), and rows[z * groups + g] is the union over the
 // query heads of kv head kvh of their keys' row intervals ({0, 0}: none).
-// Sorted (by interval end, empty and out-of-sequence keys last), keys with
-// similar rows share a group; a query-head group with several selection heads
-// is sorted by the selection head of its first query head.
+// Sorted (by interval end, empty and out-of-sequence keys last, then strips
+// of a few groups by interval start), keys with similar rows share a group; a
+// query-head group with several selection heads is sorted by the selection
+// head of its first query head.
+constexpr int kKeyGroupKeys = 128;  // keys a group: the rows of a backward CTA
+
 struct KeyGroups {
   std::int32_t* order = nullptr;
   KeyRows* rows = nullptr;
-  std::int64_t groups = 0;  // per slice: ceil(seqlen_k / block)
+  std::int64_t groups = 0;  // per slice: ceil(seqlen_k / kKeyGroupKeys)
 };
 
 // Enqueues the grouping of sel (kIntervals) on stream. `heads` / `kv_heads`
-// query / kv heads, cu_seqlens_k as in the Problem (device, varlen only).
+// query / kv heads, seqlen_q, seqlen_k and cu_seqlens_k as in the Problem
+// (device, varlen only).
 KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                     std::int64_t seqlen_k, const std::int32_t* cu_seqlens_k, int block, bool sort,
+                     std::int64_t seqlen_q, std::int64_t seqlen_k, const std::int32_t* cu_seqlens_k, bool sort,
                      cudaStream_t stream);
 void free_groups(KeyGroups& groups, cudaStream_t stream);
 
