@@ -224,10 +224,19 @@ __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Ele
     Tensor acc = partition_fragment_C(mma, Block{});
     clear(acc);
     gemm_ss(mma, acc, copy_a, ldsm_a.partition_S(sA), rA, rAv, copy_b, ldsm_b.partition_S(sBn), rB, rBv);
+    // Elements e, e + 1: adjacent features of a query. A whole tile (the usual
+    // case) takes no tests and constant offsets from one address.
+    float* at = dq_rows + get<0>(c(0)) * Config::kHeadDim + n0 + get<1>(c(0));
+    if (rows == Config::kDkvStep && n0 + 64 <= d) {
 #pragma unroll
-    for (int e = 0; e < size(acc); e += 2) {  // elements e, e + 1: adjacent features of a query
-      const int qi = get<0>(c(e)), col = n0 + get<1>(c(e));
-      if (qi < rows && col < d) red_add2(dq_rows + qi * Config::kHeadDim + col, acc(e), acc(e + 1));
+      for (int e = 0; e < size(acc); e += 2)
+        red_add2(at + (get<0>(c(e)) - get<0>(c(0))) * Config::kHeadDim + get<1>(c(e)) - get<1>(c(0)), acc(e), acc(e + 1));
+    } else {
+#pragma unroll
+      for (int e = 0; e < size(acc); e += 2) {
+        const int qi = get<0>(c(e)), col = n0 + get<1>(c(e));
+        if (qi < rows && col < d) red_add2(dq_rows + qi * Config::kHeadDim + col, acc(e), acc(e + 1));
+      }
     }
   }
 }
@@ -309,12 +318,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const int first = col_hi > col_lo ? static_cast<int>(col_lo / kStep) : 0;
   const int span = col_hi > col_lo ? static_cast<int>((col_hi + kStep - 1) / kStep) - first : 0;
   const int total = n_heads * span;  // steps: head h_first + t / span, column block first + t % span
+  // Unsigned division (t >= 0, span > 0): half the instructions of the signed one, three times a step.
+  const auto step_head = [&](int t) { return h_first + static_cast<int>(unsigned(t) / unsigned(span)); };
+  const auto step_block = [&](int t) { return first + static_cast<int>(unsigned(t) % unsigned(span)); };
 
   const bool has_bias = p.bias.data != nullptr;
   const MaskTiles& tiles = p.dkv_tiles;
   const bool has_tiles = kKeyRows && tiles.data != nullptr;
   auto tile_class = [&](int t) -> int {
-    const int h = h_first + t / span, blk = first + t % span;
+    const int h = step_head(t), blk = step_block(t);
     const std::int64_t qb = kKeyRows ? blk : row_block, kb = kKeyRows ? row_block : blk;
     return tiles.data[b * tiles.sb + (h / p.mask_group) * tiles.sh + qb * tiles.sm + kb];
   };
@@ -364,15 +376,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const bool dq_atomic = kDqAtomic && p.dq_acc != nullptr;
   const bool dq_stats = !kKeyRows && p.dq_acc != nullptr;
   // dS^T of a step goes to buffer (step's buf) of ds_t; its product runs after
-  // the next barrier of the walk (dq_pending: where its rows go).
+  // the next barrier of the walk (dq_pending: where its rows go). A warp's
+  // share of the product needs no other warp, so warps 0..3 run it at the
+  // start of step t + 1 and warps 4..7 at its end (step t + 2 rewrites the
+  // buffer only after its opening barrier). Warps w and w + 4 share a
+  // scheduler: the product's dependent MMA chains then overlap the other
+  // warp's S/dP or dK/dV products instead of the same chains.
   auto* ds_t = reinterpret_cast<Element*>(tile_add) + Config::kDsAt;
   float* dq_pending = nullptr;
-  int dq_pending_rows = 0, dq_pending_buf = 0;
-  auto flush_dq = [&] {
+  int dq_pending_rows = 0;
+  const bool dq_early = tid < Config::kThreads / 2;
+  auto flush_dq = [&](float* rows_at, int rows, int from) {
     if constexpr (kDqAtomic) {
-      if (dq_pending != nullptr)
-        add_dq_step<Config>(ds_t + dq_pending_buf * Config::kDkvStep, rows_smem, dq_pending, dq_pending_rows, d);
-      dq_pending = nullptr;
+      if (rows_at != nullptr) add_dq_step<Config>(ds_t + from * Config::kDkvStep, rows_smem, rows_at, rows, d);
     }
   };
 
@@ -394,8 +410,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   };
   // The column tiles (and for dk/dv the statistics) of step t into buffer buf.
   auto issue = [&](int t, int buf, bool second) {
-    const int h = h_first + t / span;
-    const std::int64_t c0 = std::int64_t{first + t % span} * kStep;
+    const int h = step_head(t);
+    const std::int64_t c0 = std::int64_t{step_block(t)} * kStep;
     Tensor d0 = col_tile(buf, 0), d1 = col_tile(buf, 1);
     if constexpr (kKeyRows) {
       load_rows<Config>(d0, q + h * p.q.sh + c0 * p.q.sr, p.q.sr, sq - c0, d, p.vector_q);
@@ -518,7 +534,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
 
   // One step: the S (and dP) tile of head h against column block blk.
   auto compute = [&](int t, int buf, bool stats_only) {
-    const int h = h_first + t / span, blk = first + t % span, hb = h / p.bias_group;
+    const int h = step_head(t), blk = step_block(t), hb = static_cast<int>(unsigned(h) / unsigned(p.bias_group));
     const std::int64_t q0 = kKeyRows ? std::int64_t{blk} * kStep : row0;
     // A list step's columns are the list's entries [c0, c0 + kStep), keys from 0.
     const std::int64_t c0 = std::int64_t{blk} * kStep, k0 = kKeyRows ? row0 : (lists ? 0 : c0);
@@ -703,7 +719,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         *reinterpret_cast<std::uint32_t*>(ds_t + buf * kStep + r * Config::kDsLd + col) = pairs[e / 2];
       }
       dq_pending = p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim;
-      dq_pending_rows = clamp_to_tile(sq - q0), dq_pending_buf = buf;
+      dq_pending_rows = clamp_to_tile(sq - q0);
     }
     gemm_rs(mma, acc_a, rdS, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 0)), rBt, rBtv);
     if constexpr (kKeyRows) {
@@ -777,13 +793,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       __syncthreads();  // step t landed; every thread is done with the other buffer
       key_bias_now = key_bias_next;
       if (t_next < total) issue(t_next, buf ^ 1, !stats_only);
-      flush_dq();  // the previous step's dS^T is complete
+      float* const prev_at = dq_pending;  // the previous step's dS^T is complete
+      const int prev_rows = dq_pending_rows;  // in the other buffer
+      dq_pending = nullptr;
+      if (dq_early) flush_dq(prev_at, prev_rows, buf ^ 1);
       compute(t, buf, stats_only);
+      if (!dq_early) flush_dq(prev_at, prev_rows, buf ^ 1);
       t = t_next, buf ^= 1;
     }
     cp_async_wait<0>();
     __syncthreads();
-    flush_dq();
+    flush_dq(dq_pending, dq_pending_rows, buf ^ 1);
     if (stats_only) {
 #pragma unroll
       for (int m = 0; m < kM; ++m)
