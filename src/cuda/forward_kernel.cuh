@@ -479,8 +479,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   auto stage_v = [&](int s) { return make_tensor(sV0 + s * Config::kTileElems, typename Config::SmemLayoutKV{}); };
   // Per stage, what a tile needs besides K and V, fetched into registers with the
   // tile's K and V and stored after its S = Q K^T, so that no thread waits on
-  // them: the tile's mask bits by row, the key-only bias, the key of each column
-  // (each only where a branch below reads it).
+  // them: the tile's mask bits by row, the key-only bias, the key of each column.
   std::uint64_t* const s_bits = reinterpret_cast<std::uint64_t*>(smem + (Config::kSmemBytes - Config::kExtrasBytes));
   float* const s_bias = reinterpret_cast<float*>(s_bits + kStages * kBlockM);
   int* const s_keys = reinterpret_cast<int*>(s_bias + kStages * kBlockN);
@@ -506,15 +505,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     }
     return e;
   };
-  // The key-only bias of column j is stored at slot bias_slot(j): the two columns
-  // of a thread's C tiles nn = 2 i and 2 i + 1 lie together, one 16-byte read.
-  auto bias_slot = [](int j) { return j / 16 * 16 + j % 8 / 2 * 4 + j / 8 % 2 * 2 + j % 2; };
   auto store_extras = [&](int s, const Extras& e) {
-    if (threadIdx.x < kBlockN) {
-      if (key_bias) s_bias[s * kBlockN + bias_slot(threadIdx.x)] = e.bias;
-      if (has_bias && !key_bias) s_keys[s * kBlockN + threadIdx.x] = e.key;
-    }
-    if (has_mask && threadIdx.x < kBlockM) s_bits[s * kBlockM + threadIdx.x] = e.bits;
+    if (threadIdx.x < kBlockN) s_bias[s * kBlockN + threadIdx.x] = e.bias, s_keys[s * kBlockN + threadIdx.x] = e.key;
+    if (threadIdx.x < kBlockM) s_bits[s * kBlockM + threadIdx.x] = e.bits;
   };
 
   typename Config::TiledMma mma;
@@ -625,19 +618,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     }
     if (key_bias) {  // one value per key, staged in shared memory
       const float pre = softcap > 0.0f ? 1.0f : scale;
-      const float4* bias_cols = reinterpret_cast<const float4*>(s_bias + stage * kBlockN) + lane % 4;
+      const float* bias_cols = s_bias + stage * kBlockN + col_base;
 #pragma unroll
-      for (int i = 0; i < size<2>(acc_s) / 2; ++i) {
-        const float4 value = bias_cols[4 * i];
+      for (int nn = 0; nn < size<2>(acc_s); ++nn) {
+        const float2 value = *reinterpret_cast<const float2*>(bias_cols + 8 * nn);
 #pragma unroll
         for (int m = 0; m < size<1>(acc_s); ++m)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            auto add = [&](int c, int nn, float b) {
-              float& x = acc_s(make_coord(c, half), m, nn);
-              x = fmaf(x, pre, b);
-            };
-            add(0, 2 * i, value.x), add(1, 2 * i, value.y), add(0, 2 * i + 1, value.z), add(1, 2 * i + 1, value.w);
+            float& x0 = acc_s(make_coord(0, half), m, nn);
+            float& x1 = acc_s(make_coord(1, half), m, nn);
+            x0 = fmaf(x0, pre, value.x);
+            x1 = fmaf(x1, pre, value.y);
           }
       }
     } else if (has_bias) {
