@@ -698,9 +698,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     }
 
     // Online softmax: masked entries are -inf and add exactly 0; a row with no
-    // allowed key so far keeps max -inf and sum 0. First the new row maxima,
-    // with O and the sums rescaled to them (O only when some row max of the
-    // warp moved: after the first tiles it rarely does).
+    // allowed key so far keeps max -inf and sum 0. First the row maxima, with O
+    // and the sums rescaled to them. A row's max is the one of its keys so far,
+    // or one at most kStale (log2 units) below it: it moves only when the tile's
+    // max passes it by more, so P <= 2^kStale and O is rescaled (when some row
+    // of the warp moved) on the first tiles and seldom later, where an exact max
+    // moves on nearly every other tile (random data, 32 rows a warp). The sums
+    // and O carry the same factor and lse = max + log(sum) holds for any such max.
+    constexpr float kStale = 8.0f;
     float correction[kRows];
     bool moved = false, far = false;
 #pragma unroll
@@ -714,13 +719,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
           for (int c = 0; c < 2; ++c) mx = fmaxf(mx, acc_s(make_coord(c, half), m, nn));
         mx = quad_max(mx);
-        const float base = mx == -kInf ? 0.0f : mx;
-        const bool row_moved = mx != row_max[r];
-        correction[r] = row_moved ? exp2_ftz((row_max[r] - base) * c_log2) : 1.0f;
+        // -inf to -inf: NaN, not moved; -inf to finite: moved.
+        const bool row_moved = (mx - row_max[r]) * c_log2 > kStale;
+        correction[r] = row_moved ? exp2_ftz((row_max[r] - mx) * c_log2) : 1.0f;
         row_sum[r] *= correction[r];
         moved |= row_moved;
-        far |= fabsf(base) > kNearMax;
-        row_max[r] = mx;
+        if (row_moved) row_max[r] = mx;
+        far |= row_max[r] != -kInf && fabsf(row_max[r]) > kNearMax;
       }
     }
     if (__any_sync(0xffffffff, moved)) {
