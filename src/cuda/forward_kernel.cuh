@@ -491,8 +491,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   float* const s_bias = reinterpret_cast<float*>(s_bits + kStages * kBlockM);
   int* const s_keys = reinterpret_cast<int*>(s_bias + kStages * kBlockN);
   const bool key_bias = has_bias && p.bias.sr == 0, extras_needed = has_bias || has_mask;
+  // The bias is held as its raw bits (float32 or Element) until the store: a
+  // conversion next to the load would wait there for it, before S = Q K^T.
+  static_assert(sizeof(Element) == 2, "16-bit elements");
   struct Extras {
-    float bias = 0.0f;
+    std::uint32_t bias = 0;
     int key = -1;  // -1: past the keys
     std::uint64_t bits = 0;
   };
@@ -502,8 +505,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       e.key = has_mask ? mask_keys[std::int64_t{n} * kBlockN + threadIdx.x] : n * kBlockN + threadIdx.x;
       if (key_bias) {
         const std::int64_t at = bias_base + e.key * p.bias.sc;
-        e.bias = (p.bias_float32 ? static_cast<const float*>(p.bias.data)[at]
-                                 : static_cast<float>(static_cast<const Element*>(p.bias.data)[at]));
+        e.bias = p.bias_float32 ? static_cast<const std::uint32_t*>(p.bias.data)[at]
+                                : std::uint32_t{static_cast<const std::uint16_t*>(p.bias.data)[at]};
       }
     }
     if (has_mask && threadIdx.x < kBlockM && row0 + threadIdx.x < sq) {
@@ -513,7 +516,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     return e;
   };
   auto store_extras = [&](int s, const Extras& e) {
-    if (threadIdx.x < kBlockN) s_bias[s * kBlockN + threadIdx.x] = e.bias, s_keys[s * kBlockN + threadIdx.x] = e.key;
+    if (threadIdx.x < kBlockN) {
+      s_bias[s * kBlockN + threadIdx.x] = p.bias_float32 ? __uint_as_float(e.bias)
+                                                         : static_cast<float>(Element::bitcast(std::uint16_t(e.bias)));
+      s_keys[s * kBlockN + threadIdx.x] = e.key;
+    }
     if (threadIdx.x < kBlockM) s_bits[s * kBlockM + threadIdx.x] = e.bits;
   };
 
@@ -705,9 +712,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     }
 
     // Online softmax: masked entries are -inf and add exactly 0; a row with no
-    // allowed key so far keeps max -inf and sum 0. First the new row maxima,
-    // with O and the sums rescaled to them (O only when some row max of the
-    // warp moved: after the first tiles it rarely does).
+    // allowed key so far keeps max -inf and sum 0. First the row maxima, with O
+    // and the sums rescaled to them. A row's max is the one of its keys so far,
+    // or one at most kStale (log2 units) below it: it moves only when the tile's
+    // max passes it by more, so P <= 2^kStale and O is rescaled (when some row
+    // of the warp moved) on the first tiles and seldom later, where an exact max
+    // moves on nearly every other tile (random data, 32 rows a warp). The sums
+    // and O carry the same factor and lse = max + log(sum) holds for any such max.
+    constexpr float kStale = 8.0f;
     float correction[kRows];
     bool moved = false, far = false;
 #pragma unroll
@@ -721,13 +733,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
           for (int c = 0; c < 2; ++c) mx = fmaxf(mx, acc_s(make_coord(c, half), m, nn));
         mx = quad_max(mx);
-        const float base = mx == -kInf ? 0.0f : mx;
-        const bool row_moved = mx != row_max[r];
-        correction[r] = row_moved ? exp2_ftz((row_max[r] - base) * c_log2) : 1.0f;
+        // -inf to -inf: NaN, not moved; -inf to finite: moved.
+        const bool row_moved = (mx - row_max[r]) * c_log2 > kStale;
+        correction[r] = row_moved ? exp2_ftz((row_max[r] - mx) * c_log2) : 1.0f;
         row_sum[r] *= correction[r];
         moved |= row_moved;
-        far |= fabsf(base) > kNearMax;
-        row_max[r] = mx;
+        if (row_moved) row_max[r] = mx;
+        far |= row_max[r] != -kInf && fabsf(row_max[r]) > kNearMax;
       }
     }
     if (__any_sync(0xffffffff, moved)) {
@@ -743,8 +755,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     // Then P = exp(x unit - max unit) as exp2(x c - max c), one FFMA: max c is
     // rounded (by at most 2^-24 |max c|: a factor that the row's entries of this
     // tile share, within 2e-5 of 1 while |max| <= kNearMax). Larger logits (a
-    // bias of -1e30, say) take exp2((x - max) c), exact 0 at the max however
-    // large it is, so that lse = max + log(sum) stays exact.
+    // bias of -1e30, say) take exp2((x - max) c), whose argument is exact near
+    // the max however large it is, so that lse = max + log(sum) stays exact.
     const bool exact = logits && __any_sync(0xffffffff, far);
 #pragma unroll
     for (int m = 0; m < size<1>(acc_s); ++m) {
