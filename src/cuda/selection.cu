@@ -332,6 +332,32 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
 }
 
 // ---- thresholds ------------------------------------------------------------
+// Row `row` = (b, s, i) of the selection: the keys [lo, hi) that causal and the
+// windows leave it, and where its bias and mask rows start (global key 0).
+struct RowSpan {
+  std::int64_t lo = 0, hi = 0, bias = 0, mask = 0;
+};
+
+__device__ RowSpan row_span(const Params& p, std::int64_t row) {
+  const std::int64_t g = row / p.seqlen_q, i = row % p.seqlen_q;
+  const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
+  const Sequence s = sequence(p, b);
+  RowSpan r;
+  if (i >= s.sq) return r;
+  const std::int64_t offset = s.sk - s.sq;
+  r.lo = p.window_left < 0 ? 0 : min(max(i + offset - p.window_left, std::int64_t{0}), s.sk);
+  r.hi = s.sk;
+  if (p.causal) r.hi = min(r.hi, i + offset + 1);
+  if (p.window_right >= 0) r.hi = min(r.hi, i + offset + p.window_right + 1);
+  r.hi = max(r.hi, r.lo);
+  r.bias = b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.qs + i) * p.bias.sr + s.ks * p.bias.sc;
+  r.mask = b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.qs + i) * p.mask.sr + s.ks * p.mask.sc;
+  return r;
+}
+
+// The threshold of a row that keeps every allowed key.
+__device__ RowThreshold keep_all() { return {-__int_as_float(0x7F800000), -1}; }
+
 // One CTA per (b, s, row): radix select, 8 bits per pass from the top, of the
 // w-th largest key (order_bits(bias_ij) << kbits | j) among the row's allowed keys.
 __global__ void __launch_bounds__(kThreads) row_thresholds(Params p, int kbits, RowThreshold* out) {
@@ -341,21 +367,10 @@ __global__ void __launch_bounds__(kThreads) row_thresholds(Params p, int kbits, 
   __shared__ std::uint64_t found;  // the digits chosen so far
   __shared__ std::int64_t rank;    // rank of the sought key among the candidates left (1 = largest)
 
-  const std::int64_t row = blockIdx.x, g = row / p.seqlen_q, i = row % p.seqlen_q;
-  const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
-  const Sequence s = sequence(p, b);
-  RowThreshold result{-__int_as_float(0x7F800000), -1};
-  std::int64_t lo = 0, hi = 0;
-  if (i < s.sq) {
-    const std::int64_t offset = s.sk - s.sq;
-    lo = p.window_left < 0 ? 0 : min(max(i + offset - p.window_left, std::int64_t{0}), s.sk);
-    hi = s.sk;
-    if (p.causal) hi = min(hi, i + offset + 1);
-    if (p.window_right >= 0) hi = min(hi, i + offset + p.window_right + 1);
-  }
-  if (hi - lo > p.w) {
-    const std::int64_t bias_row = b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.qs + i) * p.bias.sr;
-    const std::int64_t mask_row = b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.qs + i) * p.mask.sr;
+  const std::int64_t row = blockIdx.x;
+  const RowSpan r = row_span(p, row);
+  RowThreshold result = keep_all();
+  if (r.hi - r.lo > p.w) {
     const int top = (32 + kbits + 7) / 8 * 8;
     if (threadIdx.x == 0) found = 0, rank = p.w;
     std::uint64_t known = 0;  // the bits that `found` holds
@@ -365,11 +380,10 @@ __global__ void __launch_bounds__(kThreads) row_thresholds(Params p, int kbits, 
       __syncthreads();
       const std::uint64_t prefix = found;
       const std::int64_t k = rank;
-      for (std::int64_t j = lo + threadIdx.x; j < hi; j += kThreads) {
-        if (!load_mask(p.mask, mask_row + (s.ks + j) * p.mask.sc)) continue;
-        const std::uint64_t key =
-            std::uint64_t{order_bits(load_bias(p.bias, bias_row + (s.ks + j) * p.bias.sc))} << kbits |
-            static_cast<std::uint64_t>(j);
+      for (std::int64_t j = r.lo + threadIdx.x; j < r.hi; j += kThreads) {
+        if (!load_mask(p.mask, r.mask + j * p.mask.sc)) continue;
+        const std::uint64_t key = std::uint64_t{order_bits(load_bias(p.bias, r.bias + j * p.bias.sc))} << kbits |
+                                  static_cast<std::uint64_t>(j);
         if ((key & known) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
       }
       __syncthreads();
@@ -392,6 +406,196 @@ __global__ void __launch_bounds__(kThreads) row_thresholds(Params p, int kbits, 
   if (threadIdx.x == 0) out[row] = result;
 }
 
+// Few long rows (decode): each row's keys in chunks, one CTA a chunk, one
+// kernel a pass. The key of j is order_key(bias_j) (order_width bits; ties
+// among equal values are resolved by index afterwards). Digit passes, 8 bits
+// from the top: every CTA adds the histogram of its chunk's candidates (the
+// allowed keys matching the digits found so far) into the row's, and the CTA
+// that takes the row's last ticket picks the digit that holds the w-th
+// strongest key and that key's rank among the candidates of the digit. After
+// the last digit, the value V of the w-th strongest key is known and its rank k
+// among the keys of value V: the tie pass counts those per chunk, and its last
+// CTA finds, from the last chunk down, the chunk and then the key: the k-th
+// largest index of value V (ties go to the larger index).
+struct RowSearch {
+  std::uint32_t prefix;  // the digits found so far
+  std::uint32_t rank;    // rank of the sought key among the candidates (1 = strongest)
+  std::uint32_t done;    // the row keeps every allowed key (at most w): out is written
+  std::uint32_t ticket;  // CTAs of the pass that have finished
+};
+
+struct Search {
+  RowSearch* rows = nullptr;
+  std::uint32_t* counts = nullptr;  // per row `stride` words: the digit histogram, then the tie counts per chunk
+  std::int64_t stride = 0, chunk = 0;
+};
+
+// Whether this CTA is the last of the row's gridDim.x CTAs to finish the pass;
+// its global writes before the call are then visible to the last one.
+__device__ bool last_of_row(std::uint32_t* ticket) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+// Over positions [begin, end), from end - 1 down, the one where the running sum
+// of count(position) reaches k (> 0 and at most the total): its position and
+// k less the sum above it. Called by the whole CTA; count is 0 or more.
+template <class Count>
+__device__ void find_from_top(std::int64_t begin, std::int64_t end, std::uint32_t k, Count count, std::int64_t& pos,
+                              std::uint32_t& rest) {
+  using Scan = cub::BlockScan<std::uint32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ std::int64_t found_pos;
+  __shared__ std::uint32_t found_rest;
+  std::uint32_t before = 0;
+  for (std::int64_t top = end - 1; top >= begin; top -= kThreads) {
+    const std::int64_t at = top - threadIdx.x;
+    const std::uint32_t n = at >= begin ? count(at) : 0u;
+    std::uint32_t upto = 0, total = 0;
+    Scan(scan_storage).InclusiveSum(n, upto, total);
+    if (n > 0 && before + upto >= k && before + upto - n < k) found_pos = at, found_rest = k - (before + upto - n);
+    __syncthreads();
+    if (before + total >= k) break;
+    before += total;
+  }
+  pos = found_pos, rest = found_rest;
+}
+
+// The CTA's chunk of row `row` and whether the row needs a search (more than w keys in range).
+struct ChunkOf {
+  RowSpan span;
+  std::int64_t begin = 0, end = 0;
+  bool search = false;
+};
+
+__device__ ChunkOf chunk_of(const Params& p, const Search& sc, std::int64_t row) {
+  ChunkOf c;
+  c.span = row_span(p, row);
+  c.search = c.span.hi - c.span.lo > p.w;
+  c.begin = min(c.span.hi, c.span.lo + std::int64_t{blockIdx.x} * sc.chunk);
+  c.end = min(c.span.hi, c.begin + sc.chunk);
+  return c;
+}
+
+__device__ bool allowed_key(const Params& p, const RowSpan& r, std::int64_t j) {
+  return load_mask(p.mask, r.mask + j * p.mask.sc);
+}
+
+// Digit pass with 8 bits at `shift` (first: the top digit, every allowed key a candidate).
+__global__ void __launch_bounds__(kThreads) search_digit(Params p, Search sc, int shift, bool first,
+                                                         RowThreshold* out) {
+  const std::int64_t row = blockIdx.y;
+  const ChunkOf c = chunk_of(p, sc, row);
+  if (!c.search) {
+    if (first && blockIdx.x == 0 && threadIdx.x == 0) out[row] = keep_all();
+    return;
+  }
+  RowSearch& state = sc.rows[row];
+  if (!first && state.done) return;
+  const std::uint64_t prefix = first ? 0 : state.prefix;
+  const std::uint32_t k = first ? static_cast<std::uint32_t>(p.w) : state.rank;
+  __shared__ std::uint32_t hist[256];
+  hist[threadIdx.x] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  for (std::int64_t j0 = c.begin; j0 < c.end; j0 += kThreads) {  // the same trip count on every thread
+    const std::int64_t j = j0 + threadIdx.x;
+    std::uint32_t digit = 256;  // none
+    if (j < c.end && allowed_key(p, c.span, j)) {
+      const std::uint64_t key = order_key(p.bias, c.span.bias + j * p.bias.sc);
+      if ((key >> (shift + 8)) == (prefix >> (shift + 8))) digit = static_cast<std::uint32_t>(key >> shift) & 255u;
+    }
+    const unsigned peers = __match_any_sync(0xffffffffu, digit);  // one shared atomic per distinct digit
+    if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], static_cast<std::uint32_t>(__popc(peers)));
+  }
+  __syncthreads();
+  std::uint32_t* const row_hist = sc.counts + row * sc.stride;
+  if (hist[threadIdx.x] != 0) atomicAdd(&row_hist[threadIdx.x], hist[threadIdx.x]);
+  if (!last_of_row(&state.ticket)) return;
+  using Scan = cub::BlockScan<std::uint32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  // Thread x holds digit 255 - x (read and cleared for the next pass): inclusive sums count from the top.
+  const std::uint32_t count = atomicExch(&row_hist[255 - threadIdx.x], 0u);
+  std::uint32_t above = 0, candidates = 0;
+  Scan(scan_storage).InclusiveSum(count, above, candidates);
+  if (first && candidates <= p.w) {
+    if (threadIdx.x == 0) state.done = 1, out[row] = keep_all();
+  } else if (above >= k && above - count < k) {
+    state.prefix = static_cast<std::uint32_t>(prefix | std::uint64_t{255u - threadIdx.x} << shift);
+    state.rank = k - (above - count);
+  }
+  if (threadIdx.x == 0) state.ticket = 0;
+}
+
+// Tie pass: the key of value `prefix` with the rank-th largest index.
+__global__ void __launch_bounds__(kThreads) search_ties(Params p, Search sc, RowThreshold* out) {
+  const std::int64_t row = blockIdx.y;
+  const ChunkOf c = chunk_of(p, sc, row);
+  RowSearch& state = sc.rows[row];
+  if (!c.search || state.done) return;
+  const std::uint32_t value = state.prefix, k = state.rank;
+  const auto tie = [&](std::int64_t j) {
+    return allowed_key(p, c.span, j) && order_key(p.bias, c.span.bias + j * p.bias.sc) == value;
+  };
+  std::uint32_t ties = 0;
+  for (std::int64_t j0 = c.begin; j0 < c.end; j0 += kThreads) {
+    const std::int64_t j = j0 + threadIdx.x;
+    ties += static_cast<std::uint32_t>(__syncthreads_count(j < c.end && tie(j)));
+  }
+  std::uint32_t* const chunk_ties = sc.counts + row * sc.stride;
+  if (threadIdx.x == 0) chunk_ties[blockIdx.x] = ties;
+  if (!last_of_row(&state.ticket)) return;
+  std::int64_t chunk = 0, key = 0;
+  std::uint32_t rest = 0;
+  find_from_top(0, gridDim.x, k, [&](std::int64_t x) { return __ldcg(&chunk_ties[x]); }, chunk, rest);
+  const std::int64_t begin = min(c.span.hi, c.span.lo + chunk * sc.chunk), end = min(c.span.hi, begin + sc.chunk);
+  find_from_top(begin, end, rest, [&](std::int64_t j) { return tie(j) ? 1u : 0u; }, key, rest);
+  if (threadIdx.x == 0) {
+    out[row] = {load_bias(p.bias, c.span.bias + key * p.bias.sc), static_cast<std::int32_t>(key)};
+    state.ticket = 0;
+  }
+}
+
+// Rows of at least kSearchChunk * 2 keys take the chunked search when there
+// are few of them: about kSearchCtas CTAs a pass in all, chunks of at least
+// kSearchChunk keys; more rows take one CTA each (row_thresholds).
+constexpr std::int64_t kSearchCtas = 1024, kSearchChunk = 1024;
+
+std::int64_t search_chunk(std::int64_t rows, std::int64_t seqlen_k) {
+  const std::int64_t want = (kSearchCtas + rows - 1) / rows;
+  const std::int64_t chunk = std::max(kSearchChunk, (seqlen_k + want - 1) / want);
+  return (chunk + kThreads - 1) / kThreads * kThreads;
+}
+
+void select_thresholds(const Params& p, std::int64_t rows, RowThreshold* out, cudaStream_t stream) {
+  const std::int64_t chunk = search_chunk(rows, p.seqlen_k), chunks = (p.seqlen_k + chunk - 1) / chunk;
+  if (chunks < 2) {
+    row_thresholds<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p, std::max(ceil_log2(p.seqlen_k), 1), out);
+    check(cudaGetLastError(), "row_thresholds");
+    return;
+  }
+  Search sc;
+  sc.chunk = chunk, sc.stride = std::max<std::int64_t>(256, chunks);
+  const std::size_t state_bytes = static_cast<std::size_t>(rows) * sizeof(RowSearch);
+  const std::size_t bytes = state_bytes + static_cast<std::size_t>(rows * sc.stride) * 4;
+  char* scratch = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), bytes, stream), "cudaMallocAsync");
+  check(cudaMemsetAsync(scratch, 0, bytes, stream), "cudaMemsetAsync");
+  sc.rows = reinterpret_cast<RowSearch*>(scratch);
+  sc.counts = reinterpret_cast<std::uint32_t*>(scratch + state_bytes);
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(rows));
+  const int width = order_width(p.bias.dtype);
+  for (int shift = width - 8; shift >= 0; shift -= 8)
+    search_digit<<<grid, kThreads, 0, stream>>>(p, sc, shift, shift == width - 8, out);
+  search_ties<<<grid, kThreads, 0, stream>>>(p, sc, out);
+  check(cudaGetLastError(), "threshold search");
+  check(cudaFreeAsync(scratch, stream), "cudaFreeAsync");
+}
 
 // ---- key groups for the backward (dk/dv) ----------------------------------
 // What the grouping kernels read: slice z = b * kv_heads + kvh uses selection
@@ -480,9 +684,7 @@ DeviceSelection select_topk(const Problem& p) {
   } else {
     check(cudaMallocAsync(reinterpret_cast<void**>(&sel.thresholds), entries * sizeof(RowThreshold), stream),
           "cudaMallocAsync");
-    row_thresholds<<<static_cast<unsigned>(entries), kThreads, 0, stream>>>(
-        params, std::max(ceil_log2(p.seqlen_k), 1), sel.thresholds);
-    check(cudaGetLastError(), "row_thresholds");
+    select_thresholds(params, entries, sel.thresholds, stream);
   }
   return sel;
 }
