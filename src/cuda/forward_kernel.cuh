@@ -283,12 +283,13 @@ constexpr int kListChunkWords = 64;
 
 // Pre-pass 1. Marks in key_any (any_sr words a block) the keys of the chunk
 // that some row of the block keeps, and their count in chunk_counts (`chunks`
-// a block). One warp-wide ballot per (row, word); words outside a row's key
-// range are not read.
+// a block). Row by row, a thread tests kItems keys, their loads issued at
+// once, then one warp ballot per word; rows whose key range misses the chunk
+// are skipped.
 template <class Element, int kBlockM, int kThreads>
 __global__ void __launch_bounds__(kThreads) mark_topk(const ForwardParams p, std::int64_t any_sr, int chunks,
                                                       std::uint32_t* key_any, std::int32_t* chunk_counts) {
-  constexpr int kWarps = kThreads / 32;
+  constexpr int kWarps = kThreads / 32, kItems = 32 * kListChunkWords / kThreads;
   const TopkSlice s = topk_slice(p, blockIdx.z);
   const std::int64_t block = std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y;
   const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM, word0 = std::int64_t{blockIdx.x} * kListChunkWords;
@@ -299,15 +300,22 @@ __global__ void __launch_bounds__(kThreads) mark_topk(const ForwardParams p, std
   for (int w = threadIdx.x; w < kListChunkWords; w += kThreads) any[w] = 0;
   if (threadIdx.x == 0) count = 0;
   __syncthreads();
-  for (int item = warp; item < rows * kListChunkWords; item += kWarps) {
-    const int r = item / kListChunkWords, w = item % kListChunkWords;
-    const std::int64_t i = row0 + r, first = 32 * (word0 + w);
+  for (int r = 0; r < rows; ++r) {
+    const std::int64_t i = row0 + r;
     std::int64_t lo, hi;
     row_key_range(p, s.sq, s.sk, i, lo, hi);
-    if (first > hi || first + 31 < lo) continue;  // the whole warp
-    const std::int64_t j = first + lane;
-    const std::uint32_t word = __ballot_sync(0xffffffff, j >= lo && j <= hi && threshold_keeps<Element>(p, s, i, j));
-    if (lane == 0 && word != 0) atomicOr(&any[w], word);
+    if (32 * word0 > hi || 32 * (word0 + kListChunkWords) <= lo) continue;  // the whole CTA
+    bool keep[kItems];
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {  // key j is bit `lane` of the chunk's word k * kWarps + warp
+      const std::int64_t j = 32 * word0 + k * kThreads + threadIdx.x;
+      keep[k] = j >= lo && j <= hi && threshold_keeps<Element>(p, s, i, j);
+    }
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const std::uint32_t word = __ballot_sync(0xffffffff, keep[k]);
+      if (lane == 0 && word != 0) atomicOr(&any[k * kWarps + warp], word);
+    }
   }
   __syncthreads();
   for (int w = threadIdx.x; w < kListChunkWords; w += kThreads)
@@ -335,6 +343,9 @@ __global__ void __launch_bounds__(kThreads) list_topk_chunk(const ForwardParams 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __shared__ int before, total, warp_keys[kWarps];
   __shared__ std::int32_t keys[32 * kListChunkWords];
+  static_assert(kListChunkWords <= kThreads, "one word a thread");
+  const std::uint32_t word =
+      threadIdx.x < kListChunkWords && word0 + threadIdx.x < any_sr ? key_any[block * any_sr + word0 + threadIdx.x] : 0u;
   if (threadIdx.x == 0) before = 0, total = 0;
   __syncthreads();
   int mine_before = 0, mine_total = 0;
@@ -346,9 +357,6 @@ __global__ void __launch_bounds__(kThreads) list_topk_chunk(const ForwardParams 
   if (mine_total != 0) atomicAdd(&total, mine_total);
   if (mine_before != 0) atomicAdd(&before, mine_before);
   // The chunk's keys in shared memory, ascending: one word a thread, a block-wide prefix of their popcounts.
-  static_assert(kListChunkWords <= kThreads, "one word a thread");
-  const std::uint32_t word =
-      threadIdx.x < kListChunkWords && word0 + threadIdx.x < any_sr ? key_any[block * any_sr + word0 + threadIdx.x] : 0u;
   int at = __popc(word);
 #pragma unroll
   for (int d = 1; d < 32; d *= 2) {

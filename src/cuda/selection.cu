@@ -406,17 +406,21 @@ __global__ void __launch_bounds__(kThreads) row_thresholds(Params p, int kbits, 
   if (threadIdx.x == 0) out[row] = result;
 }
 
-// Few long rows (decode): each row's keys in chunks, one CTA a chunk, one
-// kernel a pass. The key of j is order_key(bias_j) (order_width bits; ties
-// among equal values are resolved by index afterwards). Digit passes, 8 bits
-// from the top: every CTA adds the histogram of its chunk's candidates (the
-// allowed keys matching the digits found so far) into the row's, and the CTA
-// that takes the row's last ticket picks the digit that holds the w-th
-// strongest key and that key's rank among the candidates of the digit. After
-// the last digit, the value V of the w-th strongest key is known and its rank k
-// among the keys of value V: the tie pass counts those per chunk, and its last
-// CTA finds, from the last chunk down, the chunk and then the key: the k-th
-// largest index of value V (ties go to the larger index).
+// Few long rows (decode): each row's keys in chunks of kSearchChunk, one CTA a
+// chunk, one kernel a pass. The key of j is order_key(bias_j) (order_width
+// bits; ties among equal values are resolved by index afterwards); a thread
+// holds kSearchItems of its chunk's keys in registers, loaded at once. Digit
+// passes, 8 bits from the top: every CTA adds the histogram of its chunk's
+// candidates (the allowed keys matching the digits found so far) into the
+// row's, and the CTA that takes the row's last ticket picks the digit that
+// holds the w-th strongest key and that key's rank among the candidates of
+// the digit. After the last digit, the value V of the w-th strongest key is
+// known and its rank k among the keys of value V: the tie pass counts those
+// per chunk, and its last CTA finds, from the last chunk down, the chunk and
+// then the key: the k-th largest index of value V (ties go to the larger index).
+constexpr int kSearchItems = 16;
+constexpr std::int64_t kSearchChunk = std::int64_t{kThreads} * kSearchItems;
+
 struct RowSearch {
   std::uint32_t prefix;  // the digits found so far
   std::uint32_t rank;    // rank of the sought key among the candidates (1 = strongest)
@@ -427,7 +431,7 @@ struct RowSearch {
 struct Search {
   RowSearch* rows = nullptr;
   std::uint32_t* counts = nullptr;  // per row `stride` words: the digit histogram, then the tie counts per chunk
-  std::int64_t stride = 0, chunk = 0;
+  std::int64_t stride = 0;
 };
 
 // Whether this CTA is the last of the row's gridDim.x CTAs to finish the pass;
@@ -442,55 +446,44 @@ __device__ bool last_of_row(std::uint32_t* ticket) {
   return last;
 }
 
-// Over positions [begin, end), from end - 1 down, the one where the running sum
-// of count(position) reaches k (> 0 and at most the total): its position and
-// k less the sum above it. Called by the whole CTA; count is 0 or more.
-template <class Count>
-__device__ void find_from_top(std::int64_t begin, std::int64_t end, std::uint32_t k, Count count, std::int64_t& pos,
-                              std::uint32_t& rest) {
-  using Scan = cub::BlockScan<std::uint32_t, kThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ std::int64_t found_pos;
-  __shared__ std::uint32_t found_rest;
-  std::uint32_t before = 0;
-  for (std::int64_t top = end - 1; top >= begin; top -= kThreads) {
-    const std::int64_t at = top - threadIdx.x;
-    const std::uint32_t n = at >= begin ? count(at) : 0u;
-    std::uint32_t upto = 0, total = 0;
-    Scan(scan_storage).InclusiveSum(n, upto, total);
-    if (n > 0 && before + upto >= k && before + upto - n < k) found_pos = at, found_rest = k - (before + upto - n);
-    __syncthreads();
-    if (before + total >= k) break;
-    before += total;
-  }
-  pos = found_pos, rest = found_rest;
-}
-
-// The CTA's chunk of row `row` and whether the row needs a search (more than w keys in range).
+// Chunk x of row `row`: its keys [begin, end), and whether the row needs a
+// search (more than w keys in its range).
 struct ChunkOf {
   RowSpan span;
   std::int64_t begin = 0, end = 0;
   bool search = false;
 };
 
-__device__ ChunkOf chunk_of(const Params& p, const Search& sc, std::int64_t row) {
+__device__ ChunkOf chunk_of(const Params& p, std::int64_t row, std::int64_t x) {
   ChunkOf c;
   c.span = row_span(p, row);
   c.search = c.span.hi - c.span.lo > p.w;
-  c.begin = min(c.span.hi, c.span.lo + std::int64_t{blockIdx.x} * sc.chunk);
-  c.end = min(c.span.hi, c.begin + sc.chunk);
+  c.begin = min(c.span.hi, c.span.lo + x * kSearchChunk);
+  c.end = min(c.span.hi, c.begin + kSearchChunk);
   return c;
 }
 
-__device__ bool allowed_key(const Params& p, const RowSpan& r, std::int64_t j) {
-  return load_mask(p.mask, r.mask + j * p.mask.sc);
+// The thread's keys of chunk c: item k is key begin + k * kThreads + threadIdx.x,
+// its order key in key[k] and bit k of the result set when it is an allowed key.
+__device__ std::uint32_t load_chunk(const Params& p, const ChunkOf& c, std::uint32_t (&key)[kSearchItems]) {
+  std::uint32_t valid = 0;
+#pragma unroll
+  for (int k = 0; k < kSearchItems; ++k) {
+    const std::int64_t j = c.begin + k * kThreads + threadIdx.x;
+    key[k] = 0;
+    if (j < c.end && load_mask(p.mask, c.span.mask + j * p.mask.sc)) {
+      key[k] = order_key(p.bias, c.span.bias + j * p.bias.sc);
+      valid |= 1u << k;
+    }
+  }
+  return valid;
 }
 
 // Digit pass with 8 bits at `shift` (first: the top digit, every allowed key a candidate).
 __global__ void __launch_bounds__(kThreads) search_digit(Params p, Search sc, int shift, bool first,
                                                          RowThreshold* out) {
   const std::int64_t row = blockIdx.y;
-  const ChunkOf c = chunk_of(p, sc, row);
+  const ChunkOf c = chunk_of(p, row, blockIdx.x);
   if (!c.search) {
     if (first && blockIdx.x == 0 && threadIdx.x == 0) out[row] = keep_all();
     return;
@@ -501,15 +494,15 @@ __global__ void __launch_bounds__(kThreads) search_digit(Params p, Search sc, in
   const std::uint32_t k = first ? static_cast<std::uint32_t>(p.w) : state.rank;
   __shared__ std::uint32_t hist[256];
   hist[threadIdx.x] = 0;
+  std::uint32_t key[kSearchItems];
+  const std::uint32_t valid = load_chunk(p, c, key);
   __syncthreads();
   const int lane = threadIdx.x % 32;
-  for (std::int64_t j0 = c.begin; j0 < c.end; j0 += kThreads) {  // the same trip count on every thread
-    const std::int64_t j = j0 + threadIdx.x;
+#pragma unroll
+  for (int item = 0; item < kSearchItems; ++item) {
     std::uint32_t digit = 256;  // none
-    if (j < c.end && allowed_key(p, c.span, j)) {
-      const std::uint64_t key = order_key(p.bias, c.span.bias + j * p.bias.sc);
-      if ((key >> (shift + 8)) == (prefix >> (shift + 8))) digit = static_cast<std::uint32_t>(key >> shift) & 255u;
-    }
+    if ((valid >> item & 1u) && (std::uint64_t{key[item]} >> (shift + 8)) == (prefix >> (shift + 8)))
+      digit = key[item] >> shift & 255u;
     const unsigned peers = __match_any_sync(0xffffffffu, digit);  // one shared atomic per distinct digit
     if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], static_cast<std::uint32_t>(__popc(peers)));
   }
@@ -534,53 +527,82 @@ __global__ void __launch_bounds__(kThreads) search_digit(Params p, Search sc, in
 
 // Tie pass: the key of value `prefix` with the rank-th largest index.
 __global__ void __launch_bounds__(kThreads) search_ties(Params p, Search sc, RowThreshold* out) {
+  using Scan = cub::BlockScan<std::uint32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ std::uint32_t chunk_total, found_chunk, found_rest;
   const std::int64_t row = blockIdx.y;
-  const ChunkOf c = chunk_of(p, sc, row);
+  const ChunkOf c = chunk_of(p, row, blockIdx.x);
   RowSearch& state = sc.rows[row];
   if (!c.search || state.done) return;
   const std::uint32_t value = state.prefix, k = state.rank;
-  const auto tie = [&](std::int64_t j) {
-    return allowed_key(p, c.span, j) && order_key(p.bias, c.span.bias + j * p.bias.sc) == value;
+  std::uint32_t key[kSearchItems];
+  const auto ties_of = [&](std::uint32_t valid) {  // bit k: item k is a key of value V
+    std::uint32_t ties = 0;
+#pragma unroll
+    for (int item = 0; item < kSearchItems; ++item)
+      if ((valid >> item & 1u) && key[item] == value) ties |= 1u << item;
+    return ties;
   };
-  std::uint32_t ties = 0;
-  for (std::int64_t j0 = c.begin; j0 < c.end; j0 += kThreads) {
-    const std::int64_t j = j0 + threadIdx.x;
-    ties += static_cast<std::uint32_t>(__syncthreads_count(j < c.end && tie(j)));
-  }
+  std::uint32_t ties = ties_of(load_chunk(p, c, key));
+  if (threadIdx.x == 0) chunk_total = 0;
+  __syncthreads();
+  if (ties != 0) atomicAdd(&chunk_total, static_cast<std::uint32_t>(__popc(ties)));
+  __syncthreads();
   std::uint32_t* const chunk_ties = sc.counts + row * sc.stride;
-  if (threadIdx.x == 0) chunk_ties[blockIdx.x] = ties;
+  if (threadIdx.x == 0) chunk_ties[blockIdx.x] = chunk_total;
   if (!last_of_row(&state.ticket)) return;
-  std::int64_t chunk = 0, key = 0;
-  std::uint32_t rest = 0;
-  find_from_top(0, gridDim.x, k, [&](std::int64_t x) { return __ldcg(&chunk_ties[x]); }, chunk, rest);
-  const std::int64_t begin = min(c.span.hi, c.span.lo + chunk * sc.chunk), end = min(c.span.hi, begin + sc.chunk);
-  find_from_top(begin, end, rest, [&](std::int64_t j) { return tie(j) ? 1u : 0u; }, key, rest);
-  if (threadIdx.x == 0) {
-    out[row] = {load_bias(p.bias, c.span.bias + key * p.bias.sc), static_cast<std::int32_t>(key)};
-    state.ticket = 0;
+  // The chunk holding the sought key: from the last chunk down, kThreads chunks a step.
+  std::uint32_t before = 0;
+  for (std::int64_t top = std::int64_t{gridDim.x} - 1; top >= 0; top -= kThreads) {
+    const std::int64_t at = top - threadIdx.x;
+    const std::uint32_t n = at >= 0 ? __ldcg(&chunk_ties[at]) : 0u;
+    std::uint32_t upto = 0, total = 0;
+    Scan(scan_storage).InclusiveSum(n, upto, total);
+    if (n > 0 && before + upto >= k && before + upto - n < k)
+      found_chunk = static_cast<std::uint32_t>(at), found_rest = k - (before + upto - n);
+    __syncthreads();
+    if (before + total >= k) break;
+    before += total;
   }
+  // In that chunk, from its last key down: the item, then the thread.
+  const ChunkOf target = chunk_of(p, row, found_chunk);
+  const std::uint32_t rest = found_rest;
+  ties = ties_of(load_chunk(p, target, key));
+  before = 0;
+  int item = kSearchItems - 1;
+  for (; item > 0; --item) {
+    const auto n = static_cast<std::uint32_t>(__syncthreads_count(ties >> item & 1u));
+    if (before + n >= rest) break;
+    before += n;
+  }
+  // Thread x scans the tie bit of thread kThreads - 1 - x: inclusive sums count from the top.
+  __shared__ std::uint32_t flags[kThreads];
+  flags[threadIdx.x] = ties >> item & 1u;
+  __syncthreads();
+  const std::uint32_t flag = flags[kThreads - 1 - threadIdx.x];
+  std::uint32_t upto = 0;
+  Scan(scan_storage).InclusiveSum(flag, upto);
+  if (flag != 0 && before + upto == rest) {
+    const std::int64_t j = target.begin + std::int64_t{item} * kThreads + (kThreads - 1 - threadIdx.x);
+    out[row] = {load_bias(p.bias, target.span.bias + j * p.bias.sc), static_cast<std::int32_t>(j)};
+  }
+  if (threadIdx.x == 0) state.ticket = 0;
 }
 
-// Rows of at least kSearchChunk * 2 keys take the chunked search when there
-// are few of them: about kSearchCtas CTAs a pass in all, chunks of at least
-// kSearchChunk keys; more rows take one CTA each (row_thresholds).
-constexpr std::int64_t kSearchCtas = 1024, kSearchChunk = 1024;
-
-std::int64_t search_chunk(std::int64_t rows, std::int64_t seqlen_k) {
-  const std::int64_t want = (kSearchCtas + rows - 1) / rows;
-  const std::int64_t chunk = std::max(kSearchChunk, (seqlen_k + want - 1) / want);
-  return (chunk + kThreads - 1) / kThreads * kThreads;
-}
+// Rows of more than one chunk take the chunked search when there are at most
+// kSearchRows of them (its scratch: a 256-bin histogram a row); more rows take
+// one CTA each (row_thresholds), which fill the GPU anyway.
+constexpr std::int64_t kSearchRows = 4096;
 
 void select_thresholds(const Params& p, std::int64_t rows, RowThreshold* out, cudaStream_t stream) {
-  const std::int64_t chunk = search_chunk(rows, p.seqlen_k), chunks = (p.seqlen_k + chunk - 1) / chunk;
-  if (chunks < 2) {
+  const std::int64_t chunks = (p.seqlen_k + kSearchChunk - 1) / kSearchChunk;
+  if (chunks < 2 || rows > kSearchRows) {
     row_thresholds<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p, std::max(ceil_log2(p.seqlen_k), 1), out);
     check(cudaGetLastError(), "row_thresholds");
     return;
   }
   Search sc;
-  sc.chunk = chunk, sc.stride = std::max<std::int64_t>(256, chunks);
+  sc.stride = std::max<std::int64_t>(256, chunks);
   const std::size_t state_bytes = static_cast<std::size_t>(rows) * sizeof(RowSearch);
   const std::size_t bytes = state_bytes + static_cast<std::size_t>(rows * sc.stride) * 4;
   char* scratch = nullptr;
