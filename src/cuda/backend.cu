@@ -67,7 +67,9 @@ void set_attention_params(const Problem& p, cuda::AttentionParams& params) {
 // head's threshold (topk_fold). Returns the number of heads to launch.
 std::int64_t fold_query_heads(const Problem& p, cuda::ForwardParams& params) {
   const std::int64_t G = p.group();
-  if (p.seqlen_q != 1 || G == 1 || p.varlen() || p.window_left >= 0 || p.window_right >= 0) return p.heads;
+  if (p.seqlen_q != 1 || G == 1 || p.varlen() || p.window_left >= 0 || p.window_right >= 0 ||
+      (p.keep_window_size > 0 && p.topk_by_intervals()))
+    return p.heads;
   for (Operand* t : {&params.q, &params.out, &params.lse}) t->sr = t->sh, t->sh *= G;
   const auto fold_operand = [&](Operand& t, std::int64_t operand_heads) {
     t.sr = operand_heads == p.heads ? t.sh : 0;
