@@ -95,6 +95,16 @@ __device__ inline void row_key_range(const ForwardParams& p, std::int64_t sq, st
   lo = p.window_left >= 0 ? i + offset - p.window_left : 0;
 }
 
+// The sum of x over lanes 0 .. lane of the warp (all 32 lanes call it).
+__device__ inline int warp_inclusive_sum(int x, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int y = __shfl_up_sync(0xffffffff, x, d);
+    if (lane >= d) x += y;
+  }
+  return x;
+}
+
 // Pre-pass 1, one CTA per (64-key tile at col0, rows [row0, row0 + rows) of a
 // query block): one warp a row, 32 keys a lane step. A pair is allowed when the
 // key is in the row's range and allowed(i, col) (the mask or the top-k test).
@@ -156,12 +166,7 @@ __device__ void list_block_keys(const ForwardParams& p, std::int64_t block, std:
     const std::int64_t w = w0 + threadIdx.x;
     const std::uint32_t word = any_word(w);
     const int count = __popc(word);
-    int prefix = count;  // inclusive prefix within the warp
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int x = __shfl_up_sync(0xffffffff, prefix, d);
-      if (lane >= d) prefix += x;
-    }
+    const int prefix = warp_inclusive_sum(count, lane);
     if (lane == 31) warp_total[warp] = prefix;
     __syncthreads();
     std::int64_t before = total;
@@ -357,12 +362,7 @@ __global__ void __launch_bounds__(kThreads) list_topk_chunk(const ForwardParams 
   if (mine_total != 0) atomicAdd(&total, mine_total);
   if (mine_before != 0) atomicAdd(&before, mine_before);
   // The chunk's keys in shared memory, ascending: one word a thread, a block-wide prefix of their popcounts.
-  int at = __popc(word);
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int x = __shfl_up_sync(0xffffffff, at, d);
-    if (lane >= d) at += x;
-  }
+  int at = warp_inclusive_sum(__popc(word), lane);
   if (lane == 31) warp_keys[warp] = at;
   __syncthreads();
   int listed = 0;
