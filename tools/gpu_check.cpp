@@ -10,6 +10,7 @@
 //   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal,
 //                               and forward + backward times at S=16384
 //   dmattn_gpu_check --bench-topk the top-k (w = 1024) forward + backward line alone
+//   dmattn_gpu_check --bench-decode  the decode lines of --bench alone (dense, top-k)
 //
 // Accuracy rule (SPEC 5): max |gpu - ref| <= 2 * max |lowp - ref| + 1e-5 on out,
 // where ref is the CPU backend in float64 and lowp the CPU backend run on the same
@@ -447,6 +448,13 @@ std::vector<Case> matrix(bool small) {
       t.name = name(t, per_row ? "small top-k 40 per-row bias + mask" : "small top-k 40 key-only bias");
       cases.push_back(t);
     }
+    Case td = base(1, 5000, DType::kBFloat16);  // top-k decode: chunked search and lists, heads folded
+    td.B = 2, td.H = 8, td.Hk = 2;
+    td.options.causal = true;
+    td.options.keep_window_size = 300;
+    td.bias_shape = {td.B, td.Hk, 1, td.Sk};
+    td.name = name(td, "small top-k decode 300");
+    cases.push_back(td);
     return cases;
   }
   // Sizes: awkward lengths, both dtypes, causal or not.
@@ -719,6 +727,40 @@ std::vector<Case> matrix(bool small) {
     c.options.keep_window_size = 200;
     c.bias_shape = {2, 2, 1, 3000};
     c.name = name(c, "top-k 200 decode");
+    cases.push_back(c);
+  }
+  // Few query rows over many keys: the chunked threshold search (ties across
+  // chunks: constant and four-valued biases), chunked key lists, and at Sq = 1
+  // the query heads folded into rows: selection heads Hk (one threshold for the
+  // G rows), H (one a row), 1 (MQA too); a key padding mask; w >= the allowed
+  // keys; Sq = 3 and 16 with per-row biases.
+  struct FewRows {
+    const char* what;
+    std::int64_t B, Sq, Sk, H, Hk, w;
+    Shape bias, mask;
+    double quantum, lo, hi;
+  };
+  const FewRows few_rows[] = {
+      {"bias heads Hk", 2, 1, 20000, 8, 2, 700, {2, 2, 1, 20000}, {}, 0, -2, 2},
+      {"bias heads H", 2, 1, 9000, 8, 2, 300, {2, 8, 1, 9000}, {}, 0, -2, 2},
+      {"bias heads 1, four values (ties)", 1, 1, 9000, 8, 2, 64, {1, 1, 1, 9000}, {}, 1, 0, 4},
+      {"MQA, constant bias (ties)", 2, 1, 10000, 8, 1, 1000, {2, 1, 1, 10000}, {}, 0, 0.5, 0.5},
+      {"padding mask", 2, 1, 12000, 8, 2, 2048, {2, 2, 1, 12000}, {2, 1, 1, 12000}, 0, -2, 2},
+      {"w >= allowed", 1, 1, 5000, 8, 2, 6000, {1, 2, 1, 5000}, {}, 0, -2, 2},
+      {"Sq=3 per-row bias", 1, 3, 30000, 8, 2, 2048, {1, 2, 3, 30000}, {}, 0, -2, 2},
+      {"Sq=16 four values (ties)", 2, 16, 7000, 4, 2, 500, {2, 2, 1, 7000}, {}, 1, 0, 4},
+  };
+  for (int i = 0; i < 8; ++i) {
+    const FewRows& f = few_rows[i];
+    Case c = base(f.Sq, f.Sk, i % 2 ? DType::kFloat16 : DType::kBFloat16);
+    c.B = f.B, c.H = f.H, c.Hk = f.Hk;
+    c.options.causal = i % 3 != 2;
+    c.options.keep_window_size = f.w;
+    c.bias_shape = f.bias;
+    c.bias_dtype = i == 6 ? DType::kFloat32 : c.dtype;
+    c.bias_quantum = f.quantum, c.bias_lo = f.lo, c.bias_hi = f.hi;
+    if (!f.mask.empty()) c.mask_pattern = Case::MaskPattern::kKeyPadding, c.mask_shape = f.mask;
+    c.name = name(c, std::string("top-k decode ") + f.what);
     cases.push_back(c);
   }
   return cases;
@@ -1001,6 +1043,13 @@ std::vector<Case> topk_backward_cases(Make&& make) {
     c.options.causal = i == 0;
     c.options.keep_window_size = i ? 100 : 256;
     c.bias_shape = {c.B, i ? 1 : c.Hk, 1, c.Sk};
+    cases.push_back(c);
+  }
+  for (int i = 0; i < 2; ++i) {  // few rows over many keys: the chunked threshold search and key lists
+    Case c = make(i ? "top-k decode per-row bias" : "top-k decode", i ? 16 : 3, i ? 5000 : 9000, 4, 2);
+    c.options.causal = true;
+    c.options.keep_window_size = i ? 400 : 1500;
+    c.bias_shape = {c.B, c.Hk, i ? c.Sq : 1, c.Sk};
     cases.push_back(c);
   }
   Case keys = make("top-k 50 bias over heads only", 300, 400, 4, 2);  // dbias summed over keys
@@ -1373,6 +1422,34 @@ void print_topk_fill(const HostTensor& bias, std::int64_t w, std::size_t strip) 
               useful / dq_work, strip, useful / dkv_work, dq_work / dense, dkv_work / dense, useful / dense);
 }
 
+// Decode: one query row over Sk keys; bound by reading K and V. B=4 at 128k
+// keys is the case of the GB/s target, and of the top-k decode target: a
+// key-only bias (B, 8, 1, Sk) with keep_window_size 2048 (selection included)
+// under 1/4 of the dense decode's time.
+void bench_decode() {
+  Rng rng;
+  const std::int64_t H = 32, Hk = 8, D = 128;
+  auto random = [&](HostTensor& t) { t.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); }); };
+  for (const auto& [Bd, Sk] : {std::pair<std::int64_t, std::int64_t>{1, 16384}, {4, 131072}}) {
+    HostTensor q(DType::kBFloat16, {Bd, 1, H, D}), k(DType::kBFloat16, {Bd, Sk, Hk, D}),
+        v(DType::kBFloat16, {Bd, Sk, Hk, D}), bias(DType::kBFloat16, {Bd, Hk, 1, Sk});
+    random(q), random(k), random(v), random(bias);
+    HostTensor out(DType::kBFloat16, {Bd, 1, H, D}), lse(DType::kFloat32, {Bd, H, 1});
+    const DeviceTensor dq(q), dk(k), dv(v), db(bias), dout(out), dlse(lse);
+    const float ms = time_forward({dq.view(), dk.view(), dv.view(), std::nullopt, std::nullopt}, dout, dlse, {}, 50);
+    const double bytes = 2.0 * Bd * Sk * Hk * D * 2;
+    std::printf("bench bf16 decode B=%lld Sq=1 H=32 Hk=8 D=128 Sk=%lld  %.4f ms  %.0f GB/s of K and V\n",
+                static_cast<long long>(Bd), static_cast<long long>(Sk), ms, bytes / (ms * 1e-3) / 1e9);
+    if (Bd != 4) continue;
+    dmattn::Options o;
+    o.keep_window_size = 2048;
+    const float topk = time_forward({dq.view(), dk.view(), dv.view(), std::nullopt, db.view()}, dout, dlse, o, 50);
+    std::printf("bench bf16 decode B=%lld Sq=1 H=32 Hk=8 D=128 Sk=%lld key-only bias (B, 8, 1, Sk), keep_window_size "
+                "2048  %.4f ms  (%.3f of the dense decode; target < 0.25)\n",
+                static_cast<long long>(Bd), static_cast<long long>(Sk), topk, topk / ms);
+  }
+}
+
 // topk_only: the top-k fwd + bwd line alone (a short run to profile).
 int bench(bool topk_only) {
   Rng rng;
@@ -1477,19 +1554,7 @@ int bench(bool topk_only) {
         dmattn::TensorView::contiguous(mask_dev, DType::kBool, {B, Hk, S, S}, {dmattn::DeviceType::kCUDA, 0});
     fwd_bwd("key-only bias + 1024-a-row bool mask (B, 8, S, S)", true, mask_view, 0, 3);
   }
-  // Decode: one query row over Sk keys; bound by reading K and V. B=4 at 128k
-  // keys is the case of the GB/s target.
-  for (const auto& [Bd, Sk] : {std::pair<std::int64_t, std::int64_t>{1, 16384}, {4, 131072}}) {
-    HostTensor q(DType::kBFloat16, {Bd, 1, H, D}), k(DType::kBFloat16, {Bd, Sk, Hk, D}),
-        v(DType::kBFloat16, {Bd, Sk, Hk, D});
-    random(q), random(k), random(v);
-    HostTensor out(DType::kBFloat16, {Bd, 1, H, D}), lse(DType::kFloat32, {Bd, H, 1});
-    const DeviceTensor dq(q), dk(k), dv(v), dout(out), dlse(lse);
-    const float ms = time_forward({dq.view(), dk.view(), dv.view(), std::nullopt, std::nullopt}, dout, dlse, {}, 50);
-    const double bytes = 2.0 * Bd * Sk * Hk * D * 2;
-    std::printf("bench bf16 decode B=%lld Sq=1 H=32 Hk=8 D=128 Sk=%lld  %.4f ms  %.0f GB/s of K and V\n",
-                static_cast<long long>(Bd), static_cast<long long>(Sk), ms, bytes / (ms * 1e-3) / 1e9);
-  }
+  bench_decode();
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, 0), "properties");
   std::printf("device: %s\n", prop.name);
@@ -1505,6 +1570,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--only") only = argv[i + 1];
   try {
     if (mode == "--bench" || mode == "--bench-topk") return bench(mode == "--bench-topk");
+    if (mode == "--bench-decode") return bench_decode(), 0;
     if (mode == "--backward") return check(false, true, only);
     return check(mode == "--small", false, only);
   } catch (const std::exception& e) {

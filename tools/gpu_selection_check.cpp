@@ -5,7 +5,8 @@
 //   dmattn_gpu_selection_check            the whole matrix
 //   dmattn_gpu_selection_check --small    a few small cases (for compute-sanitizer)
 //   dmattn_gpu_selection_check --bench    selection time, B=1, H=32, Hk=8, causal, w=1024,
-//                                         bf16 bias (1, 8, 1, S) and (1, 8, S, S)
+//                                         bf16 bias (1, 8, 1, S) and (1, 8, S, S); decode:
+//                                         B=4, Sq=1, bias (4, 8, 1, 131072), w=2048
 //
 // Problems are built directly (no q, k, v: the selection reads only the bias,
 // the mask and the geometry). Bias and mask are tests/tensor.h host tensors in
@@ -285,6 +286,28 @@ std::vector<Case> matrix(Rng& rng, bool small) {
         }
         cases.push_back(c);
       }
+  // Few rows over many keys (decode, Sq <= 16): the chunked search, ties across
+  // chunks (constant and four-valued biases), w >= the allowed keys, masks,
+  // per-row biases, left windows (rows of different key ranges).
+  const std::vector<std::int64_t> few_sq = small ? std::vector<std::int64_t>{1, 3} : std::vector<std::int64_t>{1, 3, 16};
+  const std::vector<std::int64_t> few_sk =
+      small ? std::vector<std::int64_t>{5000} : std::vector<std::int64_t>{2049, 9000, 40000, 131072};
+  const std::int64_t few_w[] = {1, 700, 2048, -1};
+  for (std::int64_t sq : few_sq)
+    for (std::int64_t sk : few_sk)
+      for (std::int64_t w : few_w) {
+        Case c = base(sk, w, 0);
+        c.sq = sq, c.causal = counter % 2 == 0;
+        if (w < 0) c.w = sk - counter % 3;  // at least the allowed keys, or one less
+        switch (counter % 5) {
+          case 0: c.mask = MaskKind::kKeyPadding; break;
+          case 1: c.bias_per_row = true; break;
+          case 2: c.mask = MaskKind::kPerRow; break;
+          case 3: c.left = rng.integer(sk / 2, sk); break;
+          default: break;
+        }
+        cases.push_back(c);
+      }
   return cases;
 }
 
@@ -329,6 +352,9 @@ int bench() {
   Case rows = cases[0];  // thresholds: per-row bias (1, 8, S, S)
   rows.sq = rows.sk = 2048, rows.bias_per_row = true;
   cases.push_back(rows);
+  Case decode = cases[0];  // thresholds, chunked: decode B=4, bias (4, 8, 1, 131072), w = 2048
+  decode.batch = decode.bias_batch = 4, decode.sq = 1, decode.sk = 131072, decode.w = 2048, decode.causal = false;
+  cases.push_back(decode);
   for (const Case& c : cases) {
     const Built t = build(c, rng, stream);
     const Result r = compare(c, t, stream);

@@ -62,11 +62,13 @@ void set_attention_params(const Problem& p, cuda::AttentionParams& params) {
 // each K and V tile once for all G heads instead of once per head. Causal is
 // dropped: bottom-right aligned, the single row sees every key. A mask or bias
 // with H heads gets the same head-to-row view; one with Hk heads (or one) is
-// shared by the G rows (row stride 0). Top-k is not folded (its key lists are
-// per selection head). Returns the number of heads to launch.
+// shared by the G rows (row stride 0). Top-k (per-row thresholds at one query
+// row) lists keys per (b, kv head) then, each row tested against its query
+// head's threshold (topk_fold). Returns the number of heads to launch.
 std::int64_t fold_query_heads(const Problem& p, cuda::ForwardParams& params) {
   const std::int64_t G = p.group();
-  if (p.seqlen_q != 1 || G == 1 || p.varlen() || p.window_left >= 0 || p.window_right >= 0 || p.keep_window_size > 0)
+  if (p.seqlen_q != 1 || G == 1 || p.varlen() || p.window_left >= 0 || p.window_right >= 0 ||
+      (p.keep_window_size > 0 && p.topk_by_intervals()))
     return p.heads;
   for (Operand* t : {&params.q, &params.out, &params.lse}) t->sr = t->sh, t->sh *= G;
   const auto fold_operand = [&](Operand& t, std::int64_t operand_heads) {
@@ -77,6 +79,7 @@ std::int64_t fold_query_heads(const Problem& p, cuda::ForwardParams& params) {
   if (p.mask.present()) params.mask_group = fold_operand(params.mask, p.mask_shape.heads);
   if (p.bias.present()) params.bias_group = fold_operand(params.bias, p.bias_shape.heads);
   params.group = 1;
+  params.topk_fold = static_cast<int>(G);
   params.seqlen_q = G;
   params.causal = false;
   return p.kv_heads;

@@ -35,6 +35,10 @@ struct AttentionParams {
   const RowThreshold* topk_thresholds = nullptr;
   int topk_heads = 0, topk_group = 1;
   std::int64_t keep_window_size = 0;
+  // Decode with query heads folded into rows (backend.cu fold_query_heads):
+  // the forward's head h is kv head h, its row i query head h * topk_fold + i
+  // at query row 0; the top-k lists then have a slice per (b, kv head). 1: not folded.
+  int topk_fold = 1;
 };
 
 // Key lists of a mask and/or a top-k selection, for the forward and for the

@@ -81,7 +81,8 @@ struct ForwardConfig {
 // With a mask or a top-k selection, passes before the forward list per query
 // block the keys that some row of the block may see, and per row a bit for each
 // listed key (ForwardParams::mask_keys). A mask takes pack_mask then
-// gather_mask_keys; top-k takes mark_topk (thresholds only) then list_topk_keys.
+// gather_mask_keys; top-k takes list_topk_keys (intervals) or mark_topk then
+// list_topk_chunk (thresholds).
 
 // Keys [lo, hi] that causal, the sliding window and the key range leave to
 // local row i of a sequence of sq rows and sk keys (bottom-right aligned).
@@ -92,6 +93,16 @@ __device__ inline void row_key_range(const ForwardParams& p, std::int64_t sq, st
   if (p.causal) hi = min(hi, i + offset);
   if (p.window_right >= 0) hi = min(hi, i + offset + p.window_right);
   lo = p.window_left >= 0 ? i + offset - p.window_left : 0;
+}
+
+// The sum of x over lanes 0 .. lane of the warp (all 32 lanes call it).
+__device__ inline int warp_inclusive_sum(int x, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int y = __shfl_up_sync(0xffffffff, x, d);
+    if (lane >= d) x += y;
+  }
+  return x;
 }
 
 // Pre-pass 1, one CTA per (64-key tile at col0, rows [row0, row0 + rows) of a
@@ -155,12 +166,7 @@ __device__ void list_block_keys(const ForwardParams& p, std::int64_t block, std:
     const std::int64_t w = w0 + threadIdx.x;
     const std::uint32_t word = any_word(w);
     const int count = __popc(word);
-    int prefix = count;  // inclusive prefix within the warp
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int x = __shfl_up_sync(0xffffffff, prefix, d);
-      if (lane >= d) prefix += x;
-    }
+    const int prefix = warp_inclusive_sum(count, lane);
     if (lane == 31) warp_total[warp] = prefix;
     __syncthreads();
     std::int64_t before = total;
@@ -234,18 +240,28 @@ __global__ void __launch_bounds__(kThreads) gather_mask_keys(const ForwardParams
       [&](int r, int key) { return ((bits0[r * p.bits_sr + key / 32] >> (key % 32)) & 1u) != 0; });
 }
 
-// One top-k list slice z = b * topk_heads + s (selection head s): its sequence
-// and where its bias, mask and selection entries start.
+// One top-k list slice: z = b * topk_heads + s (selection head s), or with
+// folded query heads (topk_fold) z = b * kv heads + kv head, whose row i is
+// query head kv head * topk_fold + i. Its sequence and where its bias, mask and
+// selection entries start.
 struct TopkSlice {
   std::int64_t sq = 0, sk = 0;     // local lengths
   std::int64_t bias = 0, mask = 0;  // element offsets of local (row 0, key 0)
   std::int64_t sel = 0;             // selection index of local key / row 0
+  std::int64_t sel_sr = 1;          // selection entries from one row to the next
 };
 
 __device__ inline TopkSlice topk_slice(const ForwardParams& p, int z) {
-  const int b = z / p.topk_heads, h = z % p.topk_heads * p.topk_group;  // h: a query head of selection head s
-  std::int64_t qs = 0, ks = 0;
   TopkSlice s;
+  int b = z / p.topk_heads, h = z % p.topk_heads * p.topk_group;  // h: a query head of selection head s
+  s.sel = std::int64_t{z} * (p.topk_intervals != nullptr ? p.seqlen_k : p.seqlen_q);
+  if (p.topk_fold > 1) {  // one query row (no varlen): the rows' selection heads are one, or one a row
+    const int kv_heads = p.topk_heads * p.topk_group / p.topk_fold;
+    b = z / kv_heads, h = z % kv_heads;
+    s.sel = std::int64_t{b} * p.topk_heads + h * p.topk_fold / p.topk_group;
+    s.sel_sr = p.topk_group == 1 ? 1 : 0;
+  }
+  std::int64_t qs = 0, ks = 0;
   s.sq = p.seqlen_q, s.sk = p.seqlen_k;
   if (p.cu_seqlens_q != nullptr) {
     qs = p.cu_seqlens_q[b], s.sq = p.cu_seqlens_q[b + 1] - qs;
@@ -253,7 +269,6 @@ __device__ inline TopkSlice topk_slice(const ForwardParams& p, int z) {
   }
   s.bias = b * p.bias.sb + (h / p.bias_group) * p.bias.sh + qs * p.bias.sr + ks * p.bias.sc;
   s.mask = b * p.mask.sb + (h / p.mask_group) * p.mask.sh + qs * p.mask.sr + ks * p.mask.sc;
-  s.sel = std::int64_t{z} * (p.topk_intervals != nullptr ? p.seqlen_k : p.seqlen_q);
   return s;
 }
 
@@ -263,36 +278,143 @@ template <class Element>
 __device__ bool threshold_keeps(const ForwardParams& p, const TopkSlice& s, std::int64_t i, std::int64_t j) {
   if (p.mask.data != nullptr && static_cast<const std::uint8_t*>(p.mask.data)[s.mask + i * p.mask.sr + j * p.mask.sc] == 0)
     return false;
-  const RowThreshold t = p.topk_thresholds[s.sel + i];
+  const RowThreshold t = p.topk_thresholds[s.sel + i * s.sel_sr];
   const std::int64_t at = s.bias + i * p.bias.sr + j * p.bias.sc;
   const float value = p.bias_float32 ? static_cast<const float*>(p.bias.data)[at]
                                      : static_cast<float>(static_cast<const Element*>(p.bias.data)[at]);
   return value > t.value || (value == t.value && j >= t.key);
 }
 
-// Top-k pre-pass 1 (thresholds only). Block (n, m, z) marks in key_any (any_sr
-// words a block) the keys of tile n that some row of query block m keeps.
+// Top-k lists of thresholds, in chunks of kListChunkWords words (32 keys a
+// word) of a query block's keys, one CTA a chunk: a pass counts and marks, a
+// pass lists and writes the bits, so that a long row (decode) spreads over
+// many CTAs. Block (x, m, z): chunk x of query block m of slice z.
+constexpr int kListChunkWords = 64;
+
+// Pre-pass 1. Marks in key_any (any_sr words a block) the keys of the chunk
+// that some row of the block keeps, and their count in chunk_counts (`chunks`
+// a block). Row by row, a thread tests kItems keys, their loads issued at
+// once, then one warp ballot per word; rows whose key range misses the chunk
+// are skipped.
 template <class Element, int kBlockM, int kThreads>
-__global__ void __launch_bounds__(kThreads) mark_topk(const ForwardParams p, std::int64_t any_sr, std::uint32_t* key_any) {
+__global__ void __launch_bounds__(kThreads) mark_topk(const ForwardParams p, std::int64_t any_sr, int chunks,
+                                                      std::uint32_t* key_any, std::int32_t* chunk_counts) {
+  constexpr int kWarps = kThreads / 32, kItems = 32 * kListChunkWords / kThreads;
   if (skip_lists(p)) return;
   const TopkSlice s = topk_slice(p, blockIdx.z);
-  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM;
-  mark_tile<kThreads>(
-      p, s.sq, s.sk, row0, static_cast<int>(min(std::int64_t{kBlockM}, s.sq - row0)), std::int64_t{blockIdx.x} * 64,
-      [&](std::int64_t i, std::int64_t j) { return threshold_keeps<Element>(p, s, i, j); }, nullptr,
-      key_any + (std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y) * any_sr + 2 * blockIdx.x);
+  const std::int64_t block = std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y;
+  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM, word0 = std::int64_t{blockIdx.x} * kListChunkWords;
+  const int rows = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{kBlockM}, s.sq - row0)));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __shared__ std::uint32_t any[kListChunkWords];
+  __shared__ int count;
+  for (int w = threadIdx.x; w < kListChunkWords; w += kThreads) any[w] = 0;
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  for (int r = 0; r < rows; ++r) {
+    const std::int64_t i = row0 + r;
+    std::int64_t lo, hi;
+    row_key_range(p, s.sq, s.sk, i, lo, hi);
+    if (32 * word0 > hi || 32 * (word0 + kListChunkWords) <= lo) continue;  // the whole CTA
+    bool keep[kItems];
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {  // key j is bit `lane` of the chunk's word k * kWarps + warp
+      const std::int64_t j = 32 * word0 + k * kThreads + threadIdx.x;
+      keep[k] = j >= lo && j <= hi && threshold_keeps<Element>(p, s, i, j);
+    }
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const std::uint32_t word = __ballot_sync(0xffffffff, keep[k]);
+      if (lane == 0 && word != 0) atomicOr(&any[k * kWarps + warp], word);
+    }
+  }
+  __syncthreads();
+  for (int w = threadIdx.x; w < kListChunkWords; w += kThreads)
+    if (word0 + w < any_sr) {
+      key_any[block * any_sr + word0 + w] = any[w];
+      atomicAdd(&count, __popc(any[w]));
+    }
+  __syncthreads();
+  if (threadIdx.x == 0) chunk_counts[block * chunks + blockIdx.x] = count;
 }
 
-// Top-k pre-pass 2. Block (m, z) lists the keys some row of query block m keeps
-// and writes its rows' bits over the list. Intervals: key j is listed when
+// Pre-pass 2. Lists the chunk's marked keys at their place in the block's list
+// (after the keys of the earlier chunks), the block's count from chunk 0, and
+// ORs each row's bits for them into mask_bits (zeroed before: a word of the
+// list can hold keys of two chunks).
+template <class Element, int kBlockM, int kThreads>
+__global__ void __launch_bounds__(kThreads) list_topk_chunk(const ForwardParams p, std::int64_t any_sr, int chunks,
+                                                            const std::uint32_t* key_any,
+                                                            const std::int32_t* chunk_counts) {
+  constexpr int kWarps = kThreads / 32;
+  if (skip_lists(p)) return;
+  const TopkSlice s = topk_slice(p, blockIdx.z);
+  const std::int64_t block = std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y;
+  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM, word0 = std::int64_t{blockIdx.x} * kListChunkWords;
+  const int rows = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{kBlockM}, s.sq - row0)));
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  __shared__ int before, total, warp_keys[kWarps];
+  __shared__ std::int32_t keys[32 * kListChunkWords];
+  static_assert(kListChunkWords <= kThreads, "one word a thread");
+  const std::uint32_t word =
+      threadIdx.x < kListChunkWords && word0 + threadIdx.x < any_sr ? key_any[block * any_sr + word0 + threadIdx.x] : 0u;
+  if (threadIdx.x == 0) before = 0, total = 0;
+  __syncthreads();
+  int mine_before = 0, mine_total = 0;
+  for (int c = threadIdx.x; c < chunks; c += kThreads) {
+    const int n = chunk_counts[block * chunks + c];
+    mine_total += n;
+    if (c < static_cast<int>(blockIdx.x)) mine_before += n;
+  }
+  if (mine_total != 0) atomicAdd(&total, mine_total);
+  if (mine_before != 0) atomicAdd(&before, mine_before);
+  // The chunk's keys in shared memory, ascending: one word a thread, a block-wide prefix of their popcounts.
+  int at = warp_inclusive_sum(__popc(word), lane);
+  if (lane == 31) warp_keys[warp] = at;
+  __syncthreads();
+  int listed = 0;
+  for (int v = 0; v < kWarps; ++v) {
+    if (v < warp) at += warp_keys[v];
+    listed += warp_keys[v];
+  }
+  at -= __popc(word);
+  for (std::uint32_t left = word; left != 0; left &= left - 1, ++at)
+    keys[at] = static_cast<std::int32_t>(32 * (word0 + threadIdx.x) + __ffs(left) - 1);
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.mask_counts[block] = static_cast<int>(min(std::int64_t{total}, p.keys_stride));
+  __syncthreads();
+  std::int32_t* const list = p.mask_keys + block * p.keys_stride;
+  for (int t = threadIdx.x; t < listed; t += kThreads)
+    if (before + t < p.keys_stride) list[before + t] = keys[t];
+  // Row r's bit for slot before + t: 32 slots a ballot, ORed into the (at most two) list words they meet.
+  std::uint32_t* const bits0 = p.mask_bits + (std::int64_t{blockIdx.z} * p.seqlen_q + row0) * p.bits_sr;
+  for (int r = warp; r < rows; r += kWarps) {
+    const std::int64_t i = row0 + r;
+    std::int64_t lo, hi;
+    row_key_range(p, s.sq, s.sk, i, lo, hi);
+    for (int t0 = 0; t0 < listed; t0 += 32) {
+      const int t = t0 + lane;
+      const std::int64_t slot = before + t;
+      const bool ok = t < listed && slot < p.keys_stride && keys[t] >= lo && keys[t] <= hi &&
+                      threshold_keeps<Element>(p, s, i, keys[t]);
+      const std::uint32_t bits = __ballot_sync(0xffffffff, ok);
+      if (lane == 0 && bits != 0) {
+        const std::int64_t first = before + t0;
+        const int shift = static_cast<int>(first % 32);
+        atomicOr(&bits0[r * p.bits_sr + first / 32], bits << shift);
+        if (shift != 0 && (bits >> (32 - shift)) != 0) atomicOr(&bits0[r * p.bits_sr + first / 32 + 1], bits >> (32 - shift));
+      }
+    }
+  }
+}
+
+// Top-k pre-pass of intervals. Block (m, z) lists the keys some row of query
+// block m keeps and writes its rows' bits over the list: key j is listed when
 // [start_j, end_j) meets the block's rows, and row i keeps it when start_j <= i
 // < end_j (causal, the right window, a key-only mask and the key range are
-// folded into the interval); the words are built here, one warp-wide ballot per
-// 32 keys. Thresholds: the words of mark_topk, and the row's key range plus
-// threshold_keeps.
-template <class Element, int kBlockM, int kThreads>
-__global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p, std::int64_t any_sr,
-                                                           const std::uint32_t* key_any) {
+// folded into the interval); the words are built here, one warp-wide ballot
+// per 32 keys.
+template <int kBlockM, int kThreads>
+__global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p) {
   if (skip_lists(p)) return;
   const TopkSlice s = topk_slice(p, blockIdx.y);
   const std::int64_t block = std::int64_t{blockIdx.y} * p.mask_blocks + blockIdx.x;
@@ -304,11 +426,9 @@ __global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p
     ++key_end;
   }
   const std::int64_t words = key_end > 0 ? (key_end + 31) / 32 : 0;
-  const KeyRows* intervals = p.topk_intervals != nullptr ? p.topk_intervals + s.sel : nullptr;
-  const std::uint32_t* any = key_any + block * any_sr;
+  const KeyRows* intervals = p.topk_intervals + s.sel;
   const int lane = threadIdx.x % 32;
   auto any_word = [&](std::int64_t w) -> std::uint32_t {
-    if (intervals == nullptr) return w < words ? any[w] : 0u;
     std::uint32_t mine = 0;
     const std::int64_t first = 32 * (w - lane);  // the warp's first key
     for (int c = 0; c < 32; ++c) {
@@ -324,14 +444,8 @@ __global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p
     return mine;
   };
   auto allowed = [&](int r, int j) {
-    const std::int64_t i = row0 + r;
-    if (intervals != nullptr) {
-      const KeyRows k = intervals[j];
-      return k.start <= i && i < k.end;
-    }
-    std::int64_t first, last;
-    row_key_range(p, s.sq, s.sk, i, first, last);
-    return j >= first && j <= last && threshold_keeps<Element>(p, s, i, j);
+    const KeyRows k = intervals[j];
+    return k.start <= row0 + r && row0 + r < k.end;
   };
   list_block_keys<kThreads>(p, block, words, any_word, rows,
                             p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr, allowed);
@@ -917,8 +1031,9 @@ void build_key_lists(ForwardParams& params, int batch, int heads, cudaStream_t s
   const int mask_heads = heads / params.mask_group;
   std::int64_t slices = 0, any_sr = 0;
   if (topk) {
-    slices = std::int64_t{batch} * params.topk_heads;
-    params.list_group = params.topk_group, params.list_batched = true;
+    const bool folded = params.topk_fold > 1;
+    slices = std::int64_t{batch} * (folded ? heads : params.topk_heads);
+    params.list_group = folded ? 1 : params.topk_group, params.list_batched = true;
     params.keys_stride = 64 * ((topk_list_bound(params, kBlockM) + 63) / 64);
     params.bits_sr = params.keys_stride / 32;
     any_sr = params.topk_thresholds != nullptr ? 2 * tiles : 0;
@@ -929,26 +1044,37 @@ void build_key_lists(ForwardParams& params, int batch, int heads, cudaStream_t s
     params.bits_sr = any_sr = 2 * tiles;
   }
   params.mask_blocks = static_cast<int>(blocks);
+  const int chunks = static_cast<int>((any_sr + kListChunkWords - 1) / kListChunkWords);
   const std::int64_t bits_words = slices * params.seqlen_q * params.bits_sr;
   const std::int64_t any_words = slices * blocks * any_sr;
   const std::int64_t key_words = slices * blocks * params.keys_stride;
-  const std::int64_t words = bits_words + any_words + key_words + slices * blocks;
+  const std::int64_t chunk_words = params.topk_thresholds != nullptr ? slices * blocks * chunks : 0;
+  const std::int64_t words = bits_words + any_words + key_words + slices * blocks + chunk_words;
   check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&params.mask_bits), static_cast<std::size_t>(words) * 4, stream),
              "cudaMallocAsync (key-list pre-pass)");
   std::uint32_t* const key_any = params.mask_bits + bits_words;
   params.mask_keys = reinterpret_cast<std::int32_t*>(key_any + any_words);
   params.mask_counts = params.mask_keys + key_words;
-  const dim3 marks(static_cast<unsigned>(tiles), static_cast<unsigned>(blocks), static_cast<unsigned>(slices));
-  const dim3 lists(static_cast<unsigned>(blocks), static_cast<unsigned>(slices));
   if (!topk) {
+    const dim3 marks(static_cast<unsigned>(tiles), static_cast<unsigned>(blocks), static_cast<unsigned>(slices));
+    const dim3 lists(static_cast<unsigned>(blocks), static_cast<unsigned>(slices));
     pack_mask<kBlockM, kThreads><<<marks, kThreads, 0, stream>>>(params, mask_heads, key_any);
     gather_mask_keys<kBlockM, kThreads><<<lists, kThreads, 0, stream>>>(params, key_any);
     return;
   }
+  if (params.topk_intervals != nullptr) {
+    const dim3 lists(static_cast<unsigned>(blocks), static_cast<unsigned>(slices));
+    list_topk_keys<kBlockM, kThreads><<<lists, kThreads, 0, stream>>>(params);
+    return;
+  }
   using Element = typename Config::Element;
-  if (params.topk_thresholds != nullptr)
-    mark_topk<Element, kBlockM, kThreads><<<marks, kThreads, 0, stream>>>(params, any_sr, key_any);
-  list_topk_keys<Element, kBlockM, kThreads><<<lists, kThreads, 0, stream>>>(params, any_sr, key_any);
+  std::int32_t* const chunk_counts = params.mask_counts + slices * blocks;
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(blocks), static_cast<unsigned>(slices));
+  check_cuda(cudaMemsetAsync(params.mask_bits, 0, static_cast<std::size_t>(bits_words) * 4, stream),
+             "cudaMemsetAsync (key-list bits)");
+  mark_topk<Element, kBlockM, kThreads><<<grid, kThreads, 0, stream>>>(params, any_sr, chunks, key_any, chunk_counts);
+  list_topk_chunk<Element, kBlockM, kThreads><<<grid, kThreads, 0, stream>>>(params, any_sr, chunks, key_any,
+                                                                             chunk_counts);
 }
 
 // The current device's SM count and how many CTAs of forward_kernel<Config> an

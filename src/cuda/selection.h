@@ -17,9 +17,11 @@
 // of scratch per head, O(Sk) output.
 //
 // Thresholds (anything else): row i of (b, s) keeps key j iff (bias_ij, j) >=
-// (value, key), larger bias first, ties to the larger key; one CTA radix-selects
-// the w-th strongest allowed pair of a row in O(Sk) per row. The default
-// {-inf, -1} (fewer than w + 1 allowed keys) keeps every allowed key.
+// (value, key), larger bias first, ties to the larger key; the w-th strongest
+// allowed pair of a row in O(Sk) per row: one CTA a row radix-selects it, or,
+// for few rows of many keys (decode), one CTA per 4096-key chunk of a row and
+// one kernel per 8-bit digit, then a pass for the ties. The default {-inf, -1}
+// (fewer than w + 1 allowed keys) keeps every allowed key.
 #pragma once
 
 #include <cuda_runtime.h>
