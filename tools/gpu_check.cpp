@@ -12,10 +12,15 @@
 //   dmattn_gpu_check --bench-topk the top-k (w = 1024) forward + backward line alone
 //   dmattn_gpu_check --bench-decode  the decode lines of --bench alone (dense, top-k)
 //
-// Accuracy rule (SPEC 5): max |gpu - ref| <= 2 * max |lowp - ref| + 1e-5 on out,
-// where ref is the CPU backend in float64 and lowp the CPU backend run on the same
-// fp16/bf16 tensors (float32 accumulation, one rounding of o): a proxy for "the
-// naive computation in that dtype" that is, if anything, more accurate than one.
+// Accuracy rule (SPEC 5): max |gpu - ref| <= 2 * proxy + 1e-5 on out, where ref
+// is the CPU backend in float64 and the proxy error the larger of two: lowp, the
+// CPU backend run on the same fp16/bf16 tensors (float32 accumulation, one
+// rounding of o), more accurate than a naive computation; and, where B*H*Sq*Sk
+// is at most 2^23, the naive computations themselves (tests/reference.h: every
+// intermediate rounded to the dtype, or only what is stored), SPEC 5's own rule.
+// lowp alone was stricter than SPEC 5: a forward whose row max lags (P up to
+// 2^8, so the largest P of a row is not exactly 1) measured up to 2.3x lowp on
+// rows of a few keys, below the naive computation's error on those shapes.
 // lse (float32): |gpu - ref| <= 2 * |lowp - ref| + 1e-4, and -inf exactly where ref
 // is -inf. Outputs are poisoned (NaN) before the call, and bytes of the output
 // buffers outside the views must stay poisoned. Host tensors and layouts come from
@@ -251,6 +256,29 @@ CaseInputs make_inputs(const Case& c, const Shape& q_shape, const Shape& k_shape
   return t;
 }
 
+constexpr std::int64_t kNaiveEntries = std::int64_t{1} << 23;  // B * H * Sq * Sk: a few seconds of oracle
+
+// The two naive computations of SPEC 5 of a batched case (tests/reference.h):
+// every intermediate rounded to the dtype, and only what is stored rounded.
+// None for varlen cases or above kNaiveEntries. Without dout: forward only.
+std::vector<dmattn_test::RefResult> naive_runs(const Case& c, const CaseInputs& inputs,
+                                               const std::optional<std::vector<double>>& dout) {
+  std::vector<dmattn_test::RefResult> runs;
+  if (c.varlen() || c.B * c.H * c.Sq * c.Sk > kNaiveEntries) return runs;
+  dmattn_test::RefProblem p;
+  p.B = c.B, p.Sq = c.Sq, p.Sk = c.Sk, p.H = c.H, p.Hk = c.Hk, p.D = c.D;
+  p.q = inputs.q.values(), p.k = inputs.k.values(), p.v = inputs.v.values();
+  auto shape4 = [](const Shape& s) { return dmattn_test::Shape4{s[0], s[1], s[2], s[3]}; };
+  if (inputs.mask) p.mask_shape = shape4(c.mask_shape), p.mask = inputs.mask->values();
+  if (inputs.bias) p.bias_shape = shape4(c.bias_shape), p.bias = inputs.bias->values();
+  p.options = dmattn_test::ref_options(c.options, c.D);
+  const std::optional<DType> db = inputs.bias ? std::optional<DType>(c.bias_dtype) : std::nullopt;
+  for (const dmattn_test::Rounding& r : {dmattn_test::Rounding{c.dtype, c.dtype, c.dtype, db},
+                                         dmattn_test::Rounding{std::nullopt, c.dtype, DType::kFloat32, db}})
+    runs.push_back(dmattn_test::reference(p, dout, r));
+  return runs;
+}
+
 Outcome run_case(const Case& c, Rng& rng) {
   const bool varlen = c.varlen();
   const auto [q_shape, k_shape, lse_shape] = case_shapes(c);
@@ -329,13 +357,19 @@ Outcome run_case(const Case& c, Rng& rng) {
   const std::vector<double> gpu_out = dout.values(&out_pad), gpu_lse = dlse.values(&lse_pad);
 
   const double err = max_abs_diff(gpu_out, ref_out), lp_err = max_abs_diff(lp_out, ref_out);
+  double naive_err = 0.0;  // out of the naive computations of SPEC 5, where affordable
+  for (const dmattn_test::RefResult& n : naive_runs(c, inputs, std::nullopt)) {
+    const double d = max_abs_diff(n.out, ref_out);
+    if (std::isfinite(d)) naive_err = std::max(naive_err, d);
+  }
   // Without lse, its buffer must stay poisoned (all NaN) and is not compared.
   const bool lse_untouched = c.with_lse || std::all_of(gpu_lse.begin(), gpu_lse.end(), [](double x) { return std::isnan(x); });
   const double lerr = c.with_lse ? lse_error(gpu_lse, ref_lse) : 0.0, lp_lerr = lse_error(lp_lse, ref_lse);
   Outcome r;
-  r.pass = err <= 2.0 * lp_err + 1e-5 && lerr <= 2.0 * lp_lerr + 1e-4 && out_pad && lse_pad && lse_untouched;
+  r.pass = err <= 2.0 * std::max(lp_err, naive_err) + 1e-5 && lerr <= 2.0 * lp_lerr + 1e-4 && out_pad && lse_pad && lse_untouched;
   char buf[256];
-  std::snprintf(buf, sizeof buf, "out err %.3g (lowp %.3g)  lse err %.3g (lowp %.3g)%s", err, lp_err, lerr, lp_lerr,
+  std::snprintf(buf, sizeof buf, "out err %.3g (lowp %.3g naive %.3g)  lse err %.3g (lowp %.3g)%s", err, lp_err, naive_err,
+                lerr, lp_lerr,
                 out_pad && lse_pad ? "" : "  WROTE OUTSIDE THE VIEW");
   r.detail = buf;
   return r;
@@ -812,26 +846,14 @@ Layout dbias_layout(const Case& c) {
   return l;
 }
 
-constexpr std::int64_t kNaiveEntries = std::int64_t{1} << 23;  // B * H * Sq * Sk: a few seconds of oracle
-
 // Errors against ref of dq, dk, dv and dbias of the two naive computations of a
 // batched case, the larger of the two (0 where the oracle is not run or
 // overflows the dtype).
 std::array<double, 4> naive_errors(const Case& c, const CaseInputs& inputs, const HostTensor& dout,
                                    const Gradients& ref) {
   std::array<double, 4> err{};
-  if (c.varlen() || c.B * c.H * c.Sq * c.Sk > kNaiveEntries) return err;
-  dmattn_test::RefProblem p;
-  p.B = c.B, p.Sq = c.Sq, p.Sk = c.Sk, p.H = c.H, p.Hk = c.Hk, p.D = c.D;
-  p.q = inputs.q.values(), p.k = inputs.k.values(), p.v = inputs.v.values();
-  auto shape4 = [](const Shape& s) { return dmattn_test::Shape4{s[0], s[1], s[2], s[3]}; };
-  if (inputs.mask) p.mask_shape = shape4(c.mask_shape), p.mask = inputs.mask->values();
-  if (inputs.bias) p.bias_shape = shape4(c.bias_shape), p.bias = inputs.bias->values();
-  p.options = dmattn_test::ref_options(c.options, c.D);
-  const std::optional<DType> db = inputs.bias ? std::optional<DType>(c.bias_dtype) : std::nullopt;
-  for (const dmattn_test::Rounding& r : {dmattn_test::Rounding{c.dtype, c.dtype, c.dtype, db},
-                                         dmattn_test::Rounding{std::nullopt, c.dtype, DType::kFloat32, db}}) {
-    const dmattn_test::RefResult n = dmattn_test::reference(p, dout.values(), r);
+  const bool db = inputs.bias.has_value();
+  for (const dmattn_test::RefResult& n : naive_runs(c, inputs, dout.values())) {
     const std::vector<double>* got[4] = {&n.dq, &n.dk, &n.dv, &n.dbias};
     const std::vector<double>* want[4] = {&ref.dq, &ref.dk, &ref.dv, &ref.dbias};
     for (int i = 0; i < (db ? 4 : 3); ++i) {
