@@ -291,6 +291,21 @@ __device__ bool threshold_keeps(const ForwardParams& p, const TopkSlice& s, std:
 // many CTAs. Block (x, m, z): chunk x of query block m of slice z.
 constexpr int kListChunkWords = 64;
 
+// CTA (x, m, z) of a chunked pass: its slice, block (z, m), first row, first
+// word (chunk x) and rows in the block.
+struct ListChunk {
+  TopkSlice s;
+  std::int64_t block, row0, word0;
+  int rows;
+};
+template <int kBlockM>
+__device__ ListChunk list_chunk(const ForwardParams& p) {
+  const TopkSlice s = topk_slice(p, blockIdx.z);
+  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM;
+  return {s, std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y, row0, std::int64_t{blockIdx.x} * kListChunkWords,
+          static_cast<int>(max(std::int64_t{0}, min(std::int64_t{kBlockM}, s.sq - row0)))};
+}
+
 // Pre-pass 1. Marks in key_any (any_sr words a block) the keys of the chunk
 // that some row of the block keeps, and their count in chunk_counts (`chunks`
 // a block). Row by row, a thread tests kItems keys, their loads issued at
@@ -301,10 +316,7 @@ __global__ void __launch_bounds__(kThreads) mark_topk(const ForwardParams p, std
                                                       std::uint32_t* key_any, std::int32_t* chunk_counts) {
   constexpr int kWarps = kThreads / 32, kItems = 32 * kListChunkWords / kThreads;
   if (skip_lists(p)) return;
-  const TopkSlice s = topk_slice(p, blockIdx.z);
-  const std::int64_t block = std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y;
-  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM, word0 = std::int64_t{blockIdx.x} * kListChunkWords;
-  const int rows = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{kBlockM}, s.sq - row0)));
+  const auto [s, block, row0, word0, rows] = list_chunk<kBlockM>(p);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __shared__ std::uint32_t any[kListChunkWords];
   __shared__ int count;
@@ -348,10 +360,7 @@ __global__ void __launch_bounds__(kThreads) list_topk_chunk(const ForwardParams 
                                                             const std::int32_t* chunk_counts) {
   constexpr int kWarps = kThreads / 32;
   if (skip_lists(p)) return;
-  const TopkSlice s = topk_slice(p, blockIdx.z);
-  const std::int64_t block = std::int64_t{blockIdx.z} * p.mask_blocks + blockIdx.y;
-  const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM, word0 = std::int64_t{blockIdx.x} * kListChunkWords;
-  const int rows = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{kBlockM}, s.sq - row0)));
+  const auto [s, block, row0, word0, rows] = list_chunk<kBlockM>(p);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __shared__ int before, total, warp_keys[kWarps];
   __shared__ std::int32_t keys[32 * kListChunkWords];
