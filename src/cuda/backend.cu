@@ -152,9 +152,10 @@ void run_forward(const Problem& p) {
 
 template <int kHeadDim>
 void launch_backward(const Problem& p, const cuda::BackwardParams& params) {
-  if constexpr (kHeadDim > 128) {
-    throw Error(Error::Kind::kUnsupported, "q.shape[-1]", "a head_dim <= 128 for the CUDA backward",
-                std::to_string(p.head_dim));
+  if constexpr (!cuda::backward_compiled(kHeadDim)) {
+    throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
+                "a head_dim whose compiled CUDA head dim has a backward (<= 128 or a multiple of 32)",
+                std::to_string(p.head_dim) + " (compiled head dim " + std::to_string(kHeadDim) + ")");
   } else {
     const auto stream = static_cast<cudaStream_t>(p.stream);
     if (p.q.dtype == DType::kBFloat16)

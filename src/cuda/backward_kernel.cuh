@@ -52,21 +52,33 @@ struct BackwardConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockRows = 16 * kWarps;  // the CTA's own rows: keys (dk/dv) or queries (dq)
-  static_assert(kBlockRows == kBackwardBlockRows, "backward.h names the rows a block");
-  // Columns a step: the accumulators of 16 x D rows a warp (dK and dV, or dQ) and
-  // the S and dP tiles of 16 x step must fit in 255 registers.
-  static constexpr int kDkvStep = 32, kDqStep = 64;
+  // Above 128 features the accumulators of 16 rows x D a warp (dK and dV: 256
+  // registers a thread at D = 256) do not fit: warps w and w + kMmaWarps then
+  // own the same 16 rows, compute the same S, dP, P and dS tiles (a 4-warp
+  // MMA over the whole head dim; only the first one stages dS), and each keeps
+  // the accumulators of its half of the features (kAccDim, as at D = 128).
+  static constexpr int kFeatureSplit = kHeadDim > 128 ? 2 : 1;
+  static constexpr int kMmaWarps = kWarps / kFeatureSplit, kMmaThreads = kMmaWarps * 32;
+  static constexpr int kAccDim = kHeadDim / kFeatureSplit;
+  static constexpr int kBlockRows = 16 * kMmaWarps;  // the CTA's own rows: keys (dk/dv) or queries (dq)
+  static_assert(kHeadDim <= 256 && backward_compiled(kHeadDim), "a head dim with a CUDA backward");
+  // A top-k key group (selection.h, kKeyGroupKeys keys) is walked by
+  // kGroupBlocks CTAs, each over the group's rows with its share of the keys.
+  static constexpr int kGroupBlocks = kKeyGroupKeys / kBlockRows;
+  static_assert(kGroupBlocks * kBlockRows == kKeyGroupKeys, "a key group splits into whole CTAs");
+  // Columns a step: the accumulators of 16 x kAccDim rows a warp (dK and dV, or
+  // dQ) and the S and dP tiles of 16 x step must fit in 255 registers; above
+  // 128 features, 32-column dq steps keep shared memory within sm_80's 163 KB.
+  static constexpr int kDkvStep = 32, kDqStep = kHeadDim > 128 ? 32 : 64;
   // A dk/dv key group walks at most this many query tiles a CTA (chunks): 32
   // rather than 64 evens out the CTAs' work (H100, S = 16384, w = 1024: dk/dv
   // kernel docs/topk-gpu.md).
   static constexpr int kChunkTiles = 32;
-  static_assert(kHeadDim <= 128, "the CUDA backward takes head dims up to 128");
   static constexpr int kSmemRow = kHeadDim % 64 == 0 ? 64 : 32;
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
                                    cute::SM80_16x8x16_F32BF16BF16F32_TN>;
-  using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::Int<kWarps>, cute::_1, cute::_1>>,
+  using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::Int<kMmaWarps>, cute::_1, cute::_1>>,
                                   cute::Tile<cute::Int<kBlockRows>, cute::_16, cute::_16>>;
   using SmemAtom = decltype(cute::composition(
       cute::Swizzle<kSwizzleBits, 3, 3>{},
@@ -86,7 +98,8 @@ struct BackwardConfig {
   // Row statistics of the queries: three arrays of a step's columns (two buffers)
   // or of the CTA's rows, whichever is larger.
   static constexpr int kStatFloats = 6 * kMaxStep > 3 * kBlockRows ? 6 * kMaxStep : 3 * kBlockRows;
-  static constexpr int kAddLd = kMaxStep + 4;  // row stride of the staged tile (fewer bank conflicts)
+  // Row stride of the staged tile (+ 4: fewer bank conflicts), room for the dS^T buffers below.
+  static constexpr int kAddLd = (kMaxStep > 2 * kDkvStep ? kMaxStep : 2 * kDkvStep) + 4;
   static constexpr int kFloats = kStatFloats + kBlockRows * kAddLd + kBlockRows + kMaxStep;
   static_assert(kFloats % 2 == 0, "the per-row words behind the floats are 8-byte aligned");
   // Behind the floats, 16 bytes a row: dq, the list bits of the rows (two
@@ -297,7 +310,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   if (lists) {
     col_hi = list_count;
   } else if (key_groups) {  // this chunk's share of the group's query tiles
-    const KeyRows rows = p.group_rows[(std::int64_t{b} * kv_heads + kvh) * p.key_groups + row_block];
+    const KeyRows rows = p.group_rows[(std::int64_t{b} * kv_heads + kvh) * p.key_groups + row_block / Config::kGroupBlocks];
     const std::int64_t tile_lo = rows.start / kStep, tiles = (rows.end + kStep - 1) / kStep - tile_lo;
     if (p.chunks > 1 && rows.end > rows.start) n_chunks = static_cast<int>((tiles + p.chunk_tiles - 1) / p.chunk_tiles);
     if (chunk >= n_chunks) return;
@@ -358,6 +371,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   };
 
   const int d = p.head_dim, tid = threadIdx.x;
+  // Feature split (Config::kFeatureSplit): the thread's MMA slice, its share
+  // of the accumulators' features from `feature0`, and whether it writes the
+  // dS terms that both warps of a row block hold (stager).
+  const int mma_tid = Config::kFeatureSplit == 1 ? tid : tid % Config::kMmaThreads;
+  const int feature_part = Config::kFeatureSplit == 1 ? 0 : tid / Config::kMmaThreads;
+  const int feature0 = feature_part * Config::kAccDim;
+  const bool stager = feature_part == 0;
   const auto* q = static_cast<const Element*>(p.q.data) + b * p.q.sb + seq.qs * p.q.sr;
   const auto* dout = static_cast<const Element*>(p.dout.data) + b * p.dout.sb + seq.qs * p.dout.sr;
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh + seq.ks * p.k.sr;
@@ -471,23 +491,31 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   }
 
   typename Config::TiledMma mma;
-  auto thr = mma.get_thread_slice(tid);
+  auto thr = mma.get_thread_slice(mma_tid);
   auto copy_a = make_tiled_copy_A(typename Config::LdsmAtom{}, mma);
   auto copy_b = make_tiled_copy_B(typename Config::LdsmAtom{}, mma);
   auto copy_bt = make_tiled_copy_B(typename Config::LdsmAtomT{}, mma);
-  auto ldsm_a = copy_a.get_thread_slice(tid);
-  auto ldsm_b = copy_b.get_thread_slice(tid);
-  auto ldsm_bt = copy_bt.get_thread_slice(tid);
-  Tensor rA = thr.partition_fragment_A(sA0);                // (MMA, MMA_M, MMA_K = D / 16)
-  Tensor rB = thr.partition_fragment_B(col_tile(0, 0));     // (MMA, MMA_N, MMA_K = D / 16)
-  Tensor rBt = thr.partition_fragment_B(col_tile_t(0, 0));  // (MMA, MMA_D, MMA_K = kStep / 16)
+  auto ldsm_a = copy_a.get_thread_slice(mma_tid);
+  auto ldsm_b = copy_b.get_thread_slice(mma_tid);
+  auto ldsm_bt = copy_bt.get_thread_slice(mma_tid);
+  // The thread's features of a (feature, column) tile: the B operand of its accumulators.
+  constexpr int kAccDim = Config::kAccDim;
+  auto own_features = [&](auto tile) {
+    if constexpr (Config::kFeatureSplit == 1)
+      return tile;
+    else
+      return local_tile(tile, Shape<Int<kAccDim>, Int<kStep>>{}, make_coord(feature_part, 0));
+  };
+  Tensor rA = thr.partition_fragment_A(sA0);                              // (MMA, MMA_M, MMA_K = D / 16)
+  Tensor rB = thr.partition_fragment_B(col_tile(0, 0));                   // (MMA, MMA_N, MMA_K = D / 16)
+  Tensor rBt = thr.partition_fragment_B(own_features(col_tile_t(0, 0)));  // (MMA, MMA_D, MMA_K = kStep / 16)
   Tensor rAv = ldsm_a.retile_D(rA);
   Tensor rBv = ldsm_b.retile_D(rB);
   Tensor rBtv = ldsm_bt.retile_D(rBt);
   Tensor sA0p = ldsm_a.partition_S(sA0), sA1p = ldsm_a.partition_S(sA1);
 
-  Tensor acc_a = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kHeadDim>>{});  // dQ or dK
-  Tensor acc_b = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kHeadDim>>{});  // dV
+  Tensor acc_a = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kAccDim>>{});  // dQ or dK
+  Tensor acc_b = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kAccDim>>{});  // dV
   clear(acc_a);
   if constexpr (kKeyRows) clear(acc_b);
   Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kStep>>{}));
@@ -519,7 +547,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int key = own_keys[get<0>(cS(make_coord(make_coord(0, half), 0, 0)))];
-      if (lane % 4 != 0 || key < 0) continue;
+      if (lane % 4 != 0 || key < 0 || !stager) continue;
       if (db_slice != nullptr)
         db_slice[dense(hb, 0, key)] += x[half];
       else
@@ -667,7 +695,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         acc_dp(at) = kSoftcap ? ds * (1.0f - tanh_x * tanh_x) : ds;
         if constexpr (kKeyRows) {
           if (p.bias_grad == BiasGrad::kPerKey) key_sum[2 * m + half] += ds;
-          if (keep_ds) tile_add[r * kAddLd + col] = ds;
+          if (keep_ds && stager) tile_add[r * kAddLd + col] = ds;
         }
       }
     };
@@ -716,14 +744,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
 #pragma unroll
       for (int e = 0; e < size(acc_dp); e += 2) {
         const int r = get<0>(cS(e)), col = get<1>(cS(e));
-        *reinterpret_cast<std::uint32_t*>(ds_t + buf * kStep + r * Config::kDsLd + col) = pairs[e / 2];
+        if (stager) *reinterpret_cast<std::uint32_t*>(ds_t + buf * kStep + r * Config::kDsLd + col) = pairs[e / 2];
       }
       dq_pending = p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim;
       dq_pending_rows = clamp_to_tile(sq - q0);
     }
-    gemm_rs(mma, acc_a, rdS, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 0)), rBt, rBtv);
+    gemm_rs(mma, acc_a, rdS, copy_bt, ldsm_bt.partition_S(own_features(col_tile_t(buf, 0))), rBt, rBtv);
     if constexpr (kKeyRows) {
-      gemm_rs(mma, acc_b, rP, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 1)), rBt, rBtv);
+      gemm_rs(mma, acc_b, rP, copy_bt, ldsm_bt.partition_S(own_features(col_tile_t(buf, 1))), rBt, rBtv);
 
       if (keep_ds) {  // dbias from the dS tile (rows: keys, columns: queries), each element by one thread
         __syncthreads();
@@ -811,7 +839,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         for (int half = 0; half < 2; ++half) {
           const int r = 2 * m + half, row = get<0>(cS(make_coord(make_coord(0, half), m, 0)));
           const float sum = quad_sum(run_sum[r]);
-          if (lane % 4 != 0 || row0 + row >= sq) continue;
+          if (lane % 4 != 0 || row0 + row >= sq || !stager) continue;
           const std::int64_t at = (std::int64_t{b} * p.heads + h_first) * p.seqlen_q + row0 + row;
           const float mx = run_max[r] == -kInf ? 0.0f : run_max[r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
           stats[row] = p.row_max[at] = mx;
@@ -823,12 +851,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   if (dq_stats) return;
 
   // Epilogue: dq = scale * acc_a; dk = scale * acc_a, dv = acc_b.
-  Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kHeadDim>>{}));
+  Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kAccDim>>{}));
   auto store = [&](auto& acc, const Operand& o, int head, std::int64_t start, float factor) {
     auto* dst = static_cast<Element*>(o.data) + b * o.sb + head * o.sh + start * o.sr;
 #pragma unroll
     for (int e = 0; e < size(acc); ++e) {
-      const int row = get<0>(cO(e)), col = get<1>(cO(e));
+      const int row = get<0>(cO(e)), col = feature0 + get<1>(cO(e));
       const std::int64_t at = kKeyRows ? own_keys[row] : (row0 + row < own_len ? row0 + row : -1);  // dk/dv: by key
       if (at >= 0 && col < d) dst[at * o.sr + col] = static_cast<Element>(acc(e) * factor);
     }
@@ -839,7 +867,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       // chunk order through a float32 slot: chunk c waits until the group's turn
       // counter reads c (chunk c - 1 started before it: CTAs start in order),
       // adds the slot, and passes it on; the last chunk writes the gradients.
-      const std::int64_t slot_id = (std::int64_t{b} * kv_heads + kvh) * p.key_groups + row_block;
+      const std::int64_t slot_id = (std::int64_t{b} * kv_heads + kvh) * p.key_groups * Config::kGroupBlocks + row_block;
       constexpr int kAcc = decltype(size(acc_a))::value;
       float* slot = p.chunk_acc + slot_id * (2 * kAcc * Config::kThreads + kBlockRows);
       float* key_slot = slot + 2 * kAcc * Config::kThreads;
@@ -868,7 +896,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-          if (lane % 4 == 0) __stcg(key_slot + my_row[half], x[half]);
+          if (lane % 4 == 0 && stager) __stcg(key_slot + my_row[half], x[half]);
         __threadfence();
         __syncthreads();
         if (tid == 0) atomicExch(turn, chunk + 1);
@@ -979,6 +1007,15 @@ struct KeyListConfig {
 template <class Element, int kHeadDim>
 void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   using Config = BackwardConfig<Element, kHeadDim>;
+  int device = 0, smem_limit = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute (shared memory a block)");
+  if (Config::kSmemBytes > smem_limit)
+    throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
+                "a head dim whose CUDA backward fits in " + std::to_string(smem_limit) + " bytes of shared memory a block",
+                std::to_string(in.head_dim) + " (compiled head dim " + std::to_string(kHeadDim) + ": " +
+                    std::to_string(Config::kSmemBytes) + " bytes)");
   BackwardParams p = in;
   const int kv_heads = p.heads / p.group;
   const std::int64_t rows = std::int64_t{batch} * p.heads * p.seqlen_q;
@@ -1057,7 +1094,7 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   if (err == cudaSuccess && p.group_rows != nullptr && one_bias_head && query_tiles > Config::kChunkTiles) {
     p.chunk_tiles = Config::kChunkTiles;
     p.chunks = static_cast<int>((query_tiles + Config::kChunkTiles - 1) / Config::kChunkTiles);
-    const std::int64_t slots = std::int64_t{batch} * kv_heads * p.key_groups;
+    const std::int64_t slots = std::int64_t{batch} * kv_heads * p.key_groups * Config::kGroupBlocks;
     const std::int64_t turn_words = (slots + 63) / 64 * 64;
     const std::int64_t slot_floats = 2 * Config::kBlockRows * kHeadDim + Config::kBlockRows;
     err = cudaMallocAsync(reinterpret_cast<void**>(&chunk_memory),
