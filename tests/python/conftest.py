@@ -14,12 +14,14 @@ import torch
 
 
 # What CUDA refuses on purpose (the core's messages): a build without the CUDA
-# backend, head dims that are not a multiple of 8, and the backward of heads
-# wider than 128.
+# backend, head dims that are not a multiple of 8, the backward of compiled
+# head dims above 128 that are not multiples of 32, and a backward whose
+# shared memory the device lacks (head dims above 128 on sm_86/89).
 CUDA_GAPS = re.compile("|".join([
     r"this build of dmattn has no CUDA backend",
     r"head_dim <= 256 and divisible by 8 on CUDA",
-    r"head_dim <= 128 for the CUDA backward",
+    r"compiled CUDA head dim has a backward",
+    r"whose CUDA backward fits in",
     r"head_dim <= the largest compiled CUDA head dim",
 ]))
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
