@@ -1427,7 +1427,7 @@ Outcome topk_nan_sweep(Rng& rng) {
 }
 
 // Whether the build has an instantiation for head dim d (a compiled head dim
-// >= d; above 128 the backward's head dims are multiples of 32, and so are the
+// >= d; above 128 the backward's head dims are 192 and 256, and so are the
 // cases').
 bool head_dim_compiled(std::int64_t d) {
   const std::string dims = dmattn::build_info().head_dims;  // "128,192,256"

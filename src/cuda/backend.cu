@@ -154,7 +154,7 @@ template <int kHeadDim>
 void launch_backward(const Problem& p, const cuda::BackwardParams& params) {
   if constexpr (!cuda::backward_compiled(kHeadDim)) {
     throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
-                "a head_dim whose compiled CUDA head dim has a backward (<= 128 or a multiple of 32)",
+                "a head_dim whose compiled CUDA head dim has a backward (<= 128, 192 or 256)",
                 std::to_string(p.head_dim) + " (compiled head dim " + std::to_string(kHeadDim) + ")");
   } else {
     const auto stream = static_cast<cudaStream_t>(p.stream);

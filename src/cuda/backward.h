@@ -10,8 +10,9 @@
 namespace dmattn::cuda {
 
 // Head dims with a CUDA backward (CMakeLists.txt mirrors this): above 128 the
-// warps split the features in two halves of whole 16-column MMA tiles.
-constexpr bool backward_compiled(int head_dim) { return head_dim <= 128 || head_dim % 32 == 0; }
+// warps split the features in two halves of whole 32-feature swizzle atoms
+// (192 and 256).
+constexpr bool backward_compiled(int head_dim) { return head_dim <= 128 || head_dim % 64 == 0; }
 
 // Where the dbias reduction of an element happens (SPEC 4: dbias sums dl over
 // every dimension the bias broadcasts).

@@ -74,7 +74,7 @@ struct BackwardConfig {
   // rather than 64 evens out the CTAs' work (H100, S = 16384, w = 1024: dk/dv
   // kernel docs/topk-gpu.md).
   static constexpr int kChunkTiles = 32;
-  static constexpr int kSmemRow = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSmemRow = kAccDim % 64 == 0 ? 64 : 32;  // a feature half is whole atoms (D = 192: 3 of 32)
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
                                    cute::SM80_16x8x16_F32BF16BF16F32_TN>;
