@@ -86,10 +86,12 @@ struct BackwardConfig {
   using SmemLayoutRows = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockRows>, cute::Int<kHeadDim>>{}));
   template <int kStep>
   using SmemLayoutCols = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kStep>, cute::Int<kHeadDim>>{}));
-  // A column tile seen as (feature, column): the B operand of dS B0 and P B1.
+  // A column tile seen as (feature, column), a thread's kAccDim features: the
+  // B operand of dS B0 and P B1. Feature half f starts kStep * kAccDim
+  // elements on (whole swizzle atoms, so the offset commutes with the swizzle).
   template <int kStep>
   using SmemLayoutColsT = decltype(cute::composition(
-      SmemLayoutCols<kStep>{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kStep>>{}, cute::GenRowMajor{})));
+      SmemLayoutCols<kStep>{}, cute::make_layout(cute::Shape<cute::Int<kAccDim>, cute::Int<kStep>>{}, cute::GenRowMajor{})));
   using LdsmAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
   using LdsmAtomT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
 
@@ -349,6 +351,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     return t;
   };
 
+  const int d = p.head_dim, tid = threadIdx.x;
+  // Feature split (Config::kFeatureSplit): the thread's MMA slice, its share
+  // of the accumulators' features from `feature0`, and whether it writes the
+  // dS terms that both warps of a row block hold (stager).
+  const int mma_tid = Config::kFeatureSplit == 1 ? tid : tid % Config::kMmaThreads;
+  const int feature_part = Config::kFeatureSplit == 1 ? 0 : tid / Config::kMmaThreads;
+  const int feature0 = feature_part * Config::kAccDim;
+  const bool stager = feature_part == 0;
   extern __shared__ __align__(128) char smem[];
   auto* rows_smem = reinterpret_cast<Element*>(smem);
   Element* cols_smem = rows_smem + 2 * Config::kRowElems;
@@ -365,19 +375,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto col_tile = [&](int buf, int which) {
     return make_tensor(make_smem_ptr(cols_smem + (2 * buf + which) * Config::kColElems), SmemLayoutCols{});
   };
-  auto col_tile_t = [&](int buf, int which) {
-    return make_tensor(make_smem_ptr(cols_smem + (2 * buf + which) * Config::kColElems),
+  auto col_tile_t = [&](int buf, int which) {  // the thread's features (Config::kFeatureSplit)
+    return make_tensor(make_smem_ptr(cols_smem + (2 * buf + which) * Config::kColElems + feature_part * kStep * Config::kAccDim),
                        SmemLayoutColsT{});
   };
 
-  const int d = p.head_dim, tid = threadIdx.x;
-  // Feature split (Config::kFeatureSplit): the thread's MMA slice, its share
-  // of the accumulators' features from `feature0`, and whether it writes the
-  // dS terms that both warps of a row block hold (stager).
-  const int mma_tid = Config::kFeatureSplit == 1 ? tid : tid % Config::kMmaThreads;
-  const int feature_part = Config::kFeatureSplit == 1 ? 0 : tid / Config::kMmaThreads;
-  const int feature0 = feature_part * Config::kAccDim;
-  const bool stager = feature_part == 0;
   const auto* q = static_cast<const Element*>(p.q.data) + b * p.q.sb + seq.qs * p.q.sr;
   const auto* dout = static_cast<const Element*>(p.dout.data) + b * p.dout.sb + seq.qs * p.dout.sr;
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh + seq.ks * p.k.sr;
@@ -498,17 +500,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto ldsm_a = copy_a.get_thread_slice(mma_tid);
   auto ldsm_b = copy_b.get_thread_slice(mma_tid);
   auto ldsm_bt = copy_bt.get_thread_slice(mma_tid);
-  // The thread's features of a (feature, column) tile: the B operand of its accumulators.
   constexpr int kAccDim = Config::kAccDim;
-  auto own_features = [&](auto tile) {
-    if constexpr (Config::kFeatureSplit == 1)
-      return tile;
-    else
-      return local_tile(tile, Shape<Int<kAccDim>, Int<kStep>>{}, make_coord(feature_part, 0));
-  };
   Tensor rA = thr.partition_fragment_A(sA0);                              // (MMA, MMA_M, MMA_K = D / 16)
   Tensor rB = thr.partition_fragment_B(col_tile(0, 0));                   // (MMA, MMA_N, MMA_K = D / 16)
-  Tensor rBt = thr.partition_fragment_B(own_features(col_tile_t(0, 0)));  // (MMA, MMA_D, MMA_K = kStep / 16)
+  Tensor rBt = thr.partition_fragment_B(col_tile_t(0, 0));  // (MMA, MMA_D, MMA_K = kStep / 16)
   Tensor rAv = ldsm_a.retile_D(rA);
   Tensor rBv = ldsm_b.retile_D(rB);
   Tensor rBtv = ldsm_bt.retile_D(rBt);
@@ -749,9 +744,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       dq_pending = p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim;
       dq_pending_rows = clamp_to_tile(sq - q0);
     }
-    gemm_rs(mma, acc_a, rdS, copy_bt, ldsm_bt.partition_S(own_features(col_tile_t(buf, 0))), rBt, rBtv);
+    gemm_rs(mma, acc_a, rdS, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 0)), rBt, rBtv);
     if constexpr (kKeyRows) {
-      gemm_rs(mma, acc_b, rP, copy_bt, ldsm_bt.partition_S(own_features(col_tile_t(buf, 1))), rBt, rBtv);
+      gemm_rs(mma, acc_b, rP, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 1)), rBt, rBtv);
 
       if (keep_ds) {  // dbias from the dS tile (rows: keys, columns: queries), each element by one thread
         __syncthreads();
