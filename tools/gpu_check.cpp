@@ -8,7 +8,8 @@
 //   dmattn_gpu_check [--small | --backward] --only TEXT
 //                               only the cases whose name contains TEXT
 //   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal,
-//                               and forward + backward times at S=16384
+//                               and forward + backward times at S=16384 (D=256 at
+//                               S=8192 where DMATTN_HEAD_DIMS has it)
 //   dmattn_gpu_check --bench-topk the top-k (w = 1024) forward + backward line alone
 //   dmattn_gpu_check --bench-decode  the decode lines of --bench alone (dense, top-k)
 //
@@ -1149,7 +1150,7 @@ std::vector<Case> wide_head_cases(Make&& make, bool small) {
     det.name += " deterministic";
     cases.push_back(det);
     if (small) continue;
-    const std::int64_t sizes[][2] = {{1, 1}, {7, 1}, {65, 63}, {1000, 1000}, {1, 1000}, {1000, 63}};
+    const std::int64_t sizes[][2] = {{1, 1}, {7, 1}, {65, 63}, {400, 700}, {1, 1000}, {1000, 63}};
     const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
     for (int i = 0; i < 6; ++i)
       for (bool causal : {false, true}) {
@@ -1604,10 +1605,11 @@ int bench(bool topk_only) {
     }
   // Forward + backward at S = 16384 (backward FLOPs counted as 2.5x the
   // forward's): no mask, a learnable key-only bias (B, Hk, 1, S) with its
-  // gradient, and below the same with a bool mask or keep_window_size.
+  // gradient, and below the same with a bool mask or keep_window_size; at
+  // D = 256 (where compiled) S = 8192 without a mask.
   const auto fwd_bwd = [&](const char* what, bool with_bias, const std::optional<dmattn::TensorView>& mask,
-                           std::int64_t keep_window, int iters, bool deterministic = false) {
-    const std::int64_t S = 16384;
+                           std::int64_t keep_window, int iters, bool deterministic = false, std::int64_t S = 16384,
+                           std::int64_t D = 128) {
     HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
     random(q), random(k), random(v);
     HostTensor bias(DType::kBFloat16, {B, Hk, 1, S}), out(DType::kBFloat16, {B, S, H, D}), lse(DType::kFloat32, {B, H, S});
@@ -1623,8 +1625,8 @@ int bench(bool topk_only) {
     const float fwd = time_forward(in, dout, dlse, o, iters);
     const float bwd = time_call([&] { dmattn::backward(in, dout.view(), ddo.view(), dlse.view(), g, o); }, iters);
     const double flops = 4.0 * B * H * D * double(S) * double(S) / 2.0;
-    std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s fwd %.3f ms  bwd %.3f ms (%.1f TFLOP/s)  fwd+bwd %.3f ms\n",
-                static_cast<long long>(S), what, fwd, bwd, 2.5 * flops / (bwd * 1e-3) / 1e12, fwd + bwd);
+    std::printf("bench bf16 B=1 H=32 Hk=8 D=%lld causal S=%lld %-14s fwd %.3f ms  bwd %.3f ms (%.1f TFLOP/s)  fwd+bwd %.3f ms\n",
+                static_cast<long long>(D), static_cast<long long>(S), what, fwd, bwd, 2.5 * flops / (bwd * 1e-3) / 1e12, fwd + bwd);
     if (keep_window > 0)
       for (std::size_t strip : {1, 3}) print_topk_fill(bias, keep_window, strip);
   };
@@ -1636,6 +1638,10 @@ int bench(bool topk_only) {
   fwd_bwd("no mask", false, std::nullopt, 0, 5);
   fwd_bwd("no mask deterministic (two-kernel dq)", false, std::nullopt, 0, 5, true);
   fwd_bwd("key-only bias", true, std::nullopt, 0, 5);
+  if (head_dim_compiled(256)) {
+    fwd_bwd("no mask", false, std::nullopt, 0, 5, false, 8192, 256);
+    fwd_bwd("no mask deterministic (two-kernel dq)", false, std::nullopt, 0, 5, true, 8192, 256);
+  }
   {  // A sparse mask: about 1024 random keys a causal row (bench_gpu.py's top-1024 case), with the key bias.
     const std::int64_t S = 4096;
     HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
