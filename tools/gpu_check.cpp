@@ -1118,6 +1118,20 @@ std::vector<Case> deterministic_pairs(Make&& make) {
   return cases;
 }
 
+// Backward case `form` of the bias broadcast forms (2 x 8/2 heads, 65 x 127):
+// bias of shape s, float32 every third, sliced or permuted, causal every other.
+template <class Make>
+Case bias_form_case(Make&& make, const Shape& s, int form) {
+  Case c = make("bias form", 65, 127, 8, 2);
+  c.B = 2;
+  c.bias_shape = s;
+  c.bias_dtype = form % 3 == 0 ? DType::kFloat32 : c.dtype;
+  c.bias_layout.sliced = form % 3 == 1;
+  c.bias_layout.permuted = form % 3 == 2;
+  c.options.causal = form % 2 == 0;
+  return c;
+}
+
 // Head dims above 128 (the backward's feature split: 64-key CTAs, two warps a
 // row block, half a top-k key group a CTA), D = 192 and 256 where
 // DMATTN_HEAD_DIMS compiles them (check() skips the others): the bias and
@@ -1160,12 +1174,7 @@ std::vector<Case> wide_head_cases(Make&& make, bool small) {
       }
     int form = 0;
     for (const Shape& sh : broadcast_shapes(2, 8, 2, 65, 127)) {
-      Case c = wide("bias form", 65, 127, 8, 2);
-      c.B = 2;
-      c.bias_shape = sh;
-      c.bias_dtype = form % 3 == 0 ? DType::kFloat32 : c.dtype;
-      c.bias_layout.permuted = form % 3 == 2;
-      c.options.causal = form % 2 == 0;
+      Case c = bias_form_case(wide, sh, form);
       if (form % 2 == 1) c.mask_shape = {sh[0], sh[1], 65, 127};  // a mask of the bias's batch and heads
       cases.push_back(c);
       ++form;
@@ -1281,17 +1290,11 @@ std::vector<Case> backward_matrix(bool small) {
   // Every broadcast form of the bias (dbias reductions) and of the mask, in every layout.
   int form = 0;
   for (const Shape& s : broadcast_shapes(2, 8, 2, 65, 127)) {
-    Case c = make("bias form", 65, 127, 8, 2);
-    c.B = 2;
-    c.bias_shape = s;
-    c.bias_dtype = form % 3 == 0 ? DType::kFloat32 : c.dtype;
-    c.bias_layout.sliced = form % 3 == 1;
-    c.bias_layout.permuted = form % 3 == 2;
+    Case c = bias_form_case(make, s, form);
     if (form % 4 == 3) {
       const Shape full = {2, 8, 65, 127};
       for (int d = 0; d < 4; ++d) c.bias_layout.expanded[d] = s[d] == 1, c.bias_shape[d] = full[d];
     }
-    c.options.causal = form % 2 == 0;
     cases.push_back(finish(c));
     Case m = make("mask form", 65, 127, 8, 2);
     m.B = 2;
