@@ -1080,7 +1080,7 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
                 Config::kThreads, Config::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
   }
- // Key groups: chunks of at most kChunkTiles query tiles where the rows of a
+  // Key groups: chunks of at most kChunkTiles query tiles where the rows of a
   // group may span more (needs one bias head per kv head for the key dbias).
   std::int32_t* chunk_memory = nullptr;
   const std::int64_t query_tiles = (p.seqlen_q + Config::kDkvStep - 1) / Config::kDkvStep + 1;

@@ -666,7 +666,7 @@ __global__ void __launch_bounds__(kThreads) group_sort_keys(const GroupParams p,
 // 8 back to 0.62: docs/topk-gpu.md).
 constexpr int kStripGroups = 3;
 
-// One CTA of `block` threads per (strip, slice z): kStripGroups items a thread,
+// One CTA of kBlock threads per (strip, slice z): kStripGroups items a thread,
 // blocked, so that the sorted strip comes back in place.
 template <int kBlock>
 __global__ void __launch_bounds__(kBlock) sort_strips(const GroupParams p, const std::uint64_t* sorted, std::int32_t* order) {
