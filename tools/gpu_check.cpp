@@ -8,10 +8,11 @@
 //   dmattn_gpu_check [--small | --backward] --only TEXT
 //                               only the cases whose name contains TEXT
 //   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal,
-//                               and forward + backward times at S=16384 (D=256 at
+//                               and forward + backward times at S=16384 (D=192, 256 at
 //                               S=8192 where DMATTN_HEAD_DIMS has it)
 //   dmattn_gpu_check --bench-topk the top-k (w = 1024) forward + backward line alone
 //   dmattn_gpu_check --bench-decode  the decode lines of --bench alone (dense, top-k)
+//   dmattn_gpu_check --bench-wide    the head dim 192 / 256 lines of --bench alone (where compiled)
 //
 // Accuracy rule (SPEC 5): max |gpu - ref| <= 2 * proxy + 1e-5 on out, where ref
 // is the CPU backend in float64 and the proxy error the larger of two: lowp, the
@@ -1584,8 +1585,9 @@ void bench_decode() {
   }
 }
 
-// topk_only: the top-k fwd + bwd line alone (a short run to profile).
-int bench(bool topk_only) {
+// topk_only: the top-k fwd + bwd line alone (a short run to profile);
+// wide_only: the head dim > 128 lines alone.
+int bench(bool topk_only, bool wide_only) {
   Rng rng;
   const std::int64_t B = 1, H = 32, Hk = 8, D = 128;
   auto random = [&](HostTensor& t) { t.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); }); };
@@ -1609,7 +1611,7 @@ int bench(bool topk_only) {
   // Forward + backward at S = 16384 (backward FLOPs counted as 2.5x the
   // forward's): no mask, a learnable key-only bias (B, Hk, 1, S) with its
   // gradient, and below the same with a bool mask or keep_window_size; at
-  // D = 256 (where compiled) S = 8192 without a mask.
+  // D = 192 and 256 (where compiled) S = 8192 without a mask.
   const auto fwd_bwd = [&](const char* what, bool with_bias, const std::optional<dmattn::TensorView>& mask,
                            std::int64_t keep_window, int iters, bool deterministic = false, std::int64_t S = 16384,
                            std::int64_t D = 128) {
@@ -1638,13 +1640,18 @@ int bench(bool topk_only) {
     fwd_bwd(topk_line, true, std::nullopt, 1024, 5);
     return 0;
   }
+  const auto wide_lines = [&] {
+    for (std::int64_t d : {192, 256})
+      if (head_dim_compiled(d)) {
+        fwd_bwd("no mask", false, std::nullopt, 0, 5, false, 8192, d);
+        fwd_bwd("no mask deterministic (two-kernel dq)", false, std::nullopt, 0, 5, true, 8192, d);
+      }
+  };
+  if (wide_only) return wide_lines(), 0;
   fwd_bwd("no mask", false, std::nullopt, 0, 5);
   fwd_bwd("no mask deterministic (two-kernel dq)", false, std::nullopt, 0, 5, true);
   fwd_bwd("key-only bias", true, std::nullopt, 0, 5);
-  if (head_dim_compiled(256)) {
-    fwd_bwd("no mask", false, std::nullopt, 0, 5, false, 8192, 256);
-    fwd_bwd("no mask deterministic (two-kernel dq)", false, std::nullopt, 0, 5, true, 8192, 256);
-  }
+  wide_lines();
   {  // A sparse mask: about 1024 random keys a causal row (bench_gpu.py's top-1024 case), with the key bias.
     const std::int64_t S = 4096;
     HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D});
@@ -1708,7 +1715,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; ++i)
     if (std::string(argv[i]) == "--only") only = argv[i + 1];
   try {
-    if (mode == "--bench" || mode == "--bench-topk") return bench(mode == "--bench-topk");
+    if (mode == "--bench" || mode == "--bench-topk" || mode == "--bench-wide")
+      return bench(mode == "--bench-topk", mode == "--bench-wide");
     if (mode == "--bench-decode") return bench_decode(), 0;
     if (mode == "--backward") return check(false, true, only);
     return check(mode == "--small", false, only);
