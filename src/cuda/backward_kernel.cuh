@@ -100,8 +100,16 @@ struct BackwardConfig {
   // Row statistics of the queries: three arrays of a step's columns (two buffers)
   // or of the CTA's rows, whichever is larger.
   static constexpr int kStatFloats = 6 * kMaxStep > 3 * kBlockRows ? 6 * kMaxStep : 3 * kBlockRows;
-  // Row stride of the staged tile (+ 4: fewer bank conflicts), room for the dS^T buffers below.
-  static constexpr int kAddLd = (kMaxStep > 2 * kDkvStep ? kMaxStep : 2 * kDkvStep) + 4;
+  // The dS tile kept for dbias (dk/dv) goes over the staged terms, each element
+  // read and then written by one thread; with the feature split both warps of
+  // a row block read the staged term, so the stager writes dS behind the dS^T
+  // buffers (below) instead.
+  static constexpr int kKeepDsAt = kFeatureSplit == 1 ? 0 : 2 * kDkvStep;
+  // Row stride of the staged tile (4 words past a multiple of 32: fewer bank
+  // conflicts), room for the dS^T buffers below and the kept dS tile.
+  static constexpr int kAddLd =
+      std::max({kMaxStep, 2 * kDkvStep, kKeepDsAt + kDkvStep}) + 4;
+  static_assert(kAddLd % 32 == 4, "rows of the staged tile 4 banks apart");
   static constexpr int kFloats = kStatFloats + kBlockRows * kAddLd + kBlockRows + kMaxStep;
   static_assert(kFloats % 2 == 0, "the per-row words behind the floats are 8-byte aligned");
   // Behind the floats, 16 bytes a row: dq, the list bits of the rows (two
@@ -114,8 +122,8 @@ struct BackwardConfig {
   // Element in the columns of tile_add that the dk/dv kernel leaves free (it
   // stages kDkvStep of kAddLd), two buffers (by the step's buf) so that the
   // product of a step can run after the barrier that opens the next one: key
-  // r's queries at r * kDsLd + kDsAt + buf * kDkvStep elements, 16-byte rows 68
-  // words apart, so that ldmatrix and the stores hit every bank once.
+  // r's queries at r * kDsLd + kDsAt + buf * kDkvStep elements, 16-byte rows
+  // kAddLd words apart, so that ldmatrix and the stores hit every bank once.
   static constexpr bool kAtomicDq = kHeadDim % 64 == 0;
   static constexpr int kDsLd = 2 * kAddLd, kDsAt = 2 * kDkvStep;
   static_assert(kDsAt + 2 * kDkvStep <= kDsLd, "two dS^T buffers fit in the unused columns of tile_add");
@@ -369,7 +377,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto* row_bits = reinterpret_cast<std::uint64_t*>(smem + Config::kSmemBytes - kBlockRows * 16);  // dq
   auto* own_keys = reinterpret_cast<std::int32_t*>(row_bits);                                      // dk/dv
   auto* own_rows = reinterpret_cast<KeyRows*>(own_keys + kBlockRows);                             // dk/dv
-  constexpr int kAddLd = Config::kAddLd;
+  constexpr int kAddLd = Config::kAddLd, kKeepDsAt = Config::kKeepDsAt;  // dk/dv: the dS tile kept for dbias
   Tensor sA0 = make_tensor(make_smem_ptr(rows_smem), typename Config::SmemLayoutRows{});
   Tensor sA1 = make_tensor(make_smem_ptr(rows_smem + Config::kRowElems), typename Config::SmemLayoutRows{});
   auto col_tile = [&](int buf, int which) {
@@ -450,7 +458,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
           if (row0 + tid < sq) {
             const std::uint32_t* src = p.mask_bits + (list_block / p.mask_blocks * p.seqlen_q + row0 + tid) * p.bits_sr + c0 / 32;
             const auto smem_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_dst), "l"(src));
+            // The tile's bits: 8 bytes at 64 columns, 4 at 32 (an odd word
+            // from every other step; the upper half, past the tile, unread).
+            asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_dst), "l"(src), "n"(kStep / 8));
           } else {
             *dst = 0;
           }
@@ -690,7 +700,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         acc_dp(at) = kSoftcap ? ds * (1.0f - tanh_x * tanh_x) : ds;
         if constexpr (kKeyRows) {
           if (p.bias_grad == BiasGrad::kPerKey) key_sum[2 * m + half] += ds;
-          if (keep_ds && stager) tile_add[r * kAddLd + col] = ds;
+          if (keep_ds && stager) tile_add[kKeepDsAt + r * kAddLd + col] = ds;
         }
       }
     };
@@ -756,7 +766,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
           for (int e = tid; e < kBlockRows * kStep; e += Config::kThreads) {
             const int kj = e / kStep, qi = e % kStep;
             if (qi >= qrows || kj >= kcols) continue;
-            const float x = tile_add[kj * kAddLd + qi];
+            const float x = tile_add[kKeepDsAt + kj * kAddLd + qi];
             if (db_slice != nullptr)
               db_slice[dense(hb, q0 + qi, k0 + kj)] += x;
             else
@@ -766,7 +776,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
           float x = 0.0f;
           if (tid < kStep)
 #pragma unroll 1
-            for (int kj = 0; kj < kBlockRows; ++kj) x += tile_add[kj * kAddLd + tid];
+            for (int kj = 0; kj < kBlockRows; ++kj) x += tile_add[kKeepDsAt + kj * kAddLd + tid];
           if (p.db_rows != 1) {
             if (tid < kStep && q0 + tid < sq) db_slice[dense(hb, q0 + tid, 0)] += x;
           } else {
