@@ -993,7 +993,8 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
 // > Sk and not causal, bias heads 1 / Hk / H, bias batch 1 / B; w = 1, w >= Sk,
 // w = Sk - 1; ties (constant and four-valued biases); right and left windows;
 // per-row biases and masks (thresholds); key padding masks; varlen; odd sizes;
-// a bias broadcast over keys (dbias summed over keys: contiguous key groups).
+// more than one 1024-row segment (keys cut into pieces); a bias broadcast over
+// keys (dbias summed over keys: contiguous key groups).
 template <class Make>
 std::vector<Case> topk_backward_cases(Make&& make) {
   std::vector<Case> cases;
@@ -1060,11 +1061,51 @@ std::vector<Case> topk_backward_cases(Make&& make) {
     topk_varlen(c, i);
     cases.push_back(c);
   }
-  for (int i = 0; i < 2; ++i) {  // groups whose rows span more than 64 query tiles: chunks added in order
-    Case c = make("top-k chunked key groups", 3000, 3000, 4, 2);
-    c.options.causal = i == 0;
-    c.options.keep_window_size = i ? 100 : 256;
-    c.bias_shape = {c.B, i ? 1 : c.Hk, 1, c.Sk};
+  // More than one 1024-row segment: keys cut into pieces whose sums add up in
+  // segment order (Sq not a multiple of 1024, keys over several segments, w = 1
+  // and w >= Sk, ties, not causal: every key over every segment).
+  struct Pieces {
+    const char* what;
+    std::int64_t sq, sk, w;
+    bool causal;
+    double lo, hi, quantum;
+  };
+  const Pieces pieces[] = {{"top-k pieces", 3000, 3000, 256, true, -2, 2, 0},
+                           {"top-k pieces", 2500, 2200, 100, false, -2, 2, 0},
+                           {"top-k pieces w=1", 2100, 2100, 1, true, -2, 2, 0},
+                           {"top-k pieces w>=Sk", 2100, 1900, 4000, true, -2, 2, 0},
+                           {"top-k pieces constant bias (ties)", 2300, 2300, 300, true, 0.5, 0.5, 0},
+                           {"top-k pieces four bias values (ties)", 2050, 2050, 700, true, 0, 4, 1}};
+  for (const Pieces& t : pieces) {
+    Case c = make(t.what, t.sq, t.sk, 4, 2);
+    c.options.causal = t.causal;
+    c.options.keep_window_size = t.w;
+    c.bias_shape = {c.B, t.causal ? c.Hk : 1, 1, c.Sk};
+    c.bias_lo = t.lo, c.bias_hi = t.hi, c.bias_quantum = t.quantum;
+    cases.push_back(c);
+  }
+  {  // GQA, several selection heads a kv head (a random key-only mask of H heads): a piece is the hull over them
+    Case c = make("top-k pieces mask heads H", 2200, 2400, 8, 2);
+    c.options.causal = true;
+    c.options.keep_window_size = 200;
+    c.mask_density = 0.7;  // a random key-only mask a query head: different intervals a head
+    c.mask_shape = {c.B, c.H, 1, c.Sk};
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    cases.push_back(c);
+  }
+  {  // several bias heads a kv head with dbias: not cut (one key dbias a slot), one CTA a group
+    Case c = make("top-k bias heads H not cut", 2100, 2100, 4, 2);
+    c.options.causal = true;
+    c.options.keep_window_size = 150;
+    c.bias_shape = {c.B, c.H, 1, c.Sk};
+    cases.push_back(c);
+  }
+  {  // varlen over several segments, an empty and a one-row sequence
+    Case c = make("top-k pieces varlen", 1, 1, 4, 2);
+    c.seqlens_q = {2100, 1, 0, 1500}, c.seqlens_k = {2300, 40, 9, 1100};
+    c.bias_shape = {3449, c.Hk};
+    c.options.causal = true;
+    c.options.keep_window_size = 180;
     cases.push_back(c);
   }
   for (int i = 0; i < 2; ++i) {  // few rows over many keys: the chunked threshold search and key lists
@@ -1113,6 +1154,11 @@ std::vector<Case> deterministic_pairs(Make&& make) {
     t.options.keep_window_size = 40;
     t.bias_shape = {1, t.Hk, 1, t.Sk};
     add(t);
+    Case pc = make("dq top-k 300 pieces" + tag, 2600, 2600, 8, 2);  // keys cut at 1024-row segments
+    pc.options.causal = true;
+    pc.options.keep_window_size = 300;
+    pc.bias_shape = {1, pc.Hk, 1, pc.Sk};
+    add(pc);
   }
   return cases;
 }
@@ -1161,12 +1207,19 @@ std::vector<Case> backward_matrix(bool small) {
       if (per_row) t.mask_shape = {t.B, 1, t.Sq, t.Sk};
       cases.push_back(finish(t));
     }
-    Case chunks = make("small top-k 64 chunked key groups", 2100, 2100, 2, 1);  // more than 64 query tiles a group
-    chunks.B = 1;
-    chunks.options.causal = true;
-    chunks.options.keep_window_size = 64;
-    chunks.bias_shape = {1, 1, 1, chunks.Sk};
-    cases.push_back(finish(chunks));
+    Case pieces = make("small top-k 64 pieces", 2100, 2100, 2, 1);  // keys cut at 1024-row segments
+    pieces.B = 1;
+    pieces.options.causal = true;
+    pieces.options.keep_window_size = 64;
+    pieces.bias_shape = {1, 1, 1, pieces.Sk};
+    cases.push_back(finish(pieces));
+    Case gqa = make("small top-k 100 pieces mask heads H", 1500, 1300, 4, 2);  // two selection heads a kv head
+    gqa.options.causal = true;
+    gqa.options.keep_window_size = 100;
+    gqa.mask_density = 0.7;
+    gqa.mask_shape = {gqa.B, gqa.H, 1, gqa.Sk};
+    gqa.bias_shape = {gqa.B, gqa.Hk, 1, gqa.Sk};
+    cases.push_back(finish(gqa));
     Case det = a;  // the two-kernel path (the cases above take dq by atomics)
     det.options.deterministic = true;
     det.name += " deterministic";
@@ -1391,14 +1444,12 @@ float time_forward(const dmattn::Inputs& in, const DeviceTensor& out, const Devi
   return time_call([&] { dmattn::forward(in, out.view(), lse.view(), o); }, iters);
 }
 
-// Fill efficiency (useful entries / computed entries) of the top-k backward's
-// walks for a key-only bias (B = 1, Hb heads, causal, Sq = Sk), from the CPU's
-// exact selection: dq, 128-row query blocks over their key lists in 64-key
-// tiles; dk/dv, groups of 128 keys over the 32-row query tiles that cover the
-// group's rows, the keys sorted by interval end and then strips of `strip`
-// groups by interval start (src/cuda/selection.cu group_keys; strip 1: by end
-// alone).
-void print_topk_fill(const HostTensor& bias, std::int64_t w, std::size_t strip) {
+// Fill of the top-k walks from the CPU's exact selection (causal key-only bias
+// `bias` of (1, heads, 1, S)): the dq key lists (128 rows, 64 keys a step) and
+// the dk/dv key groups, each key's interval cut at multiples of `segment` rows
+// (0: not cut), the pieces of a segment sorted by end, then strips of `strip`
+// groups by start, 128 pieces a group walking 32-row tiles.
+void print_topk_fill(const HostTensor& bias, std::int64_t w, std::size_t strip, std::int64_t segment) {
   const Shape shape = bias.shape();
   const std::int64_t heads = shape[1], S = shape[3];
   dmattn::Problem p;
@@ -1410,14 +1461,11 @@ void print_topk_fill(const HostTensor& bias, std::int64_t w, std::size_t strip) 
   p.causal = true;
   p.keep_window_size = w;
   const dmattn::cpu::Selection sel = dmattn::cpu::select_topk(p);
-  double useful = 0, dq_work = 0, dkv_work = 0;
+  const std::int64_t L = segment > 0 ? segment : S;
+  double useful = 0, dq_work = 0, dkv_work = 0, pieces = 0, groups = 0;
+  using Piece = std::pair<std::int64_t, std::int64_t>;  // rows [first, second) of a key within a segment
   for (std::int64_t h = 0; h < heads; ++h) {
-    std::vector<std::int64_t> order;
-    for (std::int64_t j = 0; j < S; ++j) {
-      const auto& r = sel.interval(0, h, j);
-      useful += static_cast<double>(r.end - r.start);
-      if (r.end > r.start) order.push_back(j);
-    }
+    for (std::int64_t j = 0; j < S; ++j) useful += static_cast<double>(sel.interval(0, h, j).end - sel.interval(0, h, j).start);
     for (std::int64_t i0 = 0; i0 < S; i0 += 128) {
       std::int64_t listed = 0;
       for (std::int64_t j = 0; j < S; ++j) {
@@ -1426,22 +1474,36 @@ void print_topk_fill(const HostTensor& bias, std::int64_t w, std::size_t strip) 
       }
       dq_work += static_cast<double>(std::min<std::int64_t>(128, S - i0) * ((listed + 63) / 64 * 64));
     }
-    std::stable_sort(order.begin(), order.end(),
-                     [&](std::int64_t a, std::int64_t b) { return sel.interval(0, h, a).end < sel.interval(0, h, b).end; });
-    for (std::size_t g = 0; g < order.size(); g += 128 * strip)
-      std::stable_sort(order.begin() + g, order.begin() + std::min(order.size(), g + 128 * strip),
-                       [&](std::int64_t a, std::int64_t b) { return sel.interval(0, h, a).start < sel.interval(0, h, b).start; });
-    for (std::size_t g = 0; g < order.size(); g += 128) {
-      std::int64_t lo = S, hi = 0;
-      for (std::size_t e = g; e < std::min(order.size(), g + 128); ++e)
-        lo = std::min(lo, sel.interval(0, h, order[e]).start), hi = std::max(hi, sel.interval(0, h, order[e]).end);
-      dkv_work += 128.0 * static_cast<double>((hi + 31) / 32 - lo / 32) * 32;
+    for (std::int64_t s0 = 0; s0 < S; s0 += L) {
+      std::vector<Piece> cut;
+      for (std::int64_t j = 0; j < S; ++j) {
+        const auto& r = sel.interval(0, h, j);
+        const std::int64_t lo = std::max<std::int64_t>(r.start, s0), hi = std::min<std::int64_t>(r.end, s0 + L);
+        if (lo < hi) cut.emplace_back(lo, hi);
+      }
+      pieces += static_cast<double>(cut.size());
+      std::stable_sort(cut.begin(), cut.end(), [](const Piece& a, const Piece& b) { return a.second < b.second; });
+      for (std::size_t g = 0; g < cut.size(); g += 128 * strip)
+        std::stable_sort(cut.begin() + g, cut.begin() + std::min(cut.size(), g + 128 * strip),
+                         [](const Piece& a, const Piece& b) { return a.first < b.first; });
+      for (std::size_t g = 0; g < cut.size(); g += 128) {
+        std::int64_t lo = S, hi = 0;
+        for (std::size_t e = g; e < std::min(cut.size(), g + 128); ++e)
+          lo = std::min(lo, cut[e].first), hi = std::max(hi, cut[e].second);
+        dkv_work += 128.0 * static_cast<double>((hi + 31) / 32 - lo / 32) * 32;
+        groups += 1;
+      }
     }
   }
+  double keys = 0;
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t j = 0; j < S; ++j) keys += sel.interval(0, h, j).end > sel.interval(0, h, j).start;
   const double dense = static_cast<double>(heads) * S * (S + 1) / 2;
-  std::printf("  fill (useful / computed entries): dq key lists %.3f, dk/dv key groups (strips of %zu) %.3f; computed / "
-              "dense causal: dq %.3f, dk/dv %.3f; selected / dense causal %.3f\n",
-              useful / dq_work, strip, useful / dkv_work, dq_work / dense, dkv_work / dense, useful / dense);
+  std::printf("  fill (useful / computed entries): dq key lists %.3f, dk/dv key groups (segments of %lld rows, strips of "
+              "%zu) %.3f; computed / dense causal: dq %.3f, dk/dv %.3f; selected / dense causal %.3f; pieces a selected "
+              "key %.3f, groups a head %.1f\n",
+              useful / dq_work, static_cast<long long>(L), strip, useful / dkv_work, dq_work / dense, dkv_work / dense,
+              useful / dense, pieces / keys, groups / static_cast<double>(heads));
 }
 
 // Decode: one query row over Sk keys; bound by reading K and V. B=4 at 128k
@@ -1518,7 +1580,8 @@ int bench(bool topk_only) {
     std::printf("bench bf16 B=1 H=32 Hk=8 D=128 causal S=%lld %-14s fwd %.3f ms  bwd %.3f ms (%.1f TFLOP/s)  fwd+bwd %.3f ms\n",
                 static_cast<long long>(S), what, fwd, bwd, 2.5 * flops / (bwd * 1e-3) / 1e12, fwd + bwd);
     if (keep_window > 0)
-      for (std::size_t strip : {1, 3}) print_topk_fill(bias, keep_window, strip);
+      for (const auto& [strip, segment] : {std::pair<std::size_t, std::int64_t>{1, 0}, {3, 0}, {3, 1024}, {3, 2048}})
+        print_topk_fill(bias, keep_window, strip, segment);
   };
   const char* topk_line = "key-only bias (B, 8, 1, S), keep_window_size 1024 (TFLOP/s of the dense work)";
   if (topk_only) {

@@ -209,9 +209,13 @@ void run_backward(const Problem& p) {
           sel = select(p, params);
           if (sel.intervals != nullptr) {
             const bool sort = params.bias_grad == cuda::BiasGrad::kNone || params.bias_grad == cuda::BiasGrad::kPerKey;
+            // Keys cut at row segments add their pieces' sums in a slot with one key dbias: one bias head a kv head.
+            const bool split = params.bias_grad == cuda::BiasGrad::kNone || params.bias_group % params.group == 0;
             groups = cuda::group_keys(sel, p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k, p.cu_seqlens_k,
-                                      sort, stream);
-            params.key_order = groups.order, params.group_rows = groups.rows, params.key_groups = groups.groups;
+                                      p.keep_window_size, sort, split, stream);
+            params.key_order = groups.order, params.key_rank = groups.rank, params.key_pieces = groups.pieces;
+            params.group_first = groups.first, params.group_rows = groups.rows, params.key_groups = groups.groups;
+            params.key_segments = groups.segments, params.segment_rows = groups.segment_rows;
           }
         }
         dispatch_backward(p, params);
