@@ -746,6 +746,7 @@ __global__ void group_firsts(const GroupParams p, const std::uint64_t* sorted, s
   if (threadIdx.x == 0) {
     seg_first[0] = 0;
     for (std::int64_t s = 0; s < p.segments; ++s) seg_first[s + 1] += seg_first[s];
+    if (seg_first[p.segments] > groups) __trap();  // more groups than group_keys' bound: fail loudly
   }
   __syncthreads();
   for (std::int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
