@@ -1075,7 +1075,8 @@ std::vector<Case> topk_backward_cases(Make&& make) {
                            {"top-k pieces w=1", 2100, 2100, 1, true, -2, 2, 0},
                            {"top-k pieces w>=Sk", 2100, 1900, 4000, true, -2, 2, 0},
                            {"top-k pieces constant bias (ties)", 2300, 2300, 300, true, 0.5, 0.5, 0},
-                           {"top-k pieces four bias values (ties)", 2050, 2050, 700, true, 0, 4, 1}};
+                           {"top-k pieces four bias values (ties)", 2050, 2050, 700, true, 0, 4, 1},
+                           {"top-k pieces of 2048 rows", 16500, 600, 50, false, -2, 2, 0}};  // > 16 segments of 1024
   for (const Pieces& t : pieces) {
     Case c = make(t.what, t.sq, t.sk, 4, 2);
     c.options.causal = t.causal;

@@ -654,6 +654,11 @@ struct GroupParams {
   }
   // Pieces of key j in segments [0, upto) of slice z.
   __device__ std::int32_t pieces_before(std::int64_t z, std::int64_t j, std::int64_t upto) const {
+    if (first_head(z) == last_head(z)) {  // one interval: a piece in each segment it meets
+      const KeyRows r = at(z, first_head(z), j);
+      if (r.end <= r.start) return 0;
+      return static_cast<std::int32_t>(max(std::int64_t{0}, min(upto, (r.end - 1) / segment_rows + 1) - r.start / segment_rows));
+    }
     std::int64_t from = upto;  // the segment of the earliest start
     for (std::int64_t h = first_head(z); h <= last_head(z); ++h) {
       const KeyRows r = at(z, h, j);
@@ -841,16 +846,21 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   const std::int64_t slices = batch * kv_heads, key_groups = (seqlen_k + block - 1) / block;
   g.groups = key_groups;
   if (slices * seqlen_k == 0) return g;
-  // Segments where the sort's items (a key a segment) and grid fit; else one, or unsorted.
-  const auto fits = [&](std::int64_t segments) {
-    const std::int64_t rows = segments > 1 ? kKeySegmentRows : seqlen_q;
+  // Segments of kKeySegmentRows rows, or of a multiple of it so that there are
+  // at most kMaxKeySegments (the sort has an item a key and segment), where the
+  // sort's items and grid fit; else one segment, or unsorted.
+  const auto fits = [&](std::int64_t segments, std::int64_t rows) {
     return slices * segments * seqlen_k <= INT_MAX && slices * segments <= 65535 &&
            ceil_log2(rows + 2) + ceil_log2(slices * segments) <= 64;
   };
-  sort = sort && fits(1);
-  p.segments = split && sort ? std::max<std::int64_t>((seqlen_q + kKeySegmentRows - 1) / kKeySegmentRows, 1) : 1;
-  if (!fits(p.segments)) p.segments = 1;
-  p.segment_rows = p.segments > 1 ? kKeySegmentRows : std::max<std::int64_t>(seqlen_q, 1);
+  p.segments = 1, p.segment_rows = std::max<std::int64_t>(seqlen_q, 1);
+  sort = sort && fits(1, p.segment_rows);
+  if (split && sort && seqlen_q > kKeySegmentRows) {
+    const std::int64_t base = (seqlen_q + kKeySegmentRows - 1) / kKeySegmentRows;  // segments of kKeySegmentRows
+    const std::int64_t rows = kKeySegmentRows * ((base + kMaxKeySegments - 1) / kMaxKeySegments);
+    const std::int64_t segments = (seqlen_q + rows - 1) / rows;
+    if (fits(segments, rows)) p.segments = segments, p.segment_rows = rows;
+  }
   p.end_bits = ceil_log2(std::min(seqlen_q, p.segment_rows) + 2);  // ends 1..rows and the all-ones value
   g.segments = p.segments, g.segment_rows = p.segment_rows;
   const std::int64_t items = slices * p.segments * seqlen_k;

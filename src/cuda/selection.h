@@ -76,6 +76,7 @@ void free_selection(DeviceSelection& sel, cudaStream_t stream);
 // rows[z * groups + g] is the union of the group's pieces ({0, 0}: none).
 constexpr int kKeyGroupKeys = 128;   // entries a group: the rows of a backward CTA
 constexpr int kKeySegmentRows = 1024;  // rows a segment: 32 query tiles of the dk/dv walk
+constexpr int kMaxKeySegments = 16;    // more rows: segments of a multiple of kKeySegmentRows
 
 struct KeyGroups {
   std::int32_t* order = nullptr;
@@ -90,8 +91,9 @@ struct KeyGroups {
 
 // Enqueues the grouping of sel (kIntervals) on stream. `heads` / `kv_heads`
 // query / kv heads, seqlen_q, seqlen_k and cu_seqlens_k as in the Problem
-// (device, varlen only), w the keep window. split: cut at kKeySegmentRows (the
-// partial dk/dv of a key's pieces are then added in order, so needs sort).
+// (device, varlen only), w the keep window. split: cut at kKeySegmentRows, or
+// at a multiple of it for more than kMaxKeySegments segments (the partial
+// dk/dv of a key's pieces are then added in order; needs sort).
 KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
                      std::int64_t seqlen_q, std::int64_t seqlen_k, const std::int32_t* cu_seqlens_k, std::int64_t w,
                      bool sort, bool split, cudaStream_t stream);
