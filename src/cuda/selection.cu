@@ -714,6 +714,11 @@ __global__ void __launch_bounds__(kBlock) sort_strips(const GroupParams p, const
   __shared__ typename Sort::TempStorage storage;
   const std::int64_t v = blockIdx.y, z = v / p.segments, s = v % p.segments;
   const std::int64_t pos0 = std::int64_t{blockIdx.x} * kBlock * kStripGroups + threadIdx.x * kStripGroups;
+  if ((sorted[v * p.seqlen_k + std::int64_t{blockIdx.x} * kBlock * kStripGroups] & p.no_end()) == p.no_end()) {
+    for (int i = 0; i < kStripGroups; ++i)  // a strip past the pieces (most of them with many segments)
+      if (pos0 + i < p.seqlen_k) order[v * p.seqlen_k + pos0 + i] = -1;
+    return;
+  }
   std::uint32_t start[kStripGroups];
   std::int32_t key[kStripGroups];
   for (int i = 0; i < kStripGroups; ++i) {
