@@ -58,7 +58,6 @@ struct BackwardConfig {
   // Columns a step: the accumulators of 16 x D rows a warp (dK and dV, or dQ) and
   // the S and dP tiles of 16 x step must fit in 255 registers.
   static constexpr int kDkvStep = 32, kDqStep = 64;
-  static_assert(kKeySegmentRows % kDkvStep == 0, "a dk/dv query tile lies in one row segment");
   static_assert(kHeadDim <= 128, "the CUDA backward takes head dims up to 128");
   static constexpr int kSmemRow = kHeadDim % 64 == 0 ? 64 : 32;
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
@@ -348,6 +347,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto* own_rows = reinterpret_cast<KeyRows*>(own_keys + kBlockRows);                             // dk/dv
   auto* piece_info = reinterpret_cast<int*>(key_add);  // dk/dv with pieces: a row's rank and last flag
   __shared__ int segment_lo;  // dk/dv key groups: the segment's first row (in a register, the walk spills)
+  static_assert(kKeySegmentRows % Config::kDkvStep == 0, "a dk/dv query tile lies in one row segment");
   constexpr int kAddLd = Config::kAddLd;
   Tensor sA0 = make_tensor(make_smem_ptr(rows_smem), typename Config::SmemLayoutRows{});
   Tensor sA1 = make_tensor(make_smem_ptr(rows_smem + Config::kRowElems), typename Config::SmemLayoutRows{});
