@@ -704,7 +704,7 @@ __global__ void __launch_bounds__(kThreads) count_pieces(const GroupParams p, st
 // of 3; 2 and 4 close, 8 back to 0.62: docs/topk-gpu.md).
 constexpr int kStripGroups = 3;
 
-// One CTA of `block` threads per (strip, slice and segment v): kStripGroups
+// One CTA of kBlock threads per (strip, slice and segment v): kStripGroups
 // items a thread, blocked, so that the sorted strip comes back in place; then
 // the entries' keys (-1: no piece) and, with rank, the pieces' ranks.
 template <int kBlock>
