@@ -938,20 +938,22 @@ __global__ void __launch_bounds__(256) reduce_bias_grad(const BackwardParams p, 
 }
 
 // Sorted key groups hold only pieces: dk and dv of the keys that no row
-// selects are zeros, written here.
+// selects are zeros, written here: a warp a key (b, kv head, j), the columns
+// over its lanes (the key's test and index arithmetic once, not per element).
 template <class Element>
 __global__ void __launch_bounds__(256) zero_unselected(const BackwardParams p, int batch) {
-  const int kv_heads = p.heads / p.group;
-  const std::int64_t elements = std::int64_t{batch} * kv_heads * p.seqlen_k * p.head_dim;
-  for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < elements;
-       e += std::int64_t{gridDim.x} * blockDim.x) {
-    const std::int64_t key = e / p.head_dim, j = key % p.seqlen_k, slice = key / p.seqlen_k;
-    const int col = static_cast<int>(e % p.head_dim), b = static_cast<int>(slice / kv_heads);
-    const int kvh = static_cast<int>(slice % kv_heads);
+  const int kv_heads = p.heads / p.group, lane = threadIdx.x % 32;
+  const std::int64_t keys = std::int64_t{batch} * kv_heads * p.seqlen_k;
+  for (std::int64_t key = (std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32; key < keys;
+       key += std::int64_t{gridDim.x} * blockDim.x / 32) {
+    if (p.key_pieces[key] != 0) continue;
+    const std::int64_t j = key % p.seqlen_k, slice = key / p.seqlen_k;
+    const int b = static_cast<int>(slice / kv_heads), kvh = static_cast<int>(slice % kv_heads);
     const Sequence s(p, b);
-    if (p.key_pieces[key] != 0 || j >= s.sk) continue;
-    static_cast<Element*>(p.dk.data)[b * p.dk.sb + kvh * p.dk.sh + (s.ks + j) * p.dk.sr + col] = Element(0.0f);
-    static_cast<Element*>(p.dv.data)[b * p.dv.sb + kvh * p.dv.sh + (s.ks + j) * p.dv.sr + col] = Element(0.0f);
+    if (j >= s.sk) continue;
+    auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh + (s.ks + j) * p.dk.sr;
+    auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh + (s.ks + j) * p.dv.sr;
+    for (int col = lane; col < p.head_dim; col += 32) dk[col] = Element(0.0f), dv[col] = Element(0.0f);
   }
 }
 
@@ -1117,8 +1119,8 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
     err = cudaGetLastError();
   }
   if (err == cudaSuccess && p.key_pieces != nullptr) {
-    const std::int64_t elements = std::int64_t{batch} * kv_heads * p.seqlen_k * p.head_dim;
-    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((elements + 255) / 256, 65536));
+    const std::int64_t keys = std::int64_t{batch} * kv_heads * p.seqlen_k;
+    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((keys + 7) / 8, 65536));  // 8 warps a block
     zero_unselected<Element><<<blocks, 256, 0, stream>>>(p, batch);
     err = cudaGetLastError();
   }

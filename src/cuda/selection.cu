@@ -739,7 +739,8 @@ __global__ void __launch_bounds__(kBlock) sort_strips(const GroupParams p, const
 
 // One CTA per slice z: the groups of its segments in order, each segment's
 // groups from its last (the latest ends) to its first; first[z * groups + g]
-// = the entry of group g's first piece, -1 past the last group.
+// = the entry of group g's first piece, -1 past the last group. The slice's
+// groups never exceed `groups` (group_keys proves the bound).
 __global__ void group_firsts(const GroupParams p, const std::uint64_t* sorted, std::int64_t groups, std::int32_t* first) {
   extern __shared__ std::int64_t seg_first[];  // [segments + 1]: the segments' first group
   const std::int64_t z = blockIdx.x;
@@ -756,7 +757,6 @@ __global__ void group_firsts(const GroupParams p, const std::uint64_t* sorted, s
   if (threadIdx.x == 0) {
     seg_first[0] = 0;
     for (std::int64_t s = 0; s < p.segments; ++s) seg_first[s + 1] += seg_first[s];
-    if (seg_first[p.segments] > groups) __trap();  // more groups than group_keys' bound: fail loudly
   }
   __syncthreads();
   for (std::int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
@@ -870,11 +870,22 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   g.segments = p.segments, g.segment_rows = p.segment_rows;
   const std::int64_t items = slices * p.segments * seqlen_k;
   if (sort) {
-    // Groups a slice: its pieces in full groups plus one partial group a
-    // segment. A segment boundary is crossed by at most w keys of a selection
-    // head (each row selects at most w), so a head has at most seqlen_k +
-    // (segments - 1) w pieces.
-    const std::int64_t slice_heads = sel.group >= p.group ? 1 : p.group / sel.group;
+    // The dk/dv grid: a bound on the groups of a slice, known without reading
+    // the selection (no host sync). Proof: a key's piece in segment s exists
+    // iff one of the slice's selection heads selects the key in a row of s. For
+    // one head, key j's rows are one interval [start, end); it meets 1 + c
+    // segments, c the segment boundaries r (r a multiple of segment_rows,
+    // start < r < end) it crosses, and a key crossing r is selected by row r,
+    // which selects at most min(w, seqlen_k) keys. So a head has at most
+    // seqlen_k + (segments - 1) min(w, seqlen_k) pieces (varlen: fewer rows and
+    // keys), the slice at most `pieces` below (a piece of the hull is a piece of
+    // one of its heads), and at most seqlen_k in each segment. Segment s takes
+    // ceil(n_s / 128) groups; summed over the segments that is at most
+    // ceil(sum n_s / 128) + segments - 1, and at most segments ceil(seqlen_k /
+    // 128).
+    std::int64_t slice_heads = 1;  // most selection heads of a slice's query heads
+    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      slice_heads = std::max(slice_heads, (kvh * p.group + p.group - 1) / sel.group - kvh * p.group / sel.group + 1);
     const std::int64_t pieces = std::min(p.segments * seqlen_k,
                                          slice_heads * (seqlen_k + (p.segments - 1) * std::min(w, seqlen_k)));
     g.groups = std::min(p.segments * key_groups, (pieces + block - 1) / block + p.segments - 1);
