@@ -60,10 +60,10 @@ def _stream(q: Tensor) -> int:
 
 
 def _dl(t: Optional[Tensor]):
-    """A DLPack capsule of t (None stays None), from torch's C exporter: handed the
-    tensor itself, nanobind would call Tensor.__dlpack__, whose stream bookkeeping
-    (Python, about 10 us a tensor; the core needs none: it runs on the stream it
-    is given) was a third of a top-k decode call."""
+    """A DLPack capsule of t (None stays None), from torch's C exporter. Handed the
+    tensor itself, nanobind calls Tensor.__dlpack__, whose stream handshake (Python:
+    3 to 5 us a tensor on an H100 host, docs/topk-gpu.md) the core does not need:
+    it runs on the stream it is given."""
     return None if t is None else to_dlpack(t.detach())
 
 
