@@ -12,6 +12,13 @@ model's keep_window_size: the stock model selects the top W keys of every row
 from its (B, H, Sq, Sk) bias, dmattn from the key-only bias on the GPU (the
 selection, the gathered forward and the backward of issue 6). The default W
 (512) is wider than the sequence: every key is kept, dense attention.
+
+With a keep window the stock selection (torch.topk) breaks ties between equal
+bias values arbitrarily, and ties are common: in the first layer a key's bias
+depends only on its token, and the sequences repeat tokens. SPEC 3 gives a tie
+to the more recent key. So a third run trains the eager model with its top-k
+replaced by one that follows SPEC 3 (a stable sort of the keys, most recent
+first); that is the curve dmattn must match, the stock one is shown beside it.
 """
 
 import argparse
@@ -20,9 +27,11 @@ import json
 import math
 import pathlib
 import time
+import types
 
 import torch
 from transformers import DogeConfig, DogeForCausalLM
+from transformers.models.doge.modeling_doge import DogeAttention
 
 from dmattn.integrations.transformers import use_dmattn_for_doge
 
@@ -41,6 +50,27 @@ def batches(steps, seed=0):
         ids = torch.where(noise, torch.randint(0, VOCAB, ids.shape, generator=g), ids)
         out.append(ids)
     return out
+
+
+def _spec_dynamic_mask(self, hidden_states, dt_states, keep_window_size=2048, attention_mask=None):
+    """DogeAttention.prepare_dynamic_mask with SPEC 3's tie rule: of equal biases the larger key index is kept."""
+    mask = self.stock_dynamic_mask(hidden_states, dt_states, keep_window_size=dt_states.shape[-1],
+                                   attention_mask=attention_mask)
+    if mask.shape[-1] <= keep_window_size:
+        return mask
+    # A stable descending sort of the keys in reverse order puts the most recent of equal biases first.
+    order = torch.sort(mask.flip(-1), dim=-1, descending=True, stable=True).indices[..., :keep_window_size]
+    keep = torch.zeros_like(mask, dtype=torch.bool).scatter(-1, mask.shape[-1] - 1 - order, True)
+    return mask.masked_fill(~keep, torch.finfo(mask.dtype).min)
+
+
+def spec_ties(model):
+    """Makes every DogeAttention of `model` select its keys with SPEC 3's tie rule, in place."""
+    for layer in model.modules():
+        if isinstance(layer, DogeAttention):
+            layer.stock_dynamic_mask = layer.prepare_dynamic_mask
+            layer.prepare_dynamic_mask = types.MethodType(_spec_dynamic_mask, layer)
+    return model
 
 
 def train(model, data, lr):
@@ -74,7 +104,11 @@ def main():
     with torch.no_grad():
         for layer in eager.model.layers:
             layer.self_attn.A.normal_()
+    sparse = args.keep_window < SEQ
     ours = use_dmattn_for_doge(copy.deepcopy(eager))
+    stock = copy.deepcopy(eager) if sparse else None
+    if sparse:
+        spec_ties(eager)
     data = batches(args.steps)
     eager_losses, eager_s = train(eager, data, args.lr)
     ours_losses, ours_s = train(ours, data, args.lr)
@@ -91,11 +125,17 @@ def main():
         "nan": any(math.isnan(x) for x in eager_losses + ours_losses),
         "seconds": {"eager": eager_s, "dmattn": ours_s},
     }
+    if sparse:
+        result["eager_stock_ties"], result["seconds"]["eager_stock_ties"] = train(stock, data, args.lr)
+        result["eager_tie_rule"] = "SPEC 3 (stable sort, most recent key first); eager_stock_ties: torch.topk"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "doge-training" if args.keep_window >= SEQ else f"doge-training-keep{args.keep_window}"
+    name = f"doge-training-keep{args.keep_window}" if sparse else "doge-training"
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"eager  first {eager_losses[0]:.4f} last {eager_losses[-1]:.4f}  ({eager_s:.1f} s)")
+    if sparse:
+        stock_losses = result["eager_stock_ties"]
+        print(f"eager, torch.topk ties: first {stock_losses[0]:.4f} last {stock_losses[-1]:.4f}")
     print(f"dmattn first {ours_losses[0]:.4f} last {ours_losses[-1]:.4f}  ({ours_s:.1f} s)")
     print(f"max |diff| {result['max_abs_diff']:.4f} (relative {result['max_rel_diff']:.4f}), NaN: {result['nan']}")
     try:
@@ -106,11 +146,13 @@ def main():
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(eager_losses, label="eager (stock attention)")
+    ax.plot(eager_losses, label="eager, SPEC 3 ties" if sparse else "eager (stock attention)")
+    if sparse:
+        ax.plot(result["eager_stock_ties"], label="eager, stock torch.topk ties", linestyle=":")
     ax.plot(ours_losses, label="dmattn (CUDA)", linestyle="--")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    keep = f", keep_window_size {args.keep_window}" if args.keep_window < SEQ else ""
+    keep = f", keep_window_size {args.keep_window}" if sparse else ""
     ax.set_title(f"tiny Doge, bf16{keep}, {result['device']}", fontsize=9)
     ax.legend()
     fig.tight_layout()

@@ -78,6 +78,17 @@ TEST_P(Varlen, LayoutsAndHeads) {
   check_varlen(c, rng);
 }
 
+// Top-k intervals where one sequence has keys past the CPU backward's first
+// key-group windows (kGroupWindow = 512 keys) and the others have fewer keys
+// than that: the short sequences' later key groups are empty.
+TEST_P(Varlen, TopKShortSequencesBesideALongOne) {
+  VarlenCase c = make_varlen(GetParam(), 2);
+  c.lengths = {{40, 600}, {20, 9}, {0, 700}, {30, 1}};
+  c.options.causal = true;
+  c.options.keep_window_size = 30;
+  check_varlen(c, rng);
+}
+
 INSTANTIATE_TEST_SUITE_P(All, Varlen, ::testing::ValuesIn(all_dtypes()), dtype_param_name);
 
 // Sequence b of a varlen instance as a batched instance with B = 1.

@@ -7,8 +7,9 @@ which have fake (meta) kernels and autograd formulas, so autograd,
 way, with no graph break and no host synchronisation.
 
 Outputs are allocated here (so the fake kernels can describe them) and written
-by the core in place; inputs are passed as zero-copy DLPack views. On CUDA the
-core runs on the caller's current stream.
+by the core in place; every tensor is passed as a zero-copy DLPack capsule. On
+CUDA the core runs on the caller's current stream (and makes q's device current
+itself).
 
 Broadcasting: a mask or bias dimension of stride 0 (an `expand`ed view) is read
 as a broadcast dimension of size 1, so an expanded key-only bias
@@ -20,11 +21,11 @@ tensor it was expanded from is exact). The mask gets no gradient; the lse output
 is not differentiable.
 """
 
-import contextlib
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.dlpack import to_dlpack
 
 from . import _C
 
@@ -45,7 +46,7 @@ def _reduce(t: Optional[Tensor], shape: Optional[List[int]]) -> Optional[Tensor]
     for dim, size in enumerate(shape):
         if size == 1 and t.shape[dim] != 1:
             t = t.narrow(dim, 0, 1)
-    return t.detach()
+    return t
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -53,11 +54,17 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _launch(q: Tensor):
-    """The device context and stream of a call on q's device."""
-    if q.device.type == "cuda":
-        return torch.cuda.device(q.device), torch.cuda.current_stream(q.device).cuda_stream
-    return contextlib.nullcontext(), 0
+def _stream(q: Tensor) -> int:
+    """The caller's current stream on q's device (0 on the CPU)."""
+    return torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else 0
+
+
+def _dl(t: Optional[Tensor]):
+    """A DLPack capsule of t (None stays None), from torch's C exporter. Handed the
+    tensor itself, nanobind calls Tensor.__dlpack__, whose stream handshake (Python:
+    3 to 5 us a tensor on an H100 host, docs/topk-gpu.md) the core does not need:
+    it runs on the stream it is given."""
+    return None if t is None else to_dlpack(t.detach())
 
 
 def _options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic):
@@ -97,11 +104,9 @@ def _fwd(
 ) -> Tuple[Tensor, Tensor]:
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
-    device, stream = _launch(q)
-    with device:
-        _C.forward(q.detach(), k.detach(), v.detach(), _reduce(mask, mask_shape), _reduce(bias, bias_shape),
-                   out, lse, stream=stream,
-                   **_options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic))
+    _C.forward(_dl(q), _dl(k), _dl(v), _dl(_reduce(mask, mask_shape)), _dl(_reduce(bias, bias_shape)),
+               _dl(out), _dl(lse), stream=_stream(q),
+               **_options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic))
     return out, lse
 
 
@@ -122,12 +127,10 @@ def _bwd(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     dbias = bias.new_empty(bias_shape) if bias_grad else q.new_empty(0)
-    device, stream = _launch(q)
-    with device:
-        _C.backward(q.detach(), k.detach(), v.detach(), _reduce(mask, mask_shape), _reduce(bias, bias_shape),
-                    out.detach(), _last_dim_contiguous(dout.detach()), lse.detach(), dq, dk, dv,
-                    dbias if bias_grad else None, stream=stream,
-                    **_options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic))
+    _C.backward(_dl(q), _dl(k), _dl(v), _dl(_reduce(mask, mask_shape)), _dl(_reduce(bias, bias_shape)),
+                _dl(out), _dl(_last_dim_contiguous(dout.detach())), _dl(lse), _dl(dq), _dl(dk), _dl(dv),
+                _dl(dbias) if bias_grad else None, stream=_stream(q),
+                **_options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic))
     return dq, dk, dv, dbias
 
 
@@ -171,12 +174,10 @@ def _varlen_fwd(
 ) -> Tuple[Tensor, Tensor]:
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
-    device, stream = _launch(q)
-    with device:
-        _C.varlen_forward(q.detach(), k.detach(), v.detach(), _reduce(bias, bias_shape), cu_seqlens_q.detach(),
-                          cu_seqlens_k.detach(), max_seqlen_q, max_seqlen_k, out, lse, stream=stream,
-                          **_options(scale, softcap, causal, window_left, window_right, keep_window_size,
-                                     deterministic))
+    _C.varlen_forward(_dl(q), _dl(k), _dl(v), _dl(_reduce(bias, bias_shape)), _dl(cu_seqlens_q),
+                      _dl(cu_seqlens_k), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse), stream=_stream(q),
+                      **_options(scale, softcap, causal, window_left, window_right, keep_window_size,
+                                 deterministic))
     return out, lse
 
 
@@ -197,14 +198,12 @@ def _varlen_bwd(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     dbias = bias.new_empty(bias_shape) if bias_grad else q.new_empty(0)
-    device, stream = _launch(q)
-    with device:
-        _C.varlen_backward(q.detach(), k.detach(), v.detach(), _reduce(bias, bias_shape), cu_seqlens_q.detach(),
-                           cu_seqlens_k.detach(), max_seqlen_q, max_seqlen_k, out.detach(),
-                           _last_dim_contiguous(dout.detach()), lse.detach(), dq, dk, dv,
-                           dbias if bias_grad else None, stream=stream,
-                           **_options(scale, softcap, causal, window_left, window_right, keep_window_size,
-                                      deterministic))
+    _C.varlen_backward(_dl(q), _dl(k), _dl(v), _dl(_reduce(bias, bias_shape)), _dl(cu_seqlens_q),
+                       _dl(cu_seqlens_k), max_seqlen_q, max_seqlen_k, _dl(out),
+                       _dl(_last_dim_contiguous(dout.detach())), _dl(lse), _dl(dq), _dl(dk), _dl(dv),
+                       _dl(dbias) if bias_grad else None, stream=_stream(q),
+                       **_options(scale, softcap, causal, window_left, window_right, keep_window_size,
+                                  deterministic))
     return dq, dk, dv, dbias
 
 

@@ -148,6 +148,7 @@ void key_group(const Selection& sel, std::int64_t b, std::int64_t h, std::int64_
     return;
   }
   const std::int64_t w0 = g * kBlockKeys / kGroupWindow * kGroupWindow, w1 = std::min(sk, w0 + kGroupWindow);
+  if (w1 <= w0) return;  // past this sequence's keys (varlen: a shorter sequence than the longest)
   std::vector<std::int64_t> window(static_cast<std::size_t>(w1 - w0));
   std::iota(window.begin(), window.end(), w0);
   std::stable_sort(window.begin(), window.end(), [&](std::int64_t x, std::int64_t y) {

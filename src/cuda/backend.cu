@@ -20,6 +20,16 @@ bool vector_loads(const Operand& t) {
   return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 && t.sb % 8 == 0 && t.sh % 8 == 0 && t.sr % 8 == 0;
 }
 
+// The forward's key-only bias (after fold_query_heads) loads a tile's keys as
+// 16-byte chunks (ForwardParams::vector_bias): row stride 0, consecutive keys,
+// 16-byte aligned rows and sequences of whole chunks (8 keys cover one of
+// either bias dtype).
+bool vector_key_bias(const Problem& p, const Operand& b) {
+  if (!b.present() || b.sr != 0 || b.sc != 1 || p.varlen() || p.seqlen_k % 8 != 0) return false;
+  const auto per_chunk = static_cast<std::int64_t>(16 / dtype_size(b.dtype));
+  return reinterpret_cast<std::uintptr_t>(b.data) % 16 == 0 && b.sb % per_chunk == 0 && b.sh % per_chunk == 0;
+}
+
 // Makes `device` current for the duration of a call, restoring the caller's.
 class DeviceGuard {
  public:
@@ -139,6 +149,7 @@ void run_forward(const Problem& p) {
   set_attention_params(p, params);
   const std::int64_t launch_heads = fold_query_heads(p, params);
   params.vector_q = vector_loads(params.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
+  params.vector_bias = vector_key_bias(p, params.bias);
 
   const DeviceGuard guard(p.device.index);
   cuda::DeviceSelection sel;
@@ -210,9 +221,13 @@ void run_backward(const Problem& p) {
           sel = select(p, params);
           if (sel.intervals != nullptr) {
             const bool sort = params.bias_grad == cuda::BiasGrad::kNone || params.bias_grad == cuda::BiasGrad::kPerKey;
+            // Keys cut at row segments add their pieces' sums in a slot with one key dbias: one bias head a kv head.
+            const bool split = params.bias_grad == cuda::BiasGrad::kNone || params.bias_group % params.group == 0;
             groups = cuda::group_keys(sel, p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k, p.cu_seqlens_k,
-                                      sort, stream);
-            params.key_order = groups.order, params.group_rows = groups.rows, params.key_groups = groups.groups;
+                                      p.keep_window_size, sort, split, stream);
+            params.key_order = groups.order, params.key_rank = groups.rank, params.key_pieces = groups.pieces;
+            params.group_first = groups.first, params.group_rows = groups.rows, params.key_groups = groups.groups;
+            params.key_segments = groups.segments, params.segment_rows = groups.segment_rows;
           }
         }
         dispatch_backward(p, params);

@@ -50,20 +50,26 @@ struct BackwardParams : AttentionParams, KeyLists {
 
   MaskTiles dkv_tiles;  // mask tiles of the dk/dv walk (a mask without top-k, or top-k thresholds)
 
-  // Top-k intervals, dk/dv walk (selection.h KeyGroups): CTA (b, kv head, g) owns
-  // the keys at positions [g * kBlockRows, ..) of key_order (contiguous keys when
-  // null) and walks the query rows group_rows of its group; each element is
-  // tested against its key's interval. Thresholds: the dk/dv walk is the dense
-  // one, each element tested against its row's threshold.
+  // Top-k intervals, dk/dv walk (selection.h KeyGroups): CTA (b, kv head, g)
+  // owns the 128 entries of key_order from group_first[z * key_groups + g]
+  // (slice z = b * kv heads + kv head; keys -1 past the pieces), or with
+  // key_order null the keys [128 g, 128 g + 128), and walks the query rows
+  // group_rows of its group; each element is tested against its key's interval
+  // within the group's segment (above 128 features a group is two CTAs of 64
+  // entries, BackwardConfig::kGroupBlocks). Thresholds: the dk/dv walk is the
+  // dense one, each element tested against its row's threshold.
   const std::int32_t* key_order = nullptr;
+  const std::int32_t* key_rank = nullptr;    // with key_segments > 1: a piece's rank among its key's pieces
+  const std::int32_t* key_pieces = nullptr;  // pieces of key j of slice z at z * seqlen_k + j (sorted)
+  const std::int32_t* group_first = nullptr;
   const KeyRows* group_rows = nullptr;
-  std::int64_t key_groups = 0;
-  // Chunks: with chunks > 1, CTA (g * chunks + c) walks chunk c of group g's
-  // query tiles, chunk_tiles a chunk, and the chunks of a group add their sums
-  // in order through slot g of chunk_acc (float32), chunk_turn[g] the next chunk.
-  int chunks = 1, chunk_tiles = 0;
-  float* chunk_acc = nullptr;
-  int* chunk_turn = nullptr;
+  std::int64_t key_groups = 0, key_segments = 1, segment_rows = 0;
+  // Pieces (key_segments > 1): the pieces of a key add their dK, dV (unscaled)
+  // and key dbias sums in segment order through the float32 slot of the key
+  // (z * seqlen_k + j, 2 kHeadDim + 1 floats) in piece_acc, piece_turn of the
+  // key the rank of the next piece; the last piece writes the gradients.
+  float* piece_acc = nullptr;
+  int* piece_turn = nullptr;
 
   // dbias: dense extents (batch, heads, rows, keys) of the bias before broadcasting
   // (varlen: B, Hb, 1, max_seqlen_k with local keys). Direct (scratch == nullptr):

@@ -1,7 +1,7 @@
 // The sm80-class backward (mma.sync through CuTe, cp.async loads). dk, dv and
 // dbias without atomic arithmetic: every output element is written by one CTA
-// (the chunks of a top-k key group add their float32 sums in a fixed order,
-// handing a turn counter on), so they are bitwise reproducible; so is dq with
+// (the pieces of a top-k key add their float32 sums in segment order, handing
+// a turn counter on), so they are bitwise reproducible; so is dq with
 // Problem::deterministic. Without it (head dims of 64s) the dk/dv kernel also
 // adds dQ = dS^T K of each step into float32 scratch by atomics, the dq kernel
 // only recomputes the row statistics that need it, and finish_dq rounds dq.
@@ -16,15 +16,18 @@
 //                    (batch, kv head) and walks the query blocks of the G query
 //                    heads of the group; dbias is reduced inside the CTA in its
 //                    fixed loop order, across CTAs through float32 slices. Top-k
-//                    intervals: the 128 keys are a group of keys sorted by their
-//                    row interval (selection.h KeyGroups), gathered, tested per
-//                    element against their intervals, and long groups split into
-//                    chunks that add up in order; thresholds: the dense walk with
-//                    the threshold test.
+//                    intervals: the 128 keys are a group of pieces of keys (their
+//                    row intervals cut at row segments) sorted by their rows
+//                    (selection.h KeyGroups), gathered, tested per element against
+//                    their intervals in the segment, and a key's pieces add up in
+//                    segment order; thresholds: the dense walk with the threshold
+//                    test.
 //   reduce_bias_grad: sums the dbias slices in order (or zero-fills dbias).
 //   finish_dq:       dq = scale * the atomic float32 sums (deterministic = false).
 // Both walks use the same tile: each warp owns 16 rows (its accumulators), the
-// columns stream through double-buffered shared memory, and
+// columns stream through double-buffered shared memory (above 128 features a
+// CTA owns 64 rows, two warps a row block, and a top-k group is two CTAs:
+// BackwardConfig::kFeatureSplit), and
 //   S  = A0 B0^T, dP = A1 B1^T          (dq: Q K^T, dO V^T;  dk/dv: K Q^T, V dO^T)
 //   acc_a += dS B0, acc_b += P B1        (dq: dQ += dS K;     dk/dv: dK += dS^T Q, dV += P^T dO)
 // with P and dS going from the accumulators to the next MMA in registers.
@@ -70,10 +73,6 @@ struct BackwardConfig {
   // dQ) and the S and dP tiles of 16 x step must fit in 255 registers; above
   // 128 features, 32-column dq steps keep shared memory within sm_80's 163 KB.
   static constexpr int kDkvStep = 32, kDqStep = kHeadDim > 128 ? 32 : 64;
-  // A dk/dv key group walks at most this many query tiles a CTA (chunks): 32
-  // rather than 64 evens out the CTAs' work (H100, S = 16384, w = 1024: dk/dv
-  // kernel docs/topk-gpu.md).
-  static constexpr int kChunkTiles = 32;
   static constexpr int kSmemRow = kAccDim % 64 == 0 ? 64 : 32;  // a feature half is whole atoms (D = 192: 3 of 32)
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
@@ -282,21 +281,36 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   // ones (dk/dv: the first key blocks, which see the most queries; dq: the last
   // query blocks, which see the most keys; dk/dv key groups: the last groups,
   // whose keys' rows end last and span the most) start first for every head.
-  // Key groups split into chunks of query tiles (BackwardParams::chunks) take
-  // consecutive CTAs, chunk 0 first.
+  // Sorted key groups come in segment order (a key's pieces wait for the
+  // earlier ones), each segment's widest first (selection.h group_keys).
   const int blocks = gridDim.x, linear = blockIdx.x + blocks * blockIdx.y;
   const int head = linear % gridDim.y, order = linear / gridDim.y;
   const bool key_groups = kKeyRows && p.group_rows != nullptr;
-  const int chunk = key_groups ? order % p.chunks : 0;
-  const int row_block = key_groups ? blocks / p.chunks - 1 - order / p.chunks : (kKeyRows ? order : blocks - 1 - order);
+  const int row_block = kKeyRows ? order : blocks - 1 - order;
   const std::int64_t row0 = std::int64_t{row_block} * kBlockRows, own_len = kKeyRows ? sk : sq;
-  if (row0 >= own_len) return;
+  const int kv_heads = p.heads / p.group;
+  const std::int64_t kv_slice = std::int64_t{b} * kv_heads + (kKeyRows ? head : head / p.group);
+  // Sorted key groups: the group's first entry of key_order (its segment's
+  // first row goes to shared memory with the entries' keys: few registers
+  // stay live across the walk).
+  std::int64_t entry0 = 0;
+  if (key_groups && p.group_first != nullptr) {
+    entry0 = p.group_first[kv_slice * p.key_groups + row_block / Config::kGroupBlocks];
+    if (entry0 < 0) return;
+    if constexpr (Config::kGroupBlocks > 1) {  // this CTA's share of the group's entries: none past its pieces
+      const int share = row_block % Config::kGroupBlocks * kBlockRows;
+      if (entry0 % p.seqlen_k + share >= p.seqlen_k || p.key_order[entry0 + share] < 0) return;
+      entry0 += share;
+    }
+  } else if (row0 >= own_len) {
+    return;
+  }
+  const bool pieces = key_groups && p.key_segments > 1;
   if (!kKeyRows && p.huge_rows != nullptr && *p.huge_rows == 0) return;  // dq by atomics: no row to recompute
   const std::int64_t row_last = min(row0 + kBlockRows, own_len) - 1;
   const int kvh = kKeyRows ? head : head / p.group;
   const int h_first = kKeyRows ? kvh * p.group : head;
   const int n_heads = kKeyRows ? p.group : 1;
-  const int kv_heads = p.heads / p.group;
 
   // Walks. dq with a mask or top-k: the block's key list (KeyLists), its allowed
   // pairs from the list bits. dk/dv with top-k intervals: the keys of a group
@@ -315,20 +329,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const std::int32_t* list_keys = lists ? p.mask_keys + list_block * p.keys_stride : nullptr;
 
   // The column blocks any row of the CTA may use: [first, end) for each head.
-  int n_chunks = 1;  // chunks of this CTA's key group that have query tiles
   std::int64_t col_lo = 0, col_hi = kKeyRows ? sq : sk;
   if (lists) {
     col_hi = list_count;
-  } else if (key_groups) {  // this chunk's share of the group's query tiles
-    const KeyRows rows = p.group_rows[(std::int64_t{b} * kv_heads + kvh) * p.key_groups + row_block / Config::kGroupBlocks];
-    const std::int64_t tile_lo = rows.start / kStep, tiles = (rows.end + kStep - 1) / kStep - tile_lo;
-    if (p.chunks > 1 && rows.end > rows.start) n_chunks = static_cast<int>((tiles + p.chunk_tiles - 1) / p.chunk_tiles);
-    if (chunk >= n_chunks) return;
+  } else if (key_groups) {
+    const KeyRows rows = p.group_rows[kv_slice * p.key_groups + row_block / Config::kGroupBlocks];
     col_lo = rows.start, col_hi = rows.end;
-    if (n_chunks > 1) {
-      col_lo = max(col_lo, (tile_lo + std::int64_t{chunk} * p.chunk_tiles) * kStep);
-      col_hi = min(col_hi, (tile_lo + std::int64_t{chunk + 1} * p.chunk_tiles) * kStep);
-    }
   } else if constexpr (kKeyRows) {  // query i sees key j iff i + offset - left <= j <= i + offset (+ right)
     if (p.causal) col_lo = max(col_lo, row0 - offset);
     if (p.window_right >= 0) col_lo = max(col_lo, row0 - offset - p.window_right);
@@ -377,6 +383,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto* row_bits = reinterpret_cast<std::uint64_t*>(smem + Config::kSmemBytes - kBlockRows * 16);  // dq
   auto* own_keys = reinterpret_cast<std::int32_t*>(row_bits);                                      // dk/dv
   auto* own_rows = reinterpret_cast<KeyRows*>(own_keys + kBlockRows);                             // dk/dv
+  auto* piece_info = reinterpret_cast<int*>(key_add);  // dk/dv with pieces: a row's rank and last flag
+  __shared__ int segment_lo;  // dk/dv key groups: the segment's first row (in a register, the walk spills)
+  static_assert(kKeySegmentRows % Config::kDkvStep == 0, "a dk/dv query tile lies in one row segment");
   constexpr int kAddLd = Config::kAddLd, kKeepDsAt = Config::kKeepDsAt;  // dk/dv: the dS tile kept for dbias
   Tensor sA0 = make_tensor(make_smem_ptr(rows_smem), typename Config::SmemLayoutRows{});
   Tensor sA1 = make_tensor(make_smem_ptr(rows_smem + Config::kRowElems), typename Config::SmemLayoutRows{});
@@ -482,17 +491,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     Tensor d0 = sA0, d1 = sA1;
     if constexpr (kKeyRows) {  // the CTA's keys: row0 on, or gathered from key_order
       auto own_key = [&](int r) -> std::int64_t {
-        const std::int64_t pos = row0 + r;
-        if (pos >= p.seqlen_k) return -1;
-        const std::int64_t j =
-            p.key_order != nullptr ? p.key_order[(std::int64_t{b} * kv_heads + kvh) * p.seqlen_k + pos] : pos;
-        return j < sk ? j : -1;
+        if (p.key_order != nullptr) return entry0 % p.seqlen_k + r < p.seqlen_k ? p.key_order[entry0 + r] : -1;
+        return row0 + r < sk ? row0 + r : -1;
       };
       const std::int64_t key = own_key(tile_row<Config, kBlockRows>());
       load_tile<Config>(d0, k, p.k.sr, key, d, p.vector_k);
       load_tile<Config>(d1, v, p.v.sr, key, d, p.vector_v);
       cp_async_fence();
-      if (tid < kBlockRows) own_keys[tid] = static_cast<std::int32_t>(own_key(tid));
+      if (tid < kBlockRows) {
+        const std::int64_t key = own_key(tid);
+        own_keys[tid] = static_cast<std::int32_t>(key);
+        if (pieces) {  // rank 2 r + 1 for the key's last piece (rows without a key: 1)
+          const int rank = key >= 0 ? p.key_rank[entry0 + tid] : 0;
+          piece_info[tid] = 2 * rank + (key < 0 || rank + 1 == p.key_pieces[kv_slice * p.seqlen_k + key]);
+        }
+      }
+      if (tid == 0) segment_lo = static_cast<int>(entry0 / p.seqlen_k % p.key_segments * p.segment_rows);
     } else {
       const int h = h_first;
       load_rows<Config>(d0, q + h * p.q.sh + row0 * p.q.sr, p.q.sr, sq - row0, d, p.vector_q);
@@ -547,12 +561,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     return db_b * p.dbias.sb + hb * p.dbias.sh + (p.db_rows == 1 ? 0 : seq.qs + i) * p.dbias.sr +
            (p.db_cols == 1 ? 0 : seq.ks + j) * p.dbias.sc;
   };
-  // Key-only dbias of bias head hb: the quad-reduced sums x of the thread's two rows.
-  auto store_key_sums = [&](int hb, const float* x) {
+  // Key-only dbias of bias head hb: the quad-reduced sums x of the thread's two
+  // rows (those of bit `half` of rows).
+  auto store_key_sums = [&](int hb, const float* x, unsigned rows) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int key = own_keys[get<0>(cS(make_coord(make_coord(0, half), 0, 0)))];
-      if (lane % 4 != 0 || key < 0 || !stager) continue;
+      if (lane % 4 != 0 || key < 0 || !stager || !((rows >> half) & 1)) continue;
       if (db_slice != nullptr)
         db_slice[dense(hb, 0, key)] += x[half];
       else
@@ -577,8 +592,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       rows_head = h / p.topk_group;
       if (tid < kBlockRows) {
         const int key = own_keys[tid];
-        own_rows[tid] = key >= 0 ? p.topk_intervals[(std::int64_t{b} * p.topk_heads + rows_head) * p.seqlen_k + key]
-                                 : KeyRows{0, 0};
+        KeyRows r{0, 0};
+        if (key >= 0) {  // the key's interval within the group's segment
+          r = p.topk_intervals[(std::int64_t{b} * p.topk_heads + rows_head) * p.seqlen_k + key];
+          r.start = max(r.start, segment_lo);
+          r.end = static_cast<std::int32_t>(min(std::int64_t{r.end}, segment_lo + p.segment_rows));
+        }
+        own_rows[tid] = r;
       }
       __syncthreads();
     }
@@ -791,14 +811,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         }
       }
       // Key-only dbias: the sums of a bias head are complete when the next step
-      // has another (chunks of a key group: in the epilogue, one bias head).
+      // has another (pieces of keys: in the epilogue, one bias head).
       const int t_next = next(t);
-      if (p.bias_grad == BiasGrad::kPerKey && n_chunks == 1 &&
+      if (p.bias_grad == BiasGrad::kPerKey && !pieces &&
           (t_next >= total || (h_first + t_next / span) / p.bias_group != hb)) {
         float x[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]), key_sum[half] = 0.0f;
-        store_key_sums(hb, x);
+        store_key_sums(hb, x, 3u);
       }
     }
   };
@@ -857,57 +877,76 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
 
   // Epilogue: dq = scale * acc_a; dk = scale * acc_a, dv = acc_b.
   Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kAccDim>>{}));
+  // The rows of a dk/dv CTA stored: all but the pieces that hand their sums on.
+  const int my_row[2] = {get<0>(cS(make_coord(make_coord(0, 0), 0, 0))), get<0>(cS(make_coord(make_coord(0, 1), 0, 0)))};
+  bool my_store[2] = {true, true};
+  constexpr int kAccN = decltype(size<2>(acc_a))::value;
   auto store = [&](auto& acc, const Operand& o, int head, std::int64_t start, float factor) {
     auto* dst = static_cast<Element*>(o.data) + b * o.sb + head * o.sh + start * o.sr;
 #pragma unroll
-    for (int e = 0; e < size(acc); ++e) {
-      const int row = get<0>(cO(e)), col = feature0 + get<1>(cO(e));
+    for (int half = 0; half < 2; ++half) {
+      const int row = my_row[half];
       const std::int64_t at = kKeyRows ? own_keys[row] : (row0 + row < own_len ? row0 + row : -1);  // dk/dv: by key
-      if (at >= 0 && col < d) dst[at * o.sr + col] = static_cast<Element>(acc(e) * factor);
+      if (at < 0 || !my_store[half]) continue;
+#pragma unroll
+      for (int nn = 0; nn < kAccN; ++nn)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const auto e = make_coord(make_coord(c, half), 0, nn);
+          const int col = feature0 + get<1>(cO(e));
+          if (col < d) dst[at * o.sr + col] = static_cast<Element>(acc(e) * factor);
+        }
     }
   };
   if constexpr (kKeyRows) {
-    if (n_chunks > 1) {
-      // Chunks of a key group add their dK, dV (unscaled) and key dbias sums in
-      // chunk order through a float32 slot: chunk c waits until the group's turn
-      // counter reads c (chunk c - 1 started before it: CTAs start in order),
-      // adds the slot, and passes it on; the last chunk writes the gradients.
-      const std::int64_t slot_id = (std::int64_t{b} * kv_heads + kvh) * p.key_groups * Config::kGroupBlocks + row_block;
-      constexpr int kAcc = decltype(size(acc_a))::value;
-      float* slot = p.chunk_acc + slot_id * (2 * kAcc * Config::kThreads + kBlockRows);
-      float* key_slot = slot + 2 * kAcc * Config::kThreads;
-      int* turn = p.chunk_turn + slot_id;
-      if (tid == 0)
-        while (atomicAdd(turn, 0) != chunk) __nanosleep(256);
+    if (pieces) {
+      // The pieces of a key add their dK, dV (unscaled) and key dbias sums in
+      // segment order through the key's float32 slot: piece r waits until the
+      // key's turn counter reads r (its earlier pieces are in earlier segments,
+      // whose CTAs started before it: CTAs start in order), adds the slot, and
+      // passes it on; the last piece writes the gradients.
+      constexpr int kSlot = 2 * kHeadDim + 1;
+      float* const slots = p.piece_acc + (std::int64_t{b} * kv_heads + kvh) * p.seqlen_k * kSlot;
+      int* const turns = p.piece_turn + (std::int64_t{b} * kv_heads + kvh) * p.seqlen_k;
+      if (tid < kBlockRows && own_keys[tid] >= 0) {
+        const int rank = piece_info[tid] >> 1;
+        while (atomicAdd(turns + own_keys[tid], 0) != rank) __nanosleep(256);
+        __threadfence();
+      }
       __syncthreads();
       float x[2];
+      float* slot[2];
+      int info[2];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]);
-      const int my_row[2] = {get<0>(cS(make_coord(make_coord(0, 0), 0, 0))), get<0>(cS(make_coord(make_coord(0, 1), 0, 0)))};
-      if (chunk > 0) {
-#pragma unroll
-        for (int e = 0; e < kAcc; ++e) {
-          acc_a(e) += __ldcg(slot + e * Config::kThreads + tid);
-          acc_b(e) += __ldcg(slot + (kAcc + e) * Config::kThreads + tid);
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) x[half] += __ldcg(key_slot + my_row[half]);
+      for (int half = 0; half < 2; ++half) {
+        const int key = own_keys[my_row[half]];
+        info[half] = key >= 0 ? piece_info[my_row[half]] : 1;  // no key: no sum to read or hand on
+        slot[half] = slots + std::int64_t{max(key, 0)} * kSlot;
+        my_store[half] = info[half] & 1;
+        x[half] = quad_sum(key_sum[half]);
       }
-      if (chunk + 1 < n_chunks) {
 #pragma unroll
-        for (int e = 0; e < kAcc; ++e) {
-          __stcg(slot + e * Config::kThreads + tid, acc_a(e));
-          __stcg(slot + (kAcc + e) * Config::kThreads + tid, acc_b(e));
-        }
+      for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-          if (lane % 4 == 0 && stager) __stcg(key_slot + my_row[half], x[half]);
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) atomicExch(turn, chunk + 1);
-        return;
+        for (int nn = 0; nn < kAccN; ++nn)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const auto e = make_coord(make_coord(c, half), 0, nn);
+            float* at = slot[half] + feature0 + get<1>(cO(e));
+            if (info[half] > 1) acc_a(e) += __ldcg(at), acc_b(e) += __ldcg(at + kHeadDim);
+            if (!(info[half] & 1)) __stcg(at, acc_a(e)), __stcg(at + kHeadDim, acc_b(e));
+          }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (info[half] > 1) x[half] += __ldcg(slot[half] + 2 * kHeadDim);
+        if (!(info[half] & 1) && lane % 4 == 0 && stager) __stcg(slot[half] + 2 * kHeadDim, x[half]);
       }
-      if (p.bias_grad == BiasGrad::kPerKey) store_key_sums(h_first / p.bias_group, x);
+      __threadfence();
+      __syncthreads();
+      if (tid < kBlockRows && own_keys[tid] >= 0 && !(piece_info[tid] & 1))
+        atomicExch(turns + own_keys[tid], (piece_info[tid] >> 1) + 1);
+      if (p.bias_grad == BiasGrad::kPerKey)
+        store_key_sums(h_first / p.bias_group, x, unsigned{my_store[0]} | unsigned{my_store[1]} << 1);
     }
     store(acc_a, p.dk, kvh, seq.ks, scale);
     store(acc_b, p.dv, kvh, seq.ks, 1.0f);
@@ -935,6 +974,26 @@ __global__ void __launch_bounds__(256) reduce_bias_grad(const BackwardParams p, 
     for (int s = 0; s < slices; ++s) x += p.scratch[s * elements + e];
     store_float<Element>(p.dbias.data, p.bias_float32,
                          bb * p.dbias.sb + hb * p.dbias.sh + i * p.dbias.sr + (p.db_cols == 1 ? 0 : ks + j) * p.dbias.sc, x);
+  }
+}
+
+// Sorted key groups hold only pieces: dk and dv of the keys that no row
+// selects are zeros, written here: a warp a key (b, kv head, j), the columns
+// over its lanes (the key's test and index arithmetic once, not per element).
+template <class Element>
+__global__ void __launch_bounds__(256) zero_unselected(const BackwardParams p, int batch) {
+  const int kv_heads = p.heads / p.group, lane = threadIdx.x % 32;
+  const std::int64_t keys = std::int64_t{batch} * kv_heads * p.seqlen_k;
+  for (std::int64_t key = (std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32; key < keys;
+       key += std::int64_t{gridDim.x} * blockDim.x / 32) {
+    if (p.key_pieces[key] != 0) continue;
+    const std::int64_t j = key % p.seqlen_k, slice = key / p.seqlen_k;
+    const int b = static_cast<int>(slice / kv_heads), kvh = static_cast<int>(slice % kv_heads);
+    const Sequence s(p, b);
+    if (j >= s.sk) continue;
+    auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh + (s.ks + j) * p.dk.sr;
+    auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh + (s.ks + j) * p.dv.sr;
+    for (int col = lane; col < p.head_dim; col += 32) dk[col] = Element(0.0f), dv[col] = Element(0.0f);
   }
 }
 
@@ -1090,27 +1149,28 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
                 Config::kThreads, Config::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();
   }
-  // Key groups: chunks of at most kChunkTiles query tiles where the rows of a
-  // group may span more (needs one bias head per kv head for the key dbias).
-  std::int32_t* chunk_memory = nullptr;
-  const std::int64_t query_tiles = (p.seqlen_q + Config::kDkvStep - 1) / Config::kDkvStep + 1;
-  const bool one_bias_head =
-      p.bias_grad == BiasGrad::kNone || (p.bias_grad == BiasGrad::kPerKey && p.bias_group % p.group == 0);
-  if (err == cudaSuccess && p.group_rows != nullptr && one_bias_head && query_tiles > Config::kChunkTiles) {
-    p.chunk_tiles = Config::kChunkTiles;
-    p.chunks = static_cast<int>((query_tiles + Config::kChunkTiles - 1) / Config::kChunkTiles);
-    const std::int64_t slots = std::int64_t{batch} * kv_heads * p.key_groups * Config::kGroupBlocks;
-    const std::int64_t turn_words = (slots + 63) / 64 * 64;
-    const std::int64_t slot_floats = 2 * Config::kBlockRows * kHeadDim + Config::kBlockRows;
-    err = cudaMallocAsync(reinterpret_cast<void**>(&chunk_memory),
-                          static_cast<std::size_t>(turn_words + slots * slot_floats) * 4, stream);
-    if (err == cudaSuccess) err = cudaMemsetAsync(chunk_memory, 0, static_cast<std::size_t>(slots) * 4, stream);
-    p.chunk_turn = chunk_memory;
-    p.chunk_acc = reinterpret_cast<float*>(chunk_memory + turn_words);
+  // Pieces of keys (key groups cut at row segments): a float32 slot and a turn
+  // counter a key.
+  std::int32_t* piece_memory = nullptr;
+  if (err == cudaSuccess && p.key_segments > 1) {
+    const std::int64_t keys = std::int64_t{batch} * kv_heads * p.seqlen_k;
+    const std::int64_t turn_words = (keys + 63) / 64 * 64;
+    err = cudaMallocAsync(reinterpret_cast<void**>(&piece_memory),
+                          static_cast<std::size_t>(turn_words + keys * (2 * kHeadDim + 1)) * 4, stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(piece_memory, 0, static_cast<std::size_t>(keys) * 4, stream);
+    p.piece_turn = piece_memory;
+    p.piece_acc = reinterpret_cast<float*>(piece_memory + turn_words);
   }
-  if (err == cudaSuccess && key_blocks > 0) {
-    dkv_kernel<<<dim3(static_cast<unsigned>(key_blocks * p.chunks), static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)),
+  const std::int64_t dkv_blocks = p.group_rows != nullptr ? p.key_groups * Config::kGroupBlocks : key_blocks;
+  if (err == cudaSuccess && dkv_blocks > 0) {
+    dkv_kernel<<<dim3(static_cast<unsigned>(dkv_blocks), static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)),
                  Config::kThreads, Config::kSmemBytes, stream>>>(p);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess && p.key_pieces != nullptr) {
+    const std::int64_t keys = std::int64_t{batch} * kv_heads * p.seqlen_k;
+    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((keys + 7) / 8, 65536));  // 8 warps a block
+    zero_unselected<Element><<<blocks, 256, 0, stream>>>(p, batch);
     err = cudaGetLastError();
   }
   if (slices > 0) reduce(slices);
@@ -1120,7 +1180,7 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
     err = cudaGetLastError();
   }
   for (void* ptr : {static_cast<void*>(p.row_max), static_cast<void*>(p.scratch), static_cast<void*>(p.mask_bits),
-                    static_cast<void*>(dkv_tiles), static_cast<void*>(chunk_memory), static_cast<void*>(p.dq_acc)})
+                    static_cast<void*>(dkv_tiles), static_cast<void*>(piece_memory), static_cast<void*>(p.dq_acc)})
     if (ptr != nullptr) cudaFreeAsync(ptr, stream);
   check_cuda(err, ("backward launch (head dim " + std::to_string(kHeadDim) + ")").c_str());
 }

@@ -69,6 +69,9 @@ struct KeyLists {
 
 // A validated forward Problem reduced to what the kernel reads.
 struct ForwardParams : AttentionParams, KeyLists {
+  // A key-only bias (row stride 0) of consecutive keys whose tile runs copy as
+  // 16-byte chunks: aligned rows, a whole number of chunks a row, no varlen.
+  bool vector_bias = false;
   // Split-KV, for grids too small to fill the GPU (decode): split s of a query
   // block takes its s-th share of the key blocks and writes float32 partials,
   // o normalised by its own sum and lse, at partial row

@@ -610,10 +610,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   // Per stage, what a tile needs besides K and V, fetched into registers with the
   // tile's K and V and stored after its S = Q K^T, so that no thread waits on
   // them: the tile's mask bits by row, the key-only bias, the key of each column.
+  // On the 64-row tile (decode, bound by reading K and V), a key-only bias of
+  // 16-byte aligned rows on the dense walk (vector_bias) is copied instead in
+  // 16-byte chunks in the tile's cp.async group: through registers, every
+  // tile's short S = Q K^T waited on its load, 20% of a decode call. The
+  // 128-row tile's product hides that load, and its registers are full (the
+  // copies spilled 16 more bytes there).
   std::uint64_t* const s_bits = reinterpret_cast<std::uint64_t*>(smem + (Config::kSmemBytes - Config::kExtrasBytes));
+  // Copied, a 16-bit bias stays in its dtype (key c at byte 2 c of the stage's
+  // row) and is converted where S = Q K^T takes it.
   float* const s_bias = reinterpret_cast<float*>(s_bits + kStages * kBlockM);
   int* const s_keys = reinterpret_cast<int*>(s_bias + kStages * kBlockN);
-  const bool key_bias = has_bias && p.bias.sr == 0, extras_needed = has_bias || has_mask;
+  const bool key_bias = has_bias && p.bias.sr == 0, bias_chunks = kStages > 2 && key_bias && p.vector_bias && !has_mask;
+  const bool extras_needed = has_mask || (has_bias && !bias_chunks);
   // The bias is held as its raw bits (float32 or Element) until the store: a
   // conversion next to the load would wait there for it, before S = Q K^T.
   static_assert(sizeof(Element) == 2, "16-bit elements");
@@ -645,6 +654,21 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       s_keys[s * kBlockN + threadIdx.x] = e.key;
     }
     if (threadIdx.x < kBlockM) s_bits[s * kBlockM + threadIdx.x] = e.bits;
+  };
+  // The bias of the keys of tile n (consecutive) into stage s, 16 bytes a thread
+  // (bias_chunks: whole chunks within the keys, aligned); the caller commits.
+  auto load_bias_chunks = [&](int s, int n) {
+    const int bias_bytes = p.bias_float32 ? 4 : 2, first = threadIdx.x * 16 / bias_bytes;
+    if (first >= kBlockN) return;
+    const std::int64_t key = std::int64_t{n} * kBlockN + first;
+    const auto dst = static_cast<unsigned>(
+        __cvta_generic_to_shared(reinterpret_cast<char*>(s_bias + s * kBlockN) + first * bias_bytes));
+    if (key < sk) {
+      const char* src = static_cast<const char*>(p.bias.data) + (bias_base + key) * bias_bytes;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+    } else {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst), "r"(0));
+    }
   };
 
   typename Config::TiledMma mma;
@@ -694,6 +718,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   // tiles (load_dense_rows), the rest row by row (load_kv).
   const bool dense_loads = DenseLoad<Config>::kDenseLoads && !has_mask && p.vector_k && p.vector_v;
   auto load_block = [&](int s, int n) {
+    if (bias_chunks) load_bias_chunks(s, n);
     if (dense_loads) {
       const std::int64_t col0 = std::int64_t{n} * kBlockN;
       const int rows = static_cast<int>(min(std::int64_t{kBlockN}, sk - col0));
@@ -756,9 +781,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     if (key_bias) {  // one value per key, staged in shared memory
       const float pre = softcap > 0.0f ? 1.0f : scale;
       const float* bias_cols = s_bias + stage * kBlockN + col_base;
+      const auto* copied = reinterpret_cast<const std::uint16_t*>(s_bias + stage * kBlockN) + col_base;
+      const bool copied16 = bias_chunks && !p.bias_float32;
 #pragma unroll
       for (int nn = 0; nn < size<2>(acc_s); ++nn) {
-        const float2 value = *reinterpret_cast<const float2*>(bias_cols + 8 * nn);
+        float2 value;
+        if (copied16) {  // columns col_base, col_base + 1 in one word
+          const std::uint32_t pair = *reinterpret_cast<const std::uint32_t*>(copied + 8 * nn);
+          value.x = static_cast<float>(Element::bitcast(static_cast<std::uint16_t>(pair)));
+          value.y = static_cast<float>(Element::bitcast(static_cast<std::uint16_t>(pair >> 16)));
+        } else {
+          value = *reinterpret_cast<const float2*>(bias_cols + 8 * nn);
+        }
 #pragma unroll
         for (int m = 0; m < size<1>(acc_s); ++m)
 #pragma unroll

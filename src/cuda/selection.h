@@ -62,29 +62,41 @@ struct DeviceSelection {
 DeviceSelection select_topk(const Problem& p);
 void free_selection(DeviceSelection& sel, cudaStream_t stream);
 
-// Keys of an interval selection grouped for the backward's dk/dv walk: per
-// (b, kv head) slice z = b * kv_heads + kvh, group g owns the keys at positions
-// [128 g, 128 g + 128) of order[z * seqlen_k ..] (local indices; the
-// identity when order is null), and rows[z * groups + g] is the union over the
-// query heads of kv head kvh of their keys' row intervals ({0, 0}: none).
-// Sorted (by interval end, empty and out-of-sequence keys last, then strips
-// of a few groups by interval start), keys with similar rows share a group; a
-// query-head group with several selection heads is sorted by the selection
-// head of its first query head.
-constexpr int kKeyGroupKeys = 128;  // keys a group: the rows of a backward CTA
+// Keys of an interval selection grouped for the backward's dk/dv walk, per
+// (b, kv head) slice z = b * kv_heads + kvh over the union of the slice's
+// selection heads. Sorted: each key's rows are cut at multiples of
+// segment_rows (`segments` segments; 1: not cut) into pieces; the pieces of
+// segment s of slice z are sorted (by end, empty last, then strips of a few
+// groups by start) into entries [(z * segments + s) * seqlen_k, + seqlen_k) of
+// order (the key, -1 past the segment's pieces) and rank (the piece's place
+// among its key's pieces, in segment order); pieces[z * seqlen_k + j] counts
+// key j's pieces. Group g of slice z (CTA order: segments ascending, then the
+// latest ends first) owns the 128 entries from first[z * groups + g] (-1: no
+// group). Unsorted (order null): group g owns keys [128 g, 128 g + 128).
+// rows[z * groups + g] is the union of the group's pieces ({0, 0}: none).
+constexpr int kKeyGroupKeys = 128;   // entries a group: the rows of a backward CTA
+constexpr int kKeySegmentRows = 1024;  // rows a segment: 32 query tiles of the dk/dv walk
+constexpr int kMaxKeySegments = 16;    // more rows: segments of a multiple of kKeySegmentRows
 
 struct KeyGroups {
   std::int32_t* order = nullptr;
+  std::int32_t* rank = nullptr;
+  std::int32_t* pieces = nullptr;
+  std::int32_t* first = nullptr;
   KeyRows* rows = nullptr;
-  std::int64_t groups = 0;  // per slice: ceil(seqlen_k / kKeyGroupKeys)
+  std::int64_t groups = 0;    // per slice
+  std::int64_t segments = 1;  // per slice
+  std::int64_t segment_rows = 0;
 };
 
 // Enqueues the grouping of sel (kIntervals) on stream. `heads` / `kv_heads`
 // query / kv heads, seqlen_q, seqlen_k and cu_seqlens_k as in the Problem
-// (device, varlen only).
+// (device, varlen only), w the keep window. split: cut at kKeySegmentRows, or
+// at a multiple of it for more than kMaxKeySegments segments (the partial
+// dk/dv of a key's pieces are then added in order; needs sort).
 KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                     std::int64_t seqlen_q, std::int64_t seqlen_k, const std::int32_t* cu_seqlens_k, bool sort,
-                     cudaStream_t stream);
+                     std::int64_t seqlen_q, std::int64_t seqlen_k, const std::int32_t* cu_seqlens_k, std::int64_t w,
+                     bool sort, bool split, cudaStream_t stream);
 void free_groups(KeyGroups& groups, cudaStream_t stream);
 
 }  // namespace dmattn::cuda
