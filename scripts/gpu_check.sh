@@ -9,7 +9,8 @@
 #   env: DMATTN_CUDA_ARCHS (default "80;90a"), DMATTN_HEAD_DIMS (default "128"),
 #        DMATTN_CUTLASS_DIR (default: the nvidia-cutlass pip package's headers),
 #        OUT (where the logs go; default <build-dir>/gpu_check), CHECK_ONLY (only
-#        the cases whose name contains it, sanitizers included), BENCH (0: no timing)
+#        the cases whose name contains it, sanitizers included), BENCH (0: no timing),
+#        CHECK_SHARDS (processes sharing the check's CPU oracle work; default 4)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build-gpu}
@@ -31,8 +32,19 @@ echo "build: $(( $(date +%s) - start )) s on $(nproc) cores (archs ${DMATTN_CUDA
 
 check="$build/dmattn_gpu_check"
 only=(); [ -n "${CHECK_ONLY:-}" ] && only=(--only "$CHECK_ONLY")
-"$check" "${only[@]}" 2>&1 | tee "$logs/check.log"
-check_rc=${PIPESTATUS[0]}
+# The check's time is the CPU oracle's: shards in parallel, the cores split among them.
+shards=${CHECK_SHARDS:-4}
+threads=$(( $(nproc) / shards )); [ "$threads" -ge 1 ] || threads=1
+for i in $(seq 0 $(( shards - 1 ))); do
+  DMATTN_NUM_THREADS=$threads "$check" "${only[@]}" --shard "$i/$shards" >"$logs/check.$i.log" 2>&1 &
+done
+check_rc=0
+for i in $(seq 0 $(( shards - 1 ))); do wait -n || check_rc=1; done
+cat "$logs"/check.*.log >"$logs/check.log"
+grep -E '^(PASS|FAIL|SKIP) ' "$logs/check.log" | cut -c1-220
+passed=$(grep -c '^PASS ' "$logs/check.log"); failed=$(grep -c '^FAIL ' "$logs/check.log")
+echo "$passed passed, $failed failed ($shards shards: $(grep -hE '^[0-9]+ passed' "$logs"/check.*.log | paste -sd';'))" | tee -a "$logs/check.log"
+[ "$failed" -eq 0 ] || check_rc=1
 
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 status=()

@@ -8,6 +8,10 @@
 //   dmattn_gpu_check [--small | --backward] --only TEXT
 //                               only the cases whose name contains TEXT (the
 //                               top-k NaN sweep too, without --small)
+//   dmattn_gpu_check [...] --shard I/N
+//                               only every N-th case from the I-th (0 <= I < N; the
+//                               NaN sweep in shard 0): N processes share the CPU
+//                               oracle's work
 //   dmattn_gpu_check --bench    forward TFLOP/s at B=1, H=32, Hk=8, D=128, bf16, causal,
 //                               and forward + backward times at S=16384 (D=192, 256 at
 //                               S=8192 where DMATTN_HEAD_DIMS has it)
@@ -1537,12 +1541,17 @@ bool head_dim_compiled(std::int64_t d) {
   return false;
 }
 
-int check(bool small, bool backward_only, const std::string& only) {
+struct Shard {
+  int index = 0, count = 1;
+};
+
+int check(bool small, bool backward_only, const std::string& only, Shard shard) {
   Rng rng;
-  std::printf("dmattn gpu check: %s\n", rng.trace().c_str());
-  int passed = 0, failed = 0, skipped = 0;
+  std::printf("dmattn gpu check: %s, shard %d/%d\n", rng.trace().c_str(), shard.index, shard.count);
+  int passed = 0, failed = 0, skipped = 0, selected = 0;
   auto run = [&](const Case& c, Outcome (*runner)(const Case&, Rng&)) {
     if (c.name.find(only) == std::string::npos) return;
+    if (selected++ % shard.count != shard.index) return;
     if (!head_dim_compiled(c.D)) {
       ++skipped;
       std::printf("SKIP  %-90s head dim not compiled (DMATTN_HEAD_DIMS = %s)\n", c.name.c_str(),
@@ -1564,7 +1573,7 @@ int check(bool small, bool backward_only, const std::string& only) {
     for (const Case& c : matrix(small)) run(c, run_case);
   for (const Case& c : backward_matrix(small)) run(c, run_backward_case);
   const char* sweep_name = "top-k NaN sweep bf16 B1 S4096 H8/2 w2048 causal, Doge bias A*softplus(dt), 20 fwd+bwd";
-  if (!small && std::string(sweep_name).find(only) != std::string::npos) {
+  if (!small && shard.index == 0 && std::string(sweep_name).find(only) != std::string::npos) {
     const Outcome sweep = topk_nan_sweep(rng);
     (sweep.pass ? passed : failed)++;
     std::printf("%s  %-90s %s\n", sweep.pass ? "PASS" : "FAIL", sweep_name, sweep.detail.c_str());
@@ -1819,14 +1828,22 @@ int bench(bool topk_only, bool wide_only) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   std::string only;
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::string(argv[i]) == "--only") only = argv[i + 1];
+  Shard shard;
+  for (int i = 1; i + 1 < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--only") only = argv[i + 1];
+    if (arg == "--shard" && (std::sscanf(argv[i + 1], "%d/%d", &shard.index, &shard.count) != 2 || shard.count < 1 ||
+                             shard.index < 0 || shard.index >= shard.count)) {
+      std::fprintf(stderr, "dmattn_gpu_check: --shard: expected I/N with 0 <= I < N, got %s\n", argv[i + 1]);
+      return 2;
+    }
+  }
   try {
     if (mode == "--bench" || mode == "--bench-topk" || mode == "--bench-wide")
       return bench(mode == "--bench-topk", mode == "--bench-wide");
     if (mode == "--bench-decode") return bench_decode(), 0;
-    if (mode == "--backward") return check(false, true, only);
-    return check(mode == "--small", false, only);
+    if (mode == "--backward") return check(false, true, only, shard);
+    return check(mode == "--small", false, only, shard);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dmattn_gpu_check: %s\n", e.what());
     return 2;
