@@ -43,7 +43,8 @@ for i in $(seq 0 $(( shards - 1 ))); do wait -n || check_rc=1; done
 cat "$logs"/check.*.log >"$logs/check.log"
 grep -E '^(PASS|FAIL|SKIP) ' "$logs/check.log" | cut -c1-220
 passed=$(grep -c '^PASS ' "$logs/check.log"); failed=$(grep -c '^FAIL ' "$logs/check.log")
-echo "$passed passed, $failed failed ($shards shards: $(grep -hE '^[0-9]+ passed' "$logs"/check.*.log | paste -sd';'))" | tee -a "$logs/check.log"
+skipped=$(grep -c '^SKIP ' "$logs/check.log")
+echo "$passed passed, $failed failed, $skipped skipped ($shards shards: $(grep -hE '^[0-9]+ passed' "$logs"/check.*.log | paste -sd';'))" | tee -a "$logs/check.log"
 [ "$failed" -eq 0 ] || check_rc=1
 
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
