@@ -678,17 +678,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
                          (p.bias_grad == BiasGrad::kPerElement || p.bias_grad == BiasGrad::kReduceKeys);
     // The allowed columns of the thread's two rows (bit = column), from the list
     // bits (dq) or the interval of the row's key (dk/dv: queries [start, end)).
+    // A step's columns in one word (32 bits at 32-column steps); key groups'
+    // rows are int32 (KeyRows), so their limits are tile-local 32-bit ones.
+    using Allow = std::conditional_t<(kStep > 32), std::uint64_t, std::uint32_t>;
+    constexpr int kAllowBits = 8 * sizeof(Allow);
+    static_assert(kStep <= kAllowBits, "a step's columns in one word");
     const bool use_allow = lists || key_groups;
-    std::uint64_t allow[2] = {0, 0};
+    Allow allow[2] = {0, 0};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = get<0>(cS(make_coord(make_coord(0, half), 0, 0)));
-      if (lists) allow[half] = row_bits[buf * kBlockRows + r];
+      if (lists) allow[half] = static_cast<Allow>(row_bits[buf * kBlockRows + r]);
       if (key_groups) {
         const KeyRows rows = own_rows[r];
-        const auto lo = static_cast<int>(min(max(rows.start - q0, std::int64_t{0}), std::int64_t{kStep}));
-        const auto hi = static_cast<int>(min(max(rows.end - q0, std::int64_t{0}), std::int64_t{kStep}));
-        allow[half] = hi > lo ? ((std::uint64_t{1} << hi) - 1) & ~((std::uint64_t{1} << lo) - 1) : 0;
+        const int q0_row = blk * kStep;  // the group's rows are below its int32 end
+        const int lo = min(max(rows.start - q0_row, 0), kStep), hi = min(max(rows.end - q0_row, 0), kStep);
+        allow[half] = hi > lo ? (~Allow{0} >> (kAllowBits - hi)) & (~Allow{0} << lo) : Allow{0};
       }
     }
     // Query-major order: a query's statistics are read once and die. The loop is
