@@ -528,8 +528,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   Tensor rA = thr.partition_fragment_A(sA0);                              // (MMA, MMA_M, MMA_K = D / 16)
   Tensor rB = thr.partition_fragment_B(col_tile(0, 0));                   // (MMA, MMA_N, MMA_K = D / 16)
   Tensor rBt = thr.partition_fragment_B(col_tile_t(0, 0));  // (MMA, MMA_D, MMA_K = kStep / 16)
-  Tensor rAv = ldsm_a.retile_D(rA);
-  Tensor rBv = ldsm_b.retile_D(rB);
+  Tensor rA1 = thr.partition_fragment_A(sA1);                             // dP's operands (S and dP in one k-loop)
+  Tensor rB1 = thr.partition_fragment_B(col_tile(0, 1));
+  Tensor rAv = ldsm_a.retile_D(rA), rA1v = ldsm_a.retile_D(rA1);
+  Tensor rBv = ldsm_b.retile_D(rB), rB1v = ldsm_b.retile_D(rB1);
   Tensor rBtv = ldsm_bt.retile_D(rBt);
   Tensor sA0p = ldsm_a.partition_S(sA0), sA1p = ldsm_a.partition_S(sA1);
 
@@ -664,10 +666,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
     Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
     clear(acc_s);
-    gemm_ss(mma, acc_s, copy_a, sA0p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 0)), rB, rBv);
-    if (!stats_only) {
+    if (stats_only) {
+      gemm_ss(mma, acc_s, copy_a, sA0p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 0)), rB, rBv);
+    } else {  // S and dP in one k-loop: two independent MMA chains between a k-slice's ldmatrix and its use
       clear(acc_dp);
-      gemm_ss(mma, acc_dp, copy_a, sA1p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 1)), rB, rBv);
+      Tensor sB0 = ldsm_b.partition_S(col_tile(buf, 0)), sB1 = ldsm_b.partition_S(col_tile(buf, 1));
+#pragma unroll
+      for (int kk = 0; kk < size<2>(rA); ++kk) {
+        copy(copy_a, sA0p(_, _, kk), rAv(_, _, kk));
+        copy(copy_b, sB0(_, _, kk), rBv(_, _, kk));
+        copy(copy_a, sA1p(_, _, kk), rA1v(_, _, kk));
+        copy(copy_b, sB1(_, _, kk), rB1v(_, _, kk));
+        gemm(mma, rA(_, _, kk), rB(_, _, kk), acc_s);
+        gemm(mma, rA1(_, _, kk), rB1(_, _, kk), acc_dp);
+      }
     }
     if (staged || (key_bias && !kKeyRows)) __syncthreads();  // the staged terms are visible
 
