@@ -415,19 +415,23 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const bool dq_atomic = kDqAtomic && p.dq_acc != nullptr;
   const bool dq_stats = !kKeyRows && p.dq_acc != nullptr;
   // dS^T of a step goes to buffer (step's buf) of ds_t; its product runs after
-  // the next barrier of the walk (dq_pending: where its rows go). A warp's
+  // the next barrier of the walk (dq_pending: that step, or -1; its rows are
+  // recomputed from it, fewer registers live across the step). A warp's
   // share of the product needs no other warp, so warps 0..3 run it at the
   // start of step t + 1 and warps 4..7 at its end (step t + 2 rewrites the
   // buffer only after its opening barrier). Warps w and w + 4 share a
   // scheduler: the product's dependent MMA chains then overlap the other
   // warp's S/dP or dK/dV products instead of the same chains.
   auto* ds_t = reinterpret_cast<Element*>(tile_add) + Config::kDsAt;
-  float* dq_pending = nullptr;
-  int dq_pending_rows = 0;
+  int dq_pending = -1;
   const bool dq_early = tid < Config::kThreads / 2;
-  auto flush_dq = [&](float* rows_at, int rows, int from) {
+  auto flush_dq = [&](int t, int from) {
     if constexpr (kDqAtomic) {
-      if (rows_at != nullptr) add_dq_step<Config>(ds_t + from * Config::kDkvStep, rows_smem, rows_at, rows, d);
+      if (t < 0) return;
+      const std::int64_t q0 = std::int64_t{step_block(t)} * kStep;
+      add_dq_step<Config>(ds_t + from * Config::kDkvStep, rows_smem,
+                          p.dq_acc + ((std::int64_t{b} * p.heads + step_head(t)) * p.seqlen_q + q0) * kHeadDim,
+                          clamp_to_tile(sq - q0), d);
     }
   };
 
@@ -788,8 +792,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         const int r = get<0>(cS(e)), col = get<1>(cS(e));
         if (stager) *reinterpret_cast<std::uint32_t*>(ds_t + buf * kStep + r * Config::kDsLd + col) = pairs[e / 2];
       }
-      dq_pending = p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim;
-      dq_pending_rows = clamp_to_tile(sq - q0);
+      dq_pending = t;
     }
     gemm_rs(mma, acc_a, rdS, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 0)), rBt, rBtv);
     if constexpr (kKeyRows) {
@@ -863,17 +866,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       __syncthreads();  // step t landed; every thread is done with the other buffer
       key_bias_now = key_bias_next;
       if (t_next < total) issue(t_next, buf ^ 1, !stats_only);
-      float* const prev_at = dq_pending;  // the previous step's dS^T is complete
-      const int prev_rows = dq_pending_rows;  // in the other buffer
-      dq_pending = nullptr;
-      if (dq_early) flush_dq(prev_at, prev_rows, buf ^ 1);
+      const int prev = dq_pending;  // the previous step's dS^T is complete, in the other buffer
+      dq_pending = -1;
+      if (dq_early) flush_dq(prev, buf ^ 1);
       compute(t, buf, stats_only);
-      if (!dq_early) flush_dq(prev_at, prev_rows, buf ^ 1);
+      if (!dq_early) flush_dq(prev, buf ^ 1);
       t = t_next, buf ^= 1;
     }
     cp_async_wait<0>();
     __syncthreads();
-    flush_dq(dq_pending, dq_pending_rows, buf ^ 1);
+    flush_dq(dq_pending, buf ^ 1);
     if (stats_only) {
 #pragma unroll
       for (int m = 0; m < kM; ++m)
