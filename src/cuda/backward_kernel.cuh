@@ -215,13 +215,15 @@ __global__ void __launch_bounds__(256) row_stats(const BackwardParams p, int bat
 
 // dq by atomics: dQ of a dk/dv step's kDkvStep queries = dS^T K (ds_t staged by
 // the step, k_rows the CTA's keys), added into dq_rows (float32, kHeadDim a row)
-// for queries below `rows` and features below d, 64 features at a time (few
-// registers: the dk/dv accumulators are live).
+// for queries below `rows` and features below d: up to D = 128 all features in
+// one pass (4 independent MMA chains a warp), above it 64 at a time; no
+// ldmatrix prefetch (few registers: the dk/dv accumulators are live).
 template <class Config>
 __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Element* k_rows, float* dq_rows, int rows,
                             int d) {
   using namespace cute;
-  using Block = Shape<Int<Config::kDkvStep>, _64>;
+  constexpr int kCols = Config::kHeadDim <= 128 ? Config::kHeadDim : 64;
+  using Block = Shape<Int<Config::kDkvStep>, Int<kCols>>;
   typename Config::TiledMmaDq mma;
   // The thread index, read anew each step: the compiler would otherwise keep
   // the offsets derived from it live across the whole walk (sm_90a, dk/dv
@@ -239,17 +241,24 @@ __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Ele
   Tensor rAv = ldsm_a.retile_D(rA);
   Tensor c = thr.partition_C(make_identity_tensor(Block{}));
 #pragma unroll 1
-  for (int n0 = 0; n0 < d; n0 += 64) {
-    Tensor sBn = local_tile(sB, Shape<_64, Int<Config::kBlockRows>>{}, make_coord(n0 / 64, 0));
-    Tensor rB = thr.partition_fragment_B(sBn);  // (MMA, 1, kBlockRows / 16)
+  for (int n0 = 0; n0 < d; n0 += kCols) {
+    Tensor sBn = local_tile(sB, Shape<Int<kCols>, Int<Config::kBlockRows>>{}, make_coord(n0 / kCols, 0));
+    Tensor rB = thr.partition_fragment_B(sBn);  // (MMA, MMA_N, kBlockRows / 16)
     Tensor rBv = ldsm_b.retile_D(rB);
     Tensor acc = partition_fragment_C(mma, Block{});
     clear(acc);
-    gemm_ss(mma, acc, copy_a, ldsm_a.partition_S(sA), rA, rAv, copy_b, ldsm_b.partition_S(sBn), rB, rBv);
+    Tensor sAp = ldsm_a.partition_S(sA);
+    Tensor sBp = ldsm_b.partition_S(sBn);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(rA); ++kk) {
+      copy(copy_a, sAp(_, _, kk), rAv(_, _, kk));
+      copy(copy_b, sBp(_, _, kk), rBv(_, _, kk));
+      gemm(mma, rA(_, _, kk), rB(_, _, kk), acc);
+    }
     // Elements e, e + 1: adjacent features of a query. A whole tile (the usual
     // case) takes no tests and constant offsets from one address.
     float* at = dq_rows + get<0>(c(0)) * Config::kHeadDim + n0 + get<1>(c(0));
-    if (rows == Config::kDkvStep && n0 + 64 <= d) {
+    if (rows == Config::kDkvStep && n0 + kCols <= d) {
 #pragma unroll
       for (int e = 0; e < size(acc); e += 2)
         red_add2(at + (get<0>(c(e)) - get<0>(c(0))) * Config::kHeadDim + get<1>(c(e)) - get<1>(c(0)), acc(e), acc(e + 1));
