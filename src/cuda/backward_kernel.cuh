@@ -73,6 +73,9 @@ struct BackwardConfig {
   // dQ) and the S and dP tiles of 16 x step must fit in 255 registers; above
   // 128 features, 32-column dq steps keep shared memory within sm_80's 163 KB.
   static constexpr int kDkvStep = 32, kDqStep = kHeadDim > 128 ? 32 : 64;
+  // S and dP in one k-loop (two independent MMA chains): registers for two
+  // k-slices; at D = 256 that spills (sm_90a, bf16: 620 / 648 B instead of 196 / 252).
+  static constexpr bool kPairedSdp = kHeadDim <= 192;
   static constexpr int kSmemRow = kAccDim % 64 == 0 ? 64 : 32;  // a feature half is whole atoms (D = 192: 3 of 32)
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
@@ -679,8 +682,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
     Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
     clear(acc_s);
-    if (stats_only) {
+    if (stats_only || !Config::kPairedSdp) {
       gemm_ss(mma, acc_s, copy_a, sA0p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 0)), rB, rBv);
+      if (!stats_only) {
+        clear(acc_dp);
+        gemm_ss(mma, acc_dp, copy_a, sA1p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 1)), rB, rBv);
+      }
     } else {  // S and dP in one k-loop: two independent MMA chains between a k-slice's ldmatrix and its use
       clear(acc_dp);
       Tensor sB0 = ldsm_b.partition_S(col_tile(buf, 0)), sB1 = ldsm_b.partition_S(col_tile(buf, 1));
