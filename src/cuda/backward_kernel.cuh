@@ -73,6 +73,9 @@ struct BackwardConfig {
   // dQ) and the S and dP tiles of 16 x step must fit in 255 registers; above
   // 128 features, 32-column dq steps keep shared memory within sm_80's 163 KB.
   static constexpr int kDkvStep = 32, kDqStep = kHeadDim > 128 ? 32 : 64;
+  // S and dP in one k-loop (two independent MMA chains): registers for two
+  // k-slices; at D = 256 that spills (sm_90a, bf16: 620 / 648 B instead of 196 / 252).
+  static constexpr bool kPairedSdp = kHeadDim <= 192;
   static constexpr int kSmemRow = kAccDim % 64 == 0 ? 64 : 32;  // a feature half is whole atoms (D = 192: 3 of 32)
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
@@ -215,13 +218,15 @@ __global__ void __launch_bounds__(256) row_stats(const BackwardParams p, int bat
 
 // dq by atomics: dQ of a dk/dv step's kDkvStep queries = dS^T K (ds_t staged by
 // the step, k_rows the CTA's keys), added into dq_rows (float32, kHeadDim a row)
-// for queries below `rows` and features below d, 64 features at a time (few
-// registers: the dk/dv accumulators are live).
+// for queries below `rows` and features below d: up to D = 128 all features in
+// one pass (4 independent MMA chains a warp), above it 64 at a time; no
+// ldmatrix prefetch (few registers: the dk/dv accumulators are live).
 template <class Config>
 __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Element* k_rows, float* dq_rows, int rows,
                             int d) {
   using namespace cute;
-  using Block = Shape<Int<Config::kDkvStep>, _64>;
+  constexpr int kCols = Config::kHeadDim <= 128 ? Config::kHeadDim : 64;
+  using Block = Shape<Int<Config::kDkvStep>, Int<kCols>>;
   typename Config::TiledMmaDq mma;
   // The thread index, read anew each step: the compiler would otherwise keep
   // the offsets derived from it live across the whole walk (sm_90a, dk/dv
@@ -239,17 +244,24 @@ __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Ele
   Tensor rAv = ldsm_a.retile_D(rA);
   Tensor c = thr.partition_C(make_identity_tensor(Block{}));
 #pragma unroll 1
-  for (int n0 = 0; n0 < d; n0 += 64) {
-    Tensor sBn = local_tile(sB, Shape<_64, Int<Config::kBlockRows>>{}, make_coord(n0 / 64, 0));
-    Tensor rB = thr.partition_fragment_B(sBn);  // (MMA, 1, kBlockRows / 16)
+  for (int n0 = 0; n0 < d; n0 += kCols) {
+    Tensor sBn = local_tile(sB, Shape<Int<kCols>, Int<Config::kBlockRows>>{}, make_coord(n0 / kCols, 0));
+    Tensor rB = thr.partition_fragment_B(sBn);  // (MMA, MMA_N, kBlockRows / 16)
     Tensor rBv = ldsm_b.retile_D(rB);
     Tensor acc = partition_fragment_C(mma, Block{});
     clear(acc);
-    gemm_ss(mma, acc, copy_a, ldsm_a.partition_S(sA), rA, rAv, copy_b, ldsm_b.partition_S(sBn), rB, rBv);
+    Tensor sAp = ldsm_a.partition_S(sA);
+    Tensor sBp = ldsm_b.partition_S(sBn);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(rA); ++kk) {
+      copy(copy_a, sAp(_, _, kk), rAv(_, _, kk));
+      copy(copy_b, sBp(_, _, kk), rBv(_, _, kk));
+      gemm(mma, rA(_, _, kk), rB(_, _, kk), acc);
+    }
     // Elements e, e + 1: adjacent features of a query. A whole tile (the usual
     // case) takes no tests and constant offsets from one address.
     float* at = dq_rows + get<0>(c(0)) * Config::kHeadDim + n0 + get<1>(c(0));
-    if (rows == Config::kDkvStep && n0 + 64 <= d) {
+    if (rows == Config::kDkvStep && n0 + kCols <= d) {
 #pragma unroll
       for (int e = 0; e < size(acc); e += 2)
         red_add2(at + (get<0>(c(e)) - get<0>(c(0))) * Config::kHeadDim + get<1>(c(e)) - get<1>(c(0)), acc(e), acc(e + 1));
@@ -415,19 +427,23 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const bool dq_atomic = kDqAtomic && p.dq_acc != nullptr;
   const bool dq_stats = !kKeyRows && p.dq_acc != nullptr;
   // dS^T of a step goes to buffer (step's buf) of ds_t; its product runs after
-  // the next barrier of the walk (dq_pending: where its rows go). A warp's
+  // the next barrier of the walk (dq_pending: that step, or -1; its rows are
+  // recomputed from it, fewer registers live across the step). A warp's
   // share of the product needs no other warp, so warps 0..3 run it at the
   // start of step t + 1 and warps 4..7 at its end (step t + 2 rewrites the
   // buffer only after its opening barrier). Warps w and w + 4 share a
   // scheduler: the product's dependent MMA chains then overlap the other
   // warp's S/dP or dK/dV products instead of the same chains.
   auto* ds_t = reinterpret_cast<Element*>(tile_add) + Config::kDsAt;
-  float* dq_pending = nullptr;
-  int dq_pending_rows = 0;
+  int dq_pending = -1;
   const bool dq_early = tid < Config::kThreads / 2;
-  auto flush_dq = [&](float* rows_at, int rows, int from) {
+  auto flush_dq = [&](int t, int from) {
     if constexpr (kDqAtomic) {
-      if (rows_at != nullptr) add_dq_step<Config>(ds_t + from * Config::kDkvStep, rows_smem, rows_at, rows, d);
+      if (t < 0) return;
+      const std::int64_t q0 = std::int64_t{step_block(t)} * kStep;
+      add_dq_step<Config>(ds_t + from * Config::kDkvStep, rows_smem,
+                          p.dq_acc + ((std::int64_t{b} * p.heads + step_head(t)) * p.seqlen_q + q0) * kHeadDim,
+                          clamp_to_tile(sq - q0), d);
     }
   };
 
@@ -528,8 +544,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   Tensor rA = thr.partition_fragment_A(sA0);                              // (MMA, MMA_M, MMA_K = D / 16)
   Tensor rB = thr.partition_fragment_B(col_tile(0, 0));                   // (MMA, MMA_N, MMA_K = D / 16)
   Tensor rBt = thr.partition_fragment_B(col_tile_t(0, 0));  // (MMA, MMA_D, MMA_K = kStep / 16)
-  Tensor rAv = ldsm_a.retile_D(rA);
-  Tensor rBv = ldsm_b.retile_D(rB);
+  Tensor rA1 = thr.partition_fragment_A(sA1);                             // dP's operands (S and dP in one k-loop)
+  Tensor rB1 = thr.partition_fragment_B(col_tile(0, 1));
+  Tensor rAv = ldsm_a.retile_D(rA), rA1v = ldsm_a.retile_D(rA1);
+  Tensor rBv = ldsm_b.retile_D(rB), rB1v = ldsm_b.retile_D(rB1);
   Tensor rBtv = ldsm_bt.retile_D(rBt);
   Tensor sA0p = ldsm_a.partition_S(sA0), sA1p = ldsm_a.partition_S(sA1);
 
@@ -664,10 +682,24 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
     Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
     clear(acc_s);
-    gemm_ss(mma, acc_s, copy_a, sA0p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 0)), rB, rBv);
-    if (!stats_only) {
+    if (stats_only || !Config::kPairedSdp) {
+      gemm_ss(mma, acc_s, copy_a, sA0p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 0)), rB, rBv);
+      if (!stats_only) {
+        clear(acc_dp);
+        gemm_ss(mma, acc_dp, copy_a, sA1p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 1)), rB, rBv);
+      }
+    } else {  // S and dP in one k-loop: two independent MMA chains between a k-slice's ldmatrix and its use
       clear(acc_dp);
-      gemm_ss(mma, acc_dp, copy_a, sA1p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 1)), rB, rBv);
+      Tensor sB0 = ldsm_b.partition_S(col_tile(buf, 0)), sB1 = ldsm_b.partition_S(col_tile(buf, 1));
+#pragma unroll
+      for (int kk = 0; kk < size<2>(rA); ++kk) {
+        copy(copy_a, sA0p(_, _, kk), rAv(_, _, kk));
+        copy(copy_b, sB0(_, _, kk), rBv(_, _, kk));
+        copy(copy_a, sA1p(_, _, kk), rA1v(_, _, kk));
+        copy(copy_b, sB1(_, _, kk), rB1v(_, _, kk));
+        gemm(mma, rA(_, _, kk), rB(_, _, kk), acc_s);
+        gemm(mma, rA1(_, _, kk), rB1(_, _, kk), acc_dp);
+      }
     }
     if (staged || (key_bias && !kKeyRows)) __syncthreads();  // the staged terms are visible
 
@@ -678,17 +710,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
                          (p.bias_grad == BiasGrad::kPerElement || p.bias_grad == BiasGrad::kReduceKeys);
     // The allowed columns of the thread's two rows (bit = column), from the list
     // bits (dq) or the interval of the row's key (dk/dv: queries [start, end)).
+    // A step's columns in one word (32 bits at 32-column steps); key groups'
+    // rows are int32 (KeyRows), so their limits are tile-local 32-bit ones.
+    using Allow = std::conditional_t<(kStep > 32), std::uint64_t, std::uint32_t>;
+    constexpr int kAllowBits = 8 * sizeof(Allow);
+    static_assert(kStep <= kAllowBits, "a step's columns in one word");
     const bool use_allow = lists || key_groups;
-    std::uint64_t allow[2] = {0, 0};
+    Allow allow[2] = {0, 0};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = get<0>(cS(make_coord(make_coord(0, half), 0, 0)));
-      if (lists) allow[half] = row_bits[buf * kBlockRows + r];
+      if (lists) allow[half] = static_cast<Allow>(row_bits[buf * kBlockRows + r]);
       if (key_groups) {
         const KeyRows rows = own_rows[r];
-        const auto lo = static_cast<int>(min(max(rows.start - q0, std::int64_t{0}), std::int64_t{kStep}));
-        const auto hi = static_cast<int>(min(max(rows.end - q0, std::int64_t{0}), std::int64_t{kStep}));
-        allow[half] = hi > lo ? ((std::uint64_t{1} << hi) - 1) & ~((std::uint64_t{1} << lo) - 1) : 0;
+        const int q0_row = blk * kStep;  // the group's rows are below its int32 end
+        const int lo = min(max(rows.start - q0_row, 0), kStep), hi = min(max(rows.end - q0_row, 0), kStep);
+        allow[half] = hi > lo ? (~Allow{0} >> (kAllowBits - hi)) & (~Allow{0} << lo) : Allow{0};
       }
     }
     // Query-major order: a query's statistics are read once and die. The loop is
@@ -771,8 +808,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         const int r = get<0>(cS(e)), col = get<1>(cS(e));
         if (stager) *reinterpret_cast<std::uint32_t*>(ds_t + buf * kStep + r * Config::kDsLd + col) = pairs[e / 2];
       }
-      dq_pending = p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim;
-      dq_pending_rows = clamp_to_tile(sq - q0);
+      dq_pending = t;
     }
     gemm_rs(mma, acc_a, rdS, copy_bt, ldsm_bt.partition_S(col_tile_t(buf, 0)), rBt, rBtv);
     if constexpr (kKeyRows) {
@@ -846,17 +882,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       __syncthreads();  // step t landed; every thread is done with the other buffer
       key_bias_now = key_bias_next;
       if (t_next < total) issue(t_next, buf ^ 1, !stats_only);
-      float* const prev_at = dq_pending;  // the previous step's dS^T is complete
-      const int prev_rows = dq_pending_rows;  // in the other buffer
-      dq_pending = nullptr;
-      if (dq_early) flush_dq(prev_at, prev_rows, buf ^ 1);
+      const int prev = dq_pending;  // the previous step's dS^T is complete, in the other buffer
+      dq_pending = -1;
+      if (dq_early) flush_dq(prev, buf ^ 1);
       compute(t, buf, stats_only);
-      if (!dq_early) flush_dq(prev_at, prev_rows, buf ^ 1);
+      if (!dq_early) flush_dq(prev, buf ^ 1);
       t = t_next, buf ^= 1;
     }
     cp_async_wait<0>();
     __syncthreads();
-    flush_dq(dq_pending, dq_pending_rows, buf ^ 1);
+    flush_dq(dq_pending, buf ^ 1);
     if (stats_only) {
 #pragma unroll
       for (int m = 0; m < kM; ++m)
