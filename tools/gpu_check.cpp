@@ -1362,6 +1362,13 @@ std::vector<Case> backward_matrix(bool small) {
     gqa.mask_shape = {gqa.B, gqa.H, 1, gqa.Sk};
     gqa.bias_shape = {gqa.B, gqa.Hk, 1, gqa.Sk};
     cases.push_back(finish(gqa));
+    // The Hopper dk/dv kernel's path (no mask, key-only bias, D = 128): a
+    // partial key block, a causal offset and a window edge inside the tiles.
+    Case hk = make("small key bias window", 200, 130, 4, 2);
+    hk.bias_shape = {1, 2, 1, 130};
+    hk.options.causal = true;
+    hk.options.sliding_window = {40, 0};
+    cases.push_back(finish(hk));
     Case det = a;  // the two-kernel path (the cases above take dq by atomics)
     det.options.deterministic = true;
     det.name += " deterministic";
@@ -1431,6 +1438,15 @@ std::vector<Case> backward_matrix(bool small) {
       c.bias_shape = {1, c.Hk, 1, c.Sk};
       cases.push_back(finish(c));
     }
+  // Long causal walks of the Hopper dk/dv kernel: many 64-query steps a head,
+  // a bias shared by all heads (dbias summed over kv heads through slices).
+  for (int flip = 0; flip < 2; ++flip) {
+    Case c = make("long key bias", flip ? 2100 : 2047, flip ? 1500 : 2047, 4, 2);
+    c.B = 1;
+    c.options.causal = true;
+    c.bias_shape = {1, 1, 1, c.Sk};
+    cases.push_back(finish(c));
+  }
   for (double cap : {5.0, 30.0}) {
     Case c = make("softcap " + std::to_string(static_cast<int>(cap)) + " scale 0.3", 100, 257, 4, 2);
     c.options.softcap = cap, c.options.scale = 0.3, c.options.causal = cap > 10;

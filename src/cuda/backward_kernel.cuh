@@ -185,6 +185,56 @@ struct Sequence {
   }
 };
 
+// Row statistics of queries [i0, i0 + n) of (b, h) into dst[0 .. 3n): max, inv,
+// delta (0 past the sequence's sq rows), by cp.async so that no thread waits
+// for them; commits the group.
+template <int kThreads>
+__device__ void load_row_stats(const BackwardParams& p, float* dst, int b, int h, std::int64_t i0, int n, std::int64_t sq) {
+  for (int r = threadIdx.x; r < 3 * n; r += kThreads) {
+    const int which = r / n, i = r % n;
+    if (i0 + i >= sq) {
+      dst[r] = 0.0f;
+      continue;
+    }
+    const float* src = (which == 0 ? p.row_max : which == 1 ? p.row_inv : p.row_delta) +
+                       (std::int64_t{b} * p.heads + h) * p.seqlen_q + i0 + i;
+    const auto smem_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst + r));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_dst), "l"(src));
+  }
+  cute::cp_async_fence();
+}
+
+// Where a dk/dv CTA's dbias values go: element (bias head hb, local row i,
+// local key j) of dbias directly in its dtype, or added into the CTA's float32
+// slice of BackwardParams::scratch (reduce_bias_grad sums the slices).
+template <class Element>
+struct BiasGradOut {
+  float* slice = nullptr;
+  int db_b = 0;
+  std::int64_t qs = 0, ks = 0;
+  __device__ BiasGradOut(const BackwardParams& p, int b, int kvh, int key_block, const Sequence& seq)
+      : db_b(p.db_batch == 1 ? 0 : b), qs(seq.qs), ks(seq.ks) {
+    const std::int64_t elements = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
+    if (p.scratch != nullptr)
+      slice = p.scratch + ((std::int64_t{p.contrib_b > 1 ? b : 0} * p.contrib_h + (p.contrib_h > 1 ? kvh : 0)) * p.contrib_n +
+                           (p.contrib_n > 1 ? key_block : 0)) * elements;
+  }
+  // The element's index in the dense (db_batch, db_heads, db_rows, db_cols) slice.
+  __device__ std::int64_t dense(const BackwardParams& p, int hb, std::int64_t i, std::int64_t j) const {
+    return ((std::int64_t{db_b} * p.db_heads + hb) * p.db_rows + (p.db_rows == 1 ? 0 : i)) * p.db_cols +
+           (p.db_cols == 1 ? 0 : j);
+  }
+  __device__ void add(const BackwardParams& p, int hb, std::int64_t i, std::int64_t j, float x) const {
+    if (slice != nullptr)
+      slice[dense(p, hb, i, j)] += x;
+    else
+      store_float<Element>(p.dbias.data, p.bias_float32,
+                           db_b * p.dbias.sb + hb * p.dbias.sh + (p.db_rows == 1 ? 0 : qs + i) * p.dbias.sr +
+                               (p.db_cols == 1 ? 0 : ks + j) * p.dbias.sc,
+                           x);
+  }
+};
+
 // Beyond this |lse| a float32 lse = max + log(sum) has lost log(sum) to rounding
 // (spacing 2^-11 here): the dq kernel recomputes max and sum of such rows.
 constexpr float kLseExact = 4096.0f;
@@ -447,21 +497,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     }
   };
 
-  // Row statistics of queries [i0, i0 + n) of head h into dst[0 .. 3n): max, inv,
-  // delta (0 past the sequence), by cp.async so that no thread waits for them.
   auto load_stats = [&](float* dst, int h, std::int64_t i0, int n) {
-    for (int r = tid; r < 3 * n; r += Config::kThreads) {
-      const int which = r / n, i = r % n;
-      if (i0 + i >= sq) {
-        dst[r] = 0.0f;
-        continue;
-      }
-      const float* src = (which == 0 ? p.row_max : which == 1 ? p.row_inv : p.row_delta) +
-                         (std::int64_t{b} * p.heads + h) * p.seqlen_q + i0 + i;
-      const auto smem_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst + r));
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_dst), "l"(src));
-    }
-    cp_async_fence();
+    load_row_stats<Config::kThreads>(p, dst, b, h, i0, n, sq);
   };
   // The column tiles (and for dk/dv the statistics) of step t into buffer buf.
   auto issue = [&](int t, int buf, bool second) {
@@ -565,20 +602,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   float key_sum[2 * kM];
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) key_sum[r] = 0.0f;
-  const std::int64_t slice = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
-  float* db_slice = p.scratch == nullptr ? nullptr
-                                         : p.scratch + ((std::int64_t{p.contrib_b > 1 ? b : 0} * p.contrib_h +
-                                                         (p.contrib_h > 1 ? kvh : 0)) * p.contrib_n +
-                                                        (p.contrib_n > 1 ? row_block : 0)) * slice;
-  const int db_b = p.db_batch == 1 ? 0 : b;
-  auto dense = [&](int hb, std::int64_t i, std::int64_t j) {  // dense dbias index (rows and keys local)
-    return ((std::int64_t{db_b} * p.db_heads + hb) * p.db_rows + (p.db_rows == 1 ? 0 : i)) * p.db_cols +
-           (p.db_cols == 1 ? 0 : j);
-  };
-  auto direct = [&](int hb, std::int64_t i, std::int64_t j) {  // dbias element offset
-    return db_b * p.dbias.sb + hb * p.dbias.sh + (p.db_rows == 1 ? 0 : seq.qs + i) * p.dbias.sr +
-           (p.db_cols == 1 ? 0 : seq.ks + j) * p.dbias.sc;
-  };
+  const BiasGradOut<Element> db_out(p, b, kvh, row_block, seq);
   // Key-only dbias of bias head hb: the quad-reduced sums x of the thread's two
   // rows (those of bit `half` of rows).
   auto store_key_sums = [&](int hb, const float* x, unsigned rows) {
@@ -586,10 +610,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     for (int half = 0; half < 2; ++half) {
       const int key = own_keys[get<0>(cS(make_coord(make_coord(0, half), 0, 0)))];
       if (lane % 4 != 0 || key < 0 || !stager || !((rows >> half) & 1)) continue;
-      if (db_slice != nullptr)
-        db_slice[dense(hb, 0, key)] += x[half];
-      else
-        store_float<Element>(p.dbias.data, p.bias_float32, direct(hb, 0, key), x[half]);
+      db_out.add(p, hb, 0, key, x[half]);
     }
   };
 
@@ -823,10 +844,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
             const int kj = e / kStep, qi = e % kStep;
             if (qi >= qrows || kj >= kcols) continue;
             const float x = tile_add[kKeepDsAt + kj * kAddLd + qi];
-            if (db_slice != nullptr)
-              db_slice[dense(hb, q0 + qi, k0 + kj)] += x;
-            else
-              store_float<Element>(p.dbias.data, p.bias_float32, direct(hb, q0 + qi, k0 + kj), x);
+            db_out.add(p, hb, q0 + qi, k0 + kj, x);
           }
         } else {  // kReduceKeys: sums over the tile's keys in order, then over its queries for a (.., 1, 1) bias
           float x = 0.0f;
@@ -834,14 +852,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
 #pragma unroll 1
             for (int kj = 0; kj < kBlockRows; ++kj) x += tile_add[kKeepDsAt + kj * kAddLd + tid];
           if (p.db_rows != 1) {
-            if (tid < kStep && q0 + tid < sq) db_slice[dense(hb, q0 + tid, 0)] += x;
+            if (tid < kStep && q0 + tid < sq) db_out.slice[db_out.dense(p, hb, q0 + tid, 0)] += x;
           } else {
             if (tid < kStep) red[tid] = x;
             __syncthreads();
             if (tid == 0) {
               float total_sum = 0.0f;
               for (int qi = 0; qi < kStep; ++qi) total_sum += red[qi];
-              db_slice[dense(hb, 0, 0)] += total_sum;
+              db_out.slice[db_out.dense(p, hb, 0, 0)] += total_sum;
             }
           }
         }
@@ -1103,6 +1121,10 @@ struct KeyListConfig {
   static constexpr int kBlockM = kBlockM_, kThreads = 128;
 };
 
+// The Hopper dk/dv kernel (backward_sm90.cuh) where it applies.
+template <class Element, int kHeadDim>
+cudaError_t launch_dkv_sm90(const BackwardParams& p, int batch, cudaStream_t stream, bool* launched);
+
 template <class Element, int kHeadDim>
 void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   using Config = BackwardConfig<Element, kHeadDim>;
@@ -1197,7 +1219,9 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
     p.piece_acc = reinterpret_cast<float*>(piece_memory + turn_words);
   }
   const std::int64_t dkv_blocks = p.group_rows != nullptr ? p.key_groups * Config::kGroupBlocks : key_blocks;
-  if (err == cudaSuccess && dkv_blocks > 0) {
+  bool hopper = false;
+  if (err == cudaSuccess && dkv_blocks > 0) err = launch_dkv_sm90<Element, kHeadDim>(p, batch, stream, &hopper);
+  if (err == cudaSuccess && dkv_blocks > 0 && !hopper) {
     dkv_kernel<<<dim3(static_cast<unsigned>(dkv_blocks), static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)),
                  Config::kThreads, Config::kSmemBytes, stream>>>(p);
     err = cudaGetLastError();

@@ -1,0 +1,342 @@
+// The Hopper dk/dv kernel (sm_90a): warpgroup MMAs (wgmma) for the dense walk
+// of the common training case, dq by atomics. launch_backward takes it where
+// dkv_sm90_eligible holds and the device runs the sm_90a code; everything else
+// (masks, top-k, softcap, varlen, deterministic dq, other head dims, dbias
+// other than key-only) stays on backward_kernel<.., true>.
+//
+// One CTA of two warpgroups owns 128 keys of one (batch, kv head), 64 a
+// warpgroup, and walks 64-query steps over the G query heads of the group
+// (heads outermost, the causal / window range of query blocks inside). A step:
+//   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x 64 a warpgroup)
+//   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
+//   dV  += P^T dO, dK += dS^T Q      (P^T and dS^T from registers, the
+//                                     accumulators' layout is the A operand's)
+//   dQ   = dS K (dS^T through shared memory, 64 queries x 64 features a
+//          warpgroup) added into float32 dq_acc by vector reductions.
+// The next step's Q, dO and row statistics load by cp.async while a step
+// computes (two buffers). The key-only dbias sums dS^T over the queries of a
+// bias head in registers, in the walk's order: bitwise reproducible, as dk, dv.
+#pragma once
+
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+#include <cstdint>
+
+#include "backward_kernel.cuh"
+
+namespace dmattn::cuda {
+
+template <class Element_, int kHeadDim_>
+struct DkvSm90Config {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = 128;  // keys a CTA, 64 a warpgroup
+  static constexpr int kBlockM = 64;   // queries a step
+  static constexpr int kThreads = 256;
+  static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle rows");
+
+  // K-major 128-byte swizzled tiles (rows of 64 elements), as wgmma reads them;
+  // the transposed views (feature or key, row) are the MN-major operands.
+  using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
+  using LayoutKV = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using LayoutDs = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}));
+  using LayoutKt = decltype(cute::composition(
+      LayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  using LayoutQt = decltype(cute::composition(
+      LayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
+  using LayoutDsT = decltype(cute::composition(
+      LayoutDs{}, cute::make_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+
+  // S^T, dP^T: 128 keys x 64 queries, a warpgroup 64 keys. dK, dV: 128 keys x
+  // D, A from registers. dQ: 64 queries x D, a warpgroup D / 2 features.
+  using MmaSdp = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  using MmaDkv = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  using MmaDq = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim / 2>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>{}));
+
+  static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
+  // K, V, two buffers of Q and dO, dS^T, then two buffers of the step's statistics.
+  static constexpr int kStatsAt = (2 * kKvElems + 4 * kQElems + kDsElems) * int(sizeof(Element));
+  static constexpr int kSmemBytes = kStatsAt + 2 * 3 * kBlockM * int(sizeof(float));
+};
+
+// Whether the Hopper dk/dv kernel computes this backward (launch_backward also
+// needs an sm_90 device running the kernel's sm_90a code).
+inline bool dkv_sm90_eligible(const BackwardParams& p, int compiled_head_dim) {
+  return compiled_head_dim == 128 && p.head_dim == compiled_head_dim && p.dq_acc != nullptr && p.mask.data == nullptr &&
+         p.topk_intervals == nullptr && p.topk_thresholds == nullptr && p.softcap == 0.0f && p.cu_seqlens_q == nullptr &&
+         (p.bias.data == nullptr || p.bias.sr == 0) &&
+         (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k && p.vector_v &&
+         p.vector_dout;
+}
+
+// acc(_, _, k) += A(_, _, k) B(_, _, k) over the K mode as one batch of warpgroup
+// MMAs (zeroing acc first with kZero); the caller waits for it.
+template <bool kZero, class Mma, class A, class B, class C>
+__device__ __forceinline__ void wgmma_batch(Mma& mma, A& a, const B& b, C& acc) {
+  using namespace cute;
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  if constexpr (kZero) mma.accumulate_ = GMMA::ScaleOut::Zero;
+#pragma unroll
+  for (int kk = 0; kk < size<2>(a); ++kk) {
+    gemm(mma, a(_, _, kk), b(_, _, kk), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(acc);
+}
+
+// Generic-proxy shared-memory writes (cp.async, st.shared) made visible to the
+// wgmma operand reads (async proxy) that follow the next barrier.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+template <class Config>
+__global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __grid_constant__ BackwardParams p) {
+#if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
+  using namespace cute;
+  using Element = typename Config::Element;
+  constexpr int kBlockN = Config::kBlockN, kBlockM = Config::kBlockM, kHeadDim = Config::kHeadDim;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kInf = INFINITY;
+
+  // Grid as backward_kernel's dk/dv walk: heads fastest, the longest key blocks first.
+  const int b = blockIdx.z, blocks = gridDim.x, linear = blockIdx.x + blocks * blockIdx.y;
+  const int kvh = linear % gridDim.y, key_block = linear / gridDim.y;
+  const Sequence seq(p, b);
+  const std::int64_t sq = seq.sq, sk = seq.sk, offset = sk - sq;  // bottom-right alignment
+  const std::int64_t row0 = std::int64_t{key_block} * kBlockN;
+  if (row0 >= sk) return;
+  const std::int64_t row_last = min(row0 + kBlockN, sk) - 1;
+  // Query i sees key j iff i + offset - left <= j <= i + offset (+ right).
+  std::int64_t col_lo = 0, col_hi = sq;
+  if (p.causal) col_lo = max(col_lo, row0 - offset);
+  if (p.window_right >= 0) col_lo = max(col_lo, row0 - offset - p.window_right);
+  if (p.window_left >= 0) col_hi = min(col_hi, row_last - offset + p.window_left + 1);
+  const int first = col_hi > col_lo ? static_cast<int>(col_lo / kBlockM) : 0;
+  const int span = col_hi > col_lo ? static_cast<int>((col_hi + kBlockM - 1) / kBlockM) - first : 0;
+  const int h_first = kvh * p.group, total = p.group * span;  // step t: head h_first + t / span, block first + t % span
+  const auto step_head = [&](int t) { return h_first + static_cast<int>(unsigned(t) / unsigned(span)); };
+  const auto step_block = [&](int t) { return first + static_cast<int>(unsigned(t) % unsigned(span)); };
+
+  extern __shared__ __align__(1024) char smem[];
+  auto* k_smem = reinterpret_cast<Element*>(smem);
+  Element* v_smem = k_smem + Config::kKvElems;
+  Element* q_smem = v_smem + Config::kKvElems;       // two buffers
+  Element* do_smem = q_smem + 2 * Config::kQElems;  // two buffers
+  Element* ds_smem = do_smem + 2 * Config::kQElems;
+  auto* stats = reinterpret_cast<float*>(smem + Config::kStatsAt);  // two buffers of max, inv, delta
+  Tensor sK = make_tensor(make_smem_ptr(k_smem), typename Config::LayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(v_smem), typename Config::LayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(k_smem), typename Config::LayoutKt{});
+  Tensor sDs = make_tensor(make_smem_ptr(ds_smem), typename Config::LayoutDs{});
+  Tensor sDsT = make_tensor(make_smem_ptr(ds_smem), typename Config::LayoutDsT{});
+  auto rows_tile = [&](Element* base, int buf) {
+    return make_tensor(make_smem_ptr(base + buf * Config::kQElems), typename Config::LayoutQ{});
+  };
+  auto rows_tile_t = [&](Element* base, int buf) {
+    return make_tensor(make_smem_ptr(base + buf * Config::kQElems), typename Config::LayoutQt{});
+  };
+
+  const auto* q = static_cast<const Element*>(p.q.data) + b * p.q.sb;
+  const auto* dout = static_cast<const Element*>(p.dout.data) + b * p.dout.sb;
+  const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh;
+  const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + kvh * p.v.sh;
+  const int d = p.head_dim;
+  load_rows<Config>(sK, k + row0 * p.k.sr, p.k.sr, sk - row0, d, true);
+  load_rows<Config>(sV, v + row0 * p.v.sr, p.v.sr, sk - row0, d, true);
+  // Q, dO and the statistics of step t into buffer buf (one cp.async group).
+  auto issue = [&](int t, int buf) {
+    const int h = step_head(t);
+    const std::int64_t q0 = std::int64_t{step_block(t)} * kBlockM;
+    const int r = tile_row<Config, kBlockM>();
+    load_tile<Config>(rows_tile(q_smem, buf), q + h * p.q.sh + q0 * p.q.sr, p.q.sr, q0 + r < sq ? r : -1, d, true);
+    load_tile<Config>(rows_tile(do_smem, buf), dout + h * p.dout.sh + q0 * p.dout.sr, p.dout.sr, q0 + r < sq ? r : -1, d,
+                      true);
+    load_row_stats<Config::kThreads>(p, stats + buf * 3 * kBlockM, b, h, q0, kBlockM, sq);
+  };
+
+  const int tid = threadIdx.x, lane = tid % 32;
+  typename Config::MmaSdp mma_sdp;
+  typename Config::MmaDkv mma_dkv;
+  typename Config::MmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tQrDs = thr_dq.partition_fragment_A(sDsT);
+  Tensor tQrK = thr_dq.partition_fragment_B(sKt);
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  // The thread's (key, query) of S^T and its dS^T words in shared memory: two
+  // keys (rows r and r + 8 of its warp's 16), pairs of adjacent queries.
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor tSsDs = thr_sdp.partition_C(sDs);
+  constexpr int kAccS = decltype(size(cS))::value;  // 32: (2 queries, 2 keys, 8 query groups)
+  const int my_key[2] = {get<0>(cS(0)), get<0>(cS(2))};
+
+  const bool has_bias = p.bias.data != nullptr, key_sums = p.bias_grad == BiasGrad::kPerKey;
+  const BiasGradOut<Element> db_out(p, b, kvh, key_block, seq);
+  float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
+  int key_bias_head = -1;
+  const float scale = p.scale;
+
+  if (total > 0) issue(0, 0);
+  for (int t = 0; t < total; ++t) {
+    const int buf = t & 1, h = step_head(t), hb = static_cast<int>(unsigned(h) / unsigned(p.bias_group));
+    const std::int64_t q0 = std::int64_t{step_block(t)} * kBlockM;
+    cp_async_wait<0>();
+    fence_async_shared();
+    __syncthreads();  // step t landed; every thread is done with step t - 1 (its buffers and dS^T)
+    if (t + 1 < total) issue(t + 1, buf ^ 1);
+    if (has_bias && hb != key_bias_head) {
+      key_bias_head = hb;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const std::int64_t key = row0 + my_key[half];
+        key_bias[half] =
+            key < sk ? load_float<Element>(p.bias.data, p.bias_float32, b * p.bias.sb + hb * p.bias.sh + key * p.bias.sc)
+                     : 0.0f;
+      }
+    }
+
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor tSrQ = thr_sdp.partition_fragment_B(rows_tile(q_smem, buf));
+    Tensor tSrDo = thr_sdp.partition_fragment_B(rows_tile(do_smem, buf));
+    wgmma_batch<true>(mma_sdp, tSrK, tSrQ, acc_s);
+    wgmma_batch<true>(mma_sdp, tSrV, tSrDo, acc_dp);
+    warpgroup_wait<0>();
+
+    // A tile wholly inside the sequences, the causal band and the window tests no element.
+    const bool whole = q0 + kBlockM <= sq && row0 + kBlockN <= sk && (!p.causal || row0 + kBlockN - 1 <= q0 + offset) &&
+                       (p.window_left < 0 || row0 >= q0 + kBlockM - 1 + offset - p.window_left) &&
+                       (p.window_right < 0 || row0 + kBlockN - 1 <= q0 + offset + p.window_right);
+    const int qrows = clamp_to_tile(sq - q0);
+    const int lo = p.window_left < 0 ? -kTileFar : clamp_to_tile(q0 + offset - row0 - p.window_left);
+    const int hi = p.causal ? clamp_to_tile(q0 + offset - row0) : kTileFar;
+    const int right = p.window_right < 0 ? kTileFar : clamp_to_tile(q0 + offset - row0 + p.window_right);
+    const int kcols = clamp_to_tile(sk - row0);
+    const float* st = stats + buf * 3 * kBlockM;
+#pragma unroll
+    for (int e = 0; e < kAccS; ++e) {
+      const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
+      float x = acc_s(e) * scale + key_bias[half];
+      // Query qi sees key kj (tile-local) iff kj <= qi + hi, qi + lo <= kj <= qi + right.
+      if (!whole && !(qi < qrows && kj < kcols && kj <= qi + hi && kj >= qi + lo && kj <= qi + right)) x = -kInf;
+      // (x - max) first: x and max near the float32 limit would overflow times log2(e).
+      const float prob = exp2_ftz((x - st[qi]) * kLog2e) * st[kBlockM + qi];
+      const float ds = prob * (acc_dp(e) - st[2 * kBlockM + qi]);
+      acc_s(e) = prob;
+      acc_dp(e) = ds;
+      if (key_sums) key_sum[half] += ds;
+    }
+
+    // P^T and dS^T in Element, in the A-operand layout of the dK / dV MMAs (the
+    // accumulator's 8 query groups are 4 k-slices of 16), and dS^T to shared memory.
+    constexpr int kSlices = kBlockM / 16;
+    using ARegs = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kSlices>>>;
+    Tensor rP = make_tensor<Element>(ARegs{});
+    Tensor rDs = make_tensor<Element>(ARegs{});
+    using Convert = cutlass::NumericArrayConverter<Element, float, kAccS>;
+    *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rP.data())) =
+        Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_s.data())));
+    *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rDs.data())) =
+        Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_dp.data())));
+    const auto* ds_pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rDs.data()));
+#pragma unroll
+    for (int e = 0; e < kAccS; e += 2) *reinterpret_cast<std::uint32_t*>(&tSsDs(e)) = ds_pairs[e / 2];
+
+    Tensor tVrDo = thr_dkv.partition_fragment_B(rows_tile_t(do_smem, buf));
+    Tensor tKrQ = thr_dkv.partition_fragment_B(rows_tile_t(q_smem, buf));
+    warpgroup_fence_operand(rP);
+    warpgroup_fence_operand(rDs);
+    wgmma_batch<false>(mma_dkv, rP, tVrDo, acc_dv);
+    wgmma_batch<false>(mma_dkv, rDs, tKrQ, acc_dk);
+
+    fence_async_shared();
+    __syncthreads();  // both warpgroups' dS^T are in shared memory
+    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(rP);
+    warpgroup_fence_operand(rDs);
+
+    Tensor cQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    float* dq_rows = p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim;
+#pragma unroll
+    for (int e = 0; e < size(acc_dq); e += 2) {
+      const int qi = get<0>(cQ(e)), f = get<1>(cQ(e));
+      if (qi < qrows) red_add2(dq_rows + qi * kHeadDim + f, acc_dq(e), acc_dq(e + 1));
+    }
+
+    // Key-only dbias: a bias head's sums are complete when the next step has another.
+    if (key_sums && (t + 1 >= total || static_cast<int>(unsigned(step_head(t + 1)) / unsigned(p.bias_group)) != hb)) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float x = quad_sum(key_sum[half]);
+        key_sum[half] = 0.0f;
+        if (lane % 4 == 0 && row0 + my_key[half] < sk) db_out.add(p, hb, 0, row0 + my_key[half], x);
+      }
+    }
+  }
+
+  // dk = scale * acc_dk, dv = acc_dv.
+  Tensor cO = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh + row0 * p.dk.sr;
+  auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh + row0 * p.dv.sr;
+#pragma unroll
+  for (int e = 0; e < size(acc_dk); ++e) {
+    const int kj = get<0>(cO(e)), f = get<1>(cO(e));
+    if (row0 + kj >= sk) continue;
+    dk[kj * p.dk.sr + f] = static_cast<Element>(acc_dk(e) * scale);
+    dv[kj * p.dv.sr + f] = static_cast<Element>(acc_dv(e));
+  }
+#endif
+}
+
+// Launches the Hopper dk/dv kernel for this backward if it may
+// (dkv_sm90_eligible, an sm_90 device running the kernel's sm_90a code) and
+// sets *launched; the launch's error, if any.
+template <class Element, int kHeadDim>
+cudaError_t launch_dkv_sm90(const BackwardParams& p, int batch, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  if constexpr (kHeadDim % 64 != 0) {
+    return cudaSuccess;
+  } else {
+    using Config = DkvSm90Config<Element, kHeadDim>;
+    if (!dkv_sm90_eligible(p, kHeadDim)) return cudaSuccess;
+    auto kernel = dkv_kernel_sm90<Config>;
+    int device = 0, major = 0;
+    cudaFuncAttributes attr{};
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
+    if (err != cudaSuccess || major != 9 || attr.binaryVersion != 90 || attr.ptxVersion < 90) return err;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    const int kv_heads = p.heads / p.group;
+    const auto key_blocks = static_cast<unsigned>((p.seqlen_k + Config::kBlockN - 1) / Config::kBlockN);
+    kernel<<<dim3(key_blocks, static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)), Config::kThreads,
+             Config::kSmemBytes, stream>>>(p);
+    *launched = true;
+    return cudaGetLastError();
+  }
+}
+
+}  // namespace dmattn::cuda
