@@ -18,6 +18,7 @@
 //   dmattn_gpu_check --bench-topk the top-k (w = 1024) forward + backward line alone
 //   dmattn_gpu_check --bench-decode  the decode lines of --bench alone (dense, top-k)
 //   dmattn_gpu_check --bench-wide    the head dim 192 / 256 lines of --bench alone (where compiled)
+//   dmattn_gpu_check --bench-dense   the D = 128 fwd + bwd lines (no mask, key-only bias) alone
 //
 // Accuracy rule (SPEC 5): max |gpu - ref| <= 2 * proxy + 1e-5 on out, where ref
 // is the CPU backend in float64 and the proxy error the larger of two: lowp, the
@@ -1717,8 +1718,9 @@ void bench_decode() {
 }
 
 // topk_only: the top-k fwd + bwd line alone (a short run to profile);
-// wide_only: the head dim > 128 lines alone.
-int bench(bool topk_only, bool wide_only) {
+// wide_only: the head dim > 128 lines alone; dense_only: the D = 128
+// fwd + bwd lines without a mask and with the key-only bias.
+int bench(bool topk_only, bool wide_only, bool dense_only) {
   Rng rng;
   const std::int64_t B = 1, H = 32, Hk = 8, D = 128;
   auto random = [&](HostTensor& t) { t.fill([&](std::int64_t) { return rng.uniform(-1.0, 1.0); }); };
@@ -1780,6 +1782,11 @@ int bench(bool topk_only, bool wide_only) {
       }
   };
   if (wide_only) return wide_lines(), 0;
+  if (dense_only) {
+    fwd_bwd("no mask", false, std::nullopt, 0, 5);
+    fwd_bwd("key-only bias", true, std::nullopt, 0, 5);
+    return 0;
+  }
   fwd_bwd("no mask", false, std::nullopt, 0, 5);
   fwd_bwd("no mask deterministic (two-kernel dq)", false, std::nullopt, 0, 5, true);
   fwd_bwd("key-only bias", true, std::nullopt, 0, 5);
@@ -1855,8 +1862,8 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    if (mode == "--bench" || mode == "--bench-topk" || mode == "--bench-wide")
-      return bench(mode == "--bench-topk", mode == "--bench-wide");
+    if (mode == "--bench" || mode == "--bench-topk" || mode == "--bench-wide" || mode == "--bench-dense")
+      return bench(mode == "--bench-topk", mode == "--bench-wide", mode == "--bench-dense");
     if (mode == "--bench-decode") return bench_decode(), 0;
     if (mode == "--backward") return check(false, true, only, shard);
     return check(mode == "--small", false, only, shard);

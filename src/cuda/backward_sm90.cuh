@@ -262,20 +262,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
 #pragma unroll
     for (int e = 0; e < kAccS; e += 2) *reinterpret_cast<std::uint32_t*>(&tSsDs(e)) = ds_pairs[e / 2];
 
+    // dQ first: its reductions then overlap the dK and dV MMAs.
+    fence_async_shared();
+    __syncthreads();  // both warpgroups' dS^T are in shared memory
+    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
     Tensor tVrDo = thr_dkv.partition_fragment_B(rows_tile_t(do_smem, buf));
     Tensor tKrQ = thr_dkv.partition_fragment_B(rows_tile_t(q_smem, buf));
     warpgroup_fence_operand(rP);
     warpgroup_fence_operand(rDs);
     wgmma_batch<false>(mma_dkv, rP, tVrDo, acc_dv);
     wgmma_batch<false>(mma_dkv, rDs, tKrQ, acc_dk);
-
-    fence_async_shared();
-    __syncthreads();  // both warpgroups' dS^T are in shared memory
-    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(rP);
-    warpgroup_fence_operand(rDs);
+    warpgroup_wait<2>();
+    warpgroup_fence_operand(acc_dq);
 
     Tensor cQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     float* dq_rows = p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim;
@@ -284,6 +283,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
       const int qi = get<0>(cQ(e)), f = get<1>(cQ(e));
       if (qi < qrows) red_add2(dq_rows + qi * kHeadDim + f, acc_dq(e), acc_dq(e + 1));
     }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(rP);
+    warpgroup_fence_operand(rDs);
 
     // Key-only dbias: a bias head's sums are complete when the next step has another.
     if (key_sums && (t + 1 >= total || static_cast<int>(unsigned(step_head(t + 1)) / unsigned(p.bias_group)) != hb)) {
