@@ -22,6 +22,9 @@
 //                    their intervals in the segment, and a key's pieces add up in
 //                    segment order; thresholds: the dense walk with the threshold
 //                    test.
+//   dkv_kernel_sm90 (backward_sm90.cuh): on sm_90 devices, the dk/dv kernel of
+//                    the common training case (no mask, top-k or softcap, D = 128,
+//                    dq by atomics) with warpgroup MMAs.
 //   reduce_bias_grad: sums the dbias slices in order (or zero-fills dbias).
 //   finish_dq:       dq = scale * the atomic float32 sums (deterministic = false).
 // Both walks use the same tile: each warp owns 16 rows (its accumulators), the

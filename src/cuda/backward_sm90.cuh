@@ -7,15 +7,19 @@
 // One CTA of two warpgroups owns 128 keys of one (batch, kv head), 64 a
 // warpgroup, and walks 64-query steps over the G query heads of the group
 // (heads outermost, the causal / window range of query blocks inside). A step:
-//   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x 64 a warpgroup)
+//   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x 64 a warpgroup;
+//                                     the next step's Q, dO and statistics start
+//                                     loading by cp.async while they run)
 //   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
-//   dV  += P^T dO, dK += dS^T Q      (P^T and dS^T from registers, the
+//   dQ   = dS K                      (dS^T through shared memory, 64 queries x
+//                                     D / 2 features a warpgroup), then
+//   dV  += P^T dO, dK += dS^T Q      (P^T and dS^T from registers: the
 //                                     accumulators' layout is the A operand's)
-//   dQ   = dS K (dS^T through shared memory, 64 queries x 64 features a
-//          warpgroup) added into float32 dq_acc by vector reductions.
-// The next step's Q, dO and row statistics load by cp.async while a step
-// computes (two buffers). The key-only dbias sums dS^T over the queries of a
-// bias head in registers, in the walk's order: bitwise reproducible, as dk, dv.
+// and dQ's float32 vector reductions into dq_acc run while the dV and dK
+// MMAs do. The key-only dbias sums dS^T over the queries of a bias head in
+// registers, in the walk's order: bitwise reproducible, as dk and dv.
+// (Keeping dQ's accumulators across the next step's S / dP MMAs instead makes
+// ptxas serialize the warpgroup MMAs for want of registers, C7511.)
 #pragma once
 
 #include <cute/atom/mma_atom.hpp>
@@ -203,7 +207,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     cp_async_wait<0>();
     fence_async_shared();
     __syncthreads();  // step t landed; every thread is done with step t - 1 (its buffers and dS^T)
-    if (t + 1 < total) issue(t + 1, buf ^ 1);
     if (has_bias && hb != key_bias_head) {
       key_bias_head = hb;
 #pragma unroll
@@ -221,6 +224,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     Tensor tSrDo = thr_sdp.partition_fragment_B(rows_tile(do_smem, buf));
     wgmma_batch<true>(mma_sdp, tSrK, tSrQ, acc_s);
     wgmma_batch<true>(mma_sdp, tSrV, tSrDo, acc_dp);
+    if (t + 1 < total) issue(t + 1, buf ^ 1);  // while the MMAs run
     warpgroup_wait<0>();
 
     // A tile wholly inside the sequences, the causal band and the window tests no element.
