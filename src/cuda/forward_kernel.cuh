@@ -151,12 +151,14 @@ __device__ void mark_tile(const ForwardParams& p, std::int64_t sq, std::int64_t 
 // the words' popcounts), and their count at mask_counts; a key past keys_stride
 // would be dropped (the sizes exclude it). Then each warp writes the bits of one
 // row at a time over the list, 32 slots a word and kGroup words at once: slot t
-// of row r is allowed(r, key t). Every read of a group precedes its writes and a
-// slot t <= its key, so `allowed` may read the row's key-indexed bits in place.
+// of row r is allowed(r, fetch(key t)), fetch called once a slot and group (what
+// the rows share: a key's interval), allowed once a row. Every read of a group
+// precedes its writes and a slot t <= its key, so `allowed` may read the row's
+// key-indexed bits in place.
 // any_word is called by every thread (with w >= words too: it returns 0 there).
-template <int kThreads, class AnyWord, class Allowed>
+template <int kThreads, class AnyWord, class Fetch, class Allowed>
 __device__ void list_block_keys(const ForwardParams& p, std::int64_t block, std::int64_t words_in, AnyWord any_word,
-                                int rows, std::uint32_t* bits0, Allowed allowed) {
+                                int rows, std::uint32_t* bits0, Fetch fetch, Allowed allowed) {
   constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   std::int32_t* keys = p.mask_keys + block * p.keys_stride;
@@ -182,17 +184,18 @@ __device__ void list_block_keys(const ForwardParams& p, std::int64_t block, std:
   __syncthreads();
   constexpr int kGroup = 8;  // words a step: their reads go out together
   const int words = (listed + 63) / 64 * 2;
+  using Slot = decltype(fetch(0));
   for (int w0 = 0; w0 < words; w0 += kGroup) {
-    int key[kGroup];
+    Slot slot[kGroup];
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) {
       const int t = 32 * (w0 + j) + lane;
-      key[j] = t < listed ? keys[t] : -1;
+      slot[j] = t < listed ? fetch(keys[t]) : Slot{};
     }
     for (int r = warp; r < rows; r += kWarps) {
       bool ok[kGroup];
 #pragma unroll
-      for (int j = 0; j < kGroup; ++j) ok[j] = key[j] >= 0 && allowed(r, key[j]);
+      for (int j = 0; j < kGroup; ++j) ok[j] = 32 * (w0 + j) + lane < listed && allowed(r, slot[j]);
       std::uint32_t* bits = bits0 + r * p.bits_sr;
 #pragma unroll
       for (int j = 0; j < kGroup; ++j) {
@@ -236,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) gather_mask_keys(const ForwardParams
   std::uint32_t* const bits0 = p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr;
   list_block_keys<kThreads>(
       p, block, p.bits_sr, [&](std::int64_t w) { return w < p.bits_sr ? any[w] : 0u; },
-      static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0)), bits0,
+      static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0)), bits0, [](int key) { return key; },
       [&](int r, int key) { return ((bits0[r * p.bits_sr + key / 32] >> (key % 32)) & 1u) != 0; });
 }
 
@@ -438,26 +441,33 @@ __global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p
   const KeyRows* intervals = p.topk_intervals + s.sel;
   const int lane = threadIdx.x % 32;
   auto any_word = [&](std::int64_t w) -> std::uint32_t {
+    constexpr int kBatch = 8;  // loads issued together before their ballots
     std::uint32_t mine = 0;
     const std::int64_t first = 32 * (w - lane);  // the warp's first key
-    for (int c = 0; c < 32; ++c) {
-      const std::int64_t j = first + 32 * c + lane;
-      bool hit = false;
-      if (j < key_end) {
-        const KeyRows r = intervals[j];
-        hit = r.start < row0 + rows && r.end > row0;
+    for (int c0 = 0; c0 < 32; c0 += kBatch) {
+      bool hit[kBatch];
+#pragma unroll
+      for (int c = 0; c < kBatch; ++c) {
+        const std::int64_t j = first + 32 * (c0 + c) + lane;
+        const KeyRows r = j < key_end ? intervals[j] : KeyRows{0, 0};
+        hit[c] = r.start < row0 + rows && r.end > row0;
       }
-      const std::uint32_t word = __ballot_sync(0xffffffff, hit);
-      if (lane == c) mine = word;
+#pragma unroll
+      for (int c = 0; c < kBatch; ++c) {
+        const std::uint32_t word = __ballot_sync(0xffffffff, hit[c]);
+        if (lane == c0 + c) mine = word;
+      }
     }
     return mine;
   };
-  auto allowed = [&](int r, int j) {
+  // A listed key's interval, in rows of the block (loaded once for all its rows).
+  auto fetch = [&](int j) {
     const KeyRows k = intervals[j];
-    return k.start <= row0 + r && row0 + r < k.end;
+    return KeyRows{static_cast<std::int32_t>(k.start - row0), static_cast<std::int32_t>(k.end - row0)};
   };
+  auto allowed = [](int r, KeyRows k) { return k.start <= r && r < k.end; };
   list_block_keys<kThreads>(p, block, words, any_word, rows,
-                            p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr, allowed);
+                            p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr, fetch, allowed);
 }
 
 // The keys a query block of block_m rows can list under top-k (w =
