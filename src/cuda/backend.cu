@@ -66,19 +66,20 @@ class SideStream {
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
 
-  // Work enqueued on stream() from now on runs after main's work so far.
+  // Work enqueued on the returned stream from now on runs after main's work so far.
   cudaStream_t fork(cudaStream_t main) {
-    thread_local std::vector<cudaStream_t> streams;  // by device
+    thread_local ThreadStreams streams;
     int device = 0;
     check(cudaGetDevice(&device), "cudaGetDevice");
-    if (streams.size() <= static_cast<std::size_t>(device)) streams.resize(device + 1, nullptr);
-    if (streams[device] == nullptr) {
+    std::vector<cudaStream_t>& by_device = streams.by_device;
+    if (by_device.size() <= static_cast<std::size_t>(device)) by_device.resize(device + 1, nullptr);
+    if (by_device[device] == nullptr) {
       int least = 0, greatest = 0;
       check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-      check(cudaStreamCreateWithPriority(&streams[device], cudaStreamNonBlocking, greatest),
+      check(cudaStreamCreateWithPriority(&by_device[device], cudaStreamNonBlocking, greatest),
             "cudaStreamCreateWithPriority");
     }
-    side_ = streams[device];
+    side_ = by_device[device];
     check(cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     check(cudaEventCreateWithFlags(&joined_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     check(cudaEventRecord(forked_, main), "cudaEventRecord");
@@ -96,6 +97,14 @@ class SideStream {
   }
 
  private:
+  // A host thread's side streams, destroyed when the thread ends.
+  struct ThreadStreams {
+    std::vector<cudaStream_t> by_device;
+    ~ThreadStreams() {
+      for (cudaStream_t s : by_device)
+        if (s != nullptr) cudaStreamDestroy(s);
+    }
+  };
   cudaStream_t side_ = nullptr;
   cudaEvent_t forked_ = nullptr, joined_ = nullptr;
 };
