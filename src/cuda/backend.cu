@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../backend.h"
 #include "backward.h"
@@ -30,6 +31,10 @@ bool vector_key_bias(const Problem& p, const Operand& b) {
   return reinterpret_cast<std::uintptr_t>(b.data) % 16 == 0 && b.sb % per_chunk == 0 && b.sh % per_chunk == 0;
 }
 
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string("dmattn: ") + what + ": " + cudaGetErrorString(err));
+}
+
 // Makes `device` current for the duration of a call, restoring the caller's.
 class DeviceGuard {
  public:
@@ -42,10 +47,66 @@ class DeviceGuard {
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  static void check(cudaError_t err, const char* what) {
-    if (err != cudaSuccess) throw std::runtime_error(std::string("dmattn: ") + what + ": " + cudaGetErrorString(err));
-  }
   int previous_ = 0;
+};
+
+// A second stream for work that needs none of the caller's stream's recent
+// work but what it had enqueued when fork() ran: forked and joined by events,
+// so a CUDA graph capture of the caller's stream takes it in. One stream per
+// host thread and device (a capture on one thread never takes in another
+// thread's work), at the highest priority, so that its kernels take SMs as
+// soon as they free. Unused until fork().
+class SideStream {
+ public:
+  SideStream() = default;
+  ~SideStream() {
+    if (forked_ != nullptr) cudaEventDestroy(forked_);
+    if (joined_ != nullptr) cudaEventDestroy(joined_);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+
+  // Work enqueued on the returned stream from now on runs after main's work so far.
+  cudaStream_t fork(cudaStream_t main) {
+    thread_local ThreadStreams streams;
+    int device = 0;
+    check(cudaGetDevice(&device), "cudaGetDevice");
+    std::vector<cudaStream_t>& by_device = streams.by_device;
+    if (by_device.size() <= static_cast<std::size_t>(device)) by_device.resize(device + 1, nullptr);
+    if (by_device[device] == nullptr) {
+      int least = 0, greatest = 0;
+      check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+      check(cudaStreamCreateWithPriority(&by_device[device], cudaStreamNonBlocking, greatest),
+            "cudaStreamCreateWithPriority");
+    }
+    side_ = by_device[device];
+    check(cudaEventCreateWithFlags(&forked_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    check(cudaEventCreateWithFlags(&joined_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    check(cudaEventRecord(forked_, main), "cudaEventRecord");
+    check(cudaStreamWaitEvent(side_, forked_, 0), "cudaStreamWaitEvent");
+    return side_;
+  }
+  // An event that completes with the work enqueued on the side stream so far.
+  cudaEvent_t done() {
+    check(cudaEventRecord(joined_, side_), "cudaEventRecord");
+    return joined_;
+  }
+  // main waits for everything enqueued on the side stream (no-op before fork).
+  void join(cudaStream_t main) {
+    if (side_ != nullptr && joined_ != nullptr) check(cudaStreamWaitEvent(main, done(), 0), "cudaStreamWaitEvent");
+  }
+
+ private:
+  // A host thread's side streams, destroyed when the thread ends.
+  struct ThreadStreams {
+    std::vector<cudaStream_t> by_device;
+    ~ThreadStreams() {
+      for (cudaStream_t s : by_device)
+        if (s != nullptr) cudaStreamDestroy(s);
+    }
+  };
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t forked_ = nullptr, joined_ = nullptr;
 };
 
 // The fields the forward and the backward share (not the vector-load flags: the
@@ -193,9 +254,11 @@ cuda::BiasGrad bias_grad_kind(const Problem& p) {
   return p.bias_shape.rows == 1 ? cuda::BiasGrad::kPerKey : cuda::BiasGrad::kPerElement;
 }
 
-// Top-k: the selection runs on the stream like the forward's; intervals are
-// then grouped for the dk/dv walk (sorted by rows unless dbias needs
-// contiguous keys), and both are freed once the kernels are enqueued.
+// Top-k: the selection runs like the forward's and intervals are then grouped
+// for the dk/dv walk (sorted by rows unless dbias needs contiguous keys), both
+// on a side stream forked from the caller's, beside the dq memset and row_stats
+// (launch_backward waits for them after row_stats: selection_ready); both are
+// freed on the caller's stream, joined first, once the kernels are enqueued.
 void run_backward(const Problem& p) {
   if (p.batch == 0) return;
   cuda::BackwardParams params;
@@ -213,26 +276,31 @@ void run_backward(const Problem& p) {
 
   const DeviceGuard guard(p.device.index);
   const auto stream = static_cast<cudaStream_t>(p.stream);
+  SideStream side;
   cuda::DeviceSelection sel;
   cuda::KeyGroups groups;
   launch_then_release(
       [&] {
         if (p.keep_window_size > 0 && p.seqlen_k > 0 && p.seqlen_q > 0) {
-          sel = select(p, params);
+          Problem on_side = p;
+          on_side.stream = side.fork(stream);
+          sel = select(on_side, params);
           if (sel.intervals != nullptr) {
             const bool sort = params.bias_grad == cuda::BiasGrad::kNone || params.bias_grad == cuda::BiasGrad::kPerKey;
             // Keys cut at row segments add their pieces' sums in a slot with one key dbias: one bias head a kv head.
             const bool split = params.bias_grad == cuda::BiasGrad::kNone || params.bias_group % params.group == 0;
             groups = cuda::group_keys(sel, p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k, p.cu_seqlens_k,
-                                      p.keep_window_size, sort, split, stream);
+                                      p.keep_window_size, sort, split, static_cast<cudaStream_t>(on_side.stream));
             params.key_order = groups.order, params.key_rank = groups.rank, params.key_pieces = groups.pieces;
             params.group_first = groups.first, params.group_rows = groups.rows, params.key_groups = groups.groups;
             params.key_segments = groups.segments, params.segment_rows = groups.segment_rows;
           }
+          params.selection_ready = side.done();
         }
         dispatch_backward(p, params);
       },
       [&] {
+        side.join(stream);
         cuda::free_groups(groups, stream);
         cuda::free_selection(sel, stream);
       });

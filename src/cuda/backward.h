@@ -70,6 +70,10 @@ struct BackwardParams : AttentionParams, KeyLists {
   // key the rank of the next piece; the last piece writes the gradients.
   float* piece_acc = nullptr;
   int* piece_turn = nullptr;
+  // Set: the top-k selection and its groups are computed on another stream and
+  // ready once this event completes; the stream waits for it after row_stats
+  // (the dq memset and row_stats read neither).
+  cudaEvent_t selection_ready = nullptr;
 
   // dbias: dense extents (batch, heads, rows, keys) of the bias before broadcasting
   // (varlen: B, Hb, 1, max_seqlen_k with local keys). Direct (scratch == nullptr):

@@ -1180,6 +1180,7 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
     row_stats<Element><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p, batch);
     err = cudaGetLastError();
   }
+  if (err == cudaSuccess && p.selection_ready != nullptr) err = cudaStreamWaitEvent(stream, p.selection_ready, 0);
   // dq walks key lists of its blocks (the forward's pre-passes; by atomics
   // only where row_stats found rows to recompute); dk/dv the mask tile classes
   // unless top-k intervals have folded the mask into themselves.

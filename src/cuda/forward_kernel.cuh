@@ -145,18 +145,14 @@ __device__ void mark_tile(const ForwardParams& p, std::int64_t sq, std::int64_t 
   if (threadIdx.x < 2) any_out[threadIdx.x] = block_any[threadIdx.x];
 }
 
-// Pre-pass 2 for one query block (`block` = z * mask_blocks + m, `rows` rows,
-// their bits from bits0): lists the keys whose bit is set in the words
-// any_word(0 .. words - 1) at mask_keys, ascending (a block-wide prefix sum over
-// the words' popcounts), and their count at mask_counts; a key past keys_stride
-// would be dropped (the sizes exclude it). Then each warp writes the bits of one
-// row at a time over the list, 32 slots a word and kGroup words at once: slot t
-// of row r is allowed(r, key t). Every read of a group precedes its writes and a
-// slot t <= its key, so `allowed` may read the row's key-indexed bits in place.
-// any_word is called by every thread (with w >= words too: it returns 0 there).
-template <int kThreads, class AnyWord, class Allowed>
-__device__ void list_block_keys(const ForwardParams& p, std::int64_t block, std::int64_t words_in, AnyWord any_word,
-                                int rows, std::uint32_t* bits0, Allowed allowed) {
+// Pre-pass 2 for one query block (`block` = z * mask_blocks + m), its list:
+// the keys whose bit is set in the words any_word(0 .. words - 1) at
+// mask_keys, ascending (a block-wide prefix sum over the words' popcounts), and
+// their count at mask_counts; a key past keys_stride would be dropped (the
+// sizes exclude it). Returns the count. any_word is called by every thread
+// (with w >= words too: it returns 0 there).
+template <int kThreads, class AnyWord>
+__device__ int list_keys(const ForwardParams& p, std::int64_t block, std::int64_t words_in, AnyWord any_word) {
   constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   std::int32_t* keys = p.mask_keys + block * p.keys_stride;
@@ -180,6 +176,21 @@ __device__ void list_block_keys(const ForwardParams& p, std::int64_t block, std:
   const int listed = static_cast<int>(min(total, p.keys_stride));
   if (threadIdx.x == 0) p.mask_counts[block] = listed;
   __syncthreads();
+  return listed;
+}
+
+// The list of list_keys, then the bits of the block's `rows` rows (from bits0):
+// each warp writes the bits of one row at a time over the list, 32 slots a word
+// and kGroup words at once: slot t of row r is allowed(r, key t). Every read of
+// a group precedes its writes and a slot t <= its key, so `allowed` may read
+// the row's key-indexed bits in place.
+template <int kThreads, class AnyWord, class Allowed>
+__device__ void list_block_keys(const ForwardParams& p, std::int64_t block, std::int64_t words_in, AnyWord any_word,
+                                int rows, std::uint32_t* bits0, Allowed allowed) {
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int32_t* keys = p.mask_keys + block * p.keys_stride;
+  const int listed = list_keys<kThreads>(p, block, words_in, any_word);
   constexpr int kGroup = 8;  // words a step: their reads go out together
   const int words = (listed + 63) / 64 * 2;
   for (int w0 = 0; w0 < words; w0 += kGroup) {
@@ -416,12 +427,69 @@ __global__ void __launch_bounds__(kThreads) list_topk_chunk(const ForwardParams 
   }
 }
 
+// The row bits of a block's interval list (`listed` keys at `keys`, rows [row0,
+// row0 + rows), bits from bits0): row r keeps slot t when start <= row0 + r <
+// end of the slot's key. A slot's rows in the block are one run, so the word
+// of slots [32 w, 32 w + 32) changes from one row to the next only where a run
+// starts or ends: per chunk of kIntervalWords words, row 0's words (a ballot a
+// word) and, at every row where a run starts or ends inside the block, its
+// slot's bit (shared atomic XOR) go into a rows x words table; an XOR prefix
+// down each word's column makes the rows' words, stored a row per warp store.
+// O(listed + rows x words / 32) work a block instead of rows x words ballots.
+constexpr int kIntervalWords = 32;
+
+template <int kBlockM, int kThreads>
+__device__ void write_interval_bits(const ForwardParams& p, const KeyRows* intervals, const std::int32_t* keys,
+                                    int listed, std::int64_t row0, int rows, std::uint32_t* bits0) {
+  constexpr int kWarps = kThreads / 32, kWordsPerWarp = kIntervalWords / kWarps, kPartRows = kBlockM / kWarps;
+  static_assert(kIntervalWords == 32 && kIntervalWords % kWarps == 0 && kBlockM % kWarps == 0, "one word a lane");
+  __shared__ std::uint32_t toggles[kBlockM][kIntervalWords];
+  __shared__ std::uint32_t part_xor[kWarps][kIntervalWords];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int words = (listed + 63) / 64 * 2;
+  for (int w0 = 0; w0 < words; w0 += kIntervalWords) {
+    for (int e = threadIdx.x; e < kBlockM * kIntervalWords; e += kThreads) toggles[e / kIntervalWords][e % kIntervalWords] = 0;
+    __syncthreads();
+    int key[kWordsPerWarp];  // warp `warp` takes words w0 + warp + kWarps i, lane = the slot's bit
+#pragma unroll
+    for (int i = 0; i < kWordsPerWarp; ++i) {
+      const int t = 32 * (w0 + warp + kWarps * i) + lane;
+      key[i] = t < listed ? keys[t] : -1;
+    }
+    KeyRows run[kWordsPerWarp];
+#pragma unroll
+    for (int i = 0; i < kWordsPerWarp; ++i) run[i] = key[i] >= 0 ? intervals[key[i]] : KeyRows{0, 0};
+#pragma unroll
+    for (int i = 0; i < kWordsPerWarp; ++i) {
+      const int w = warp + kWarps * i;
+      const int a = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{rows}, run[i].start - row0)));
+      const int b = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{rows}, run[i].end - row0)));
+      const std::uint32_t first = __ballot_sync(0xffffffff, a == 0 && a < b);  // slots row 0 keeps
+      if (lane == 0) toggles[0][w] = first;  // only runs from row 0 toggle row 0
+      if (a < b && a > 0) atomicXor(&toggles[a][w], 1u << lane);
+      if (a < b && b < rows) atomicXor(&toggles[b][w], 1u << lane);
+    }
+    __syncthreads();
+    // Thread (part, c): rows [part * kPartRows, + kPartRows) of word column c.
+    const int c = lane, part = warp;
+    std::uint32_t x = 0;
+    for (int r = part * kPartRows; r < (part + 1) * kPartRows; ++r) x ^= toggles[r][c], toggles[r][c] = x;
+    part_xor[part][c] = x;
+    __syncthreads();
+    std::uint32_t before = 0;
+    for (int q = 0; q < part; ++q) before ^= part_xor[q][c];
+    if (w0 + c < words)
+      for (int r = part * kPartRows; r < min((part + 1) * kPartRows, rows); ++r)
+        bits0[r * p.bits_sr + w0 + c] = toggles[r][c] ^ before;
+    __syncthreads();
+  }
+}
+
 // Top-k pre-pass of intervals. Block (m, z) lists the keys some row of query
 // block m keeps and writes its rows' bits over the list: key j is listed when
 // [start_j, end_j) meets the block's rows, and row i keeps it when start_j <= i
 // < end_j (causal, the right window, a key-only mask and the key range are
-// folded into the interval); the words are built here, one warp-wide ballot
-// per 32 keys.
+// folded into the interval; write_interval_bits).
 template <int kBlockM, int kThreads>
 __global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p) {
   if (skip_lists(p)) return;
@@ -438,26 +506,28 @@ __global__ void __launch_bounds__(kThreads) list_topk_keys(const ForwardParams p
   const KeyRows* intervals = p.topk_intervals + s.sel;
   const int lane = threadIdx.x % 32;
   auto any_word = [&](std::int64_t w) -> std::uint32_t {
+    constexpr int kBatch = 8;  // loads issued together before their ballots
     std::uint32_t mine = 0;
     const std::int64_t first = 32 * (w - lane);  // the warp's first key
-    for (int c = 0; c < 32; ++c) {
-      const std::int64_t j = first + 32 * c + lane;
-      bool hit = false;
-      if (j < key_end) {
-        const KeyRows r = intervals[j];
-        hit = r.start < row0 + rows && r.end > row0;
+    for (int c0 = 0; c0 < 32; c0 += kBatch) {
+      bool hit[kBatch];
+#pragma unroll
+      for (int c = 0; c < kBatch; ++c) {
+        const std::int64_t j = first + 32 * (c0 + c) + lane;
+        const KeyRows r = j < key_end ? intervals[j] : KeyRows{0, 0};
+        hit[c] = r.start < row0 + rows && r.end > row0;
       }
-      const std::uint32_t word = __ballot_sync(0xffffffff, hit);
-      if (lane == c) mine = word;
+#pragma unroll
+      for (int c = 0; c < kBatch; ++c) {
+        const std::uint32_t word = __ballot_sync(0xffffffff, hit[c]);
+        if (lane == c0 + c) mine = word;
+      }
     }
     return mine;
   };
-  auto allowed = [&](int r, int j) {
-    const KeyRows k = intervals[j];
-    return k.start <= row0 + r && row0 + r < k.end;
-  };
-  list_block_keys<kThreads>(p, block, words, any_word, rows,
-                            p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr, allowed);
+  const int listed = list_keys<kThreads>(p, block, words, any_word);
+  write_interval_bits<kBlockM, kThreads>(p, intervals, p.mask_keys + block * p.keys_stride, listed, row0, rows,
+                                         p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr);
 }
 
 // The keys a query block of block_m rows can list under top-k (w =
