@@ -39,7 +39,7 @@ struct DkvSm90Config {
   static constexpr int kBlockN = 128;  // keys a CTA, 64 a warpgroup
   static constexpr int kBlockM = 64;   // queries a step
   static constexpr int kThreads = 256;
-  static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle rows");
+  static_assert(kHeadDim == 128, "tiles sized for head dim 128");
 
   // K-major 128-byte swizzled tiles (rows of 64 elements), as wgmma reads them;
   // the transposed views (feature or key, row) are the MN-major operands.
@@ -76,8 +76,9 @@ struct DkvSm90Config {
 
 // Whether the Hopper dk/dv kernel computes this backward (launch_backward also
 // needs an sm_90 device running the kernel's sm_90a code).
-inline bool dkv_sm90_eligible(const BackwardParams& p, int compiled_head_dim) {
-  return compiled_head_dim == 128 && p.head_dim == compiled_head_dim && p.dq_acc != nullptr && p.mask.data == nullptr &&
+// Only the head dim 128 build has it (the kernel's tiles are sized for it).
+inline bool dkv_sm90_eligible(const BackwardParams& p) {
+  return p.head_dim == 128 && p.dq_acc != nullptr && p.mask.data == nullptr &&
          p.topk_intervals == nullptr && p.topk_thresholds == nullptr && p.softcap == 0.0f && p.cu_seqlens_q == nullptr &&
          (p.bias.data == nullptr || p.bias.sr == 0) &&
          (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k && p.vector_v &&
@@ -322,11 +323,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
 template <class Element, int kHeadDim>
 cudaError_t launch_dkv_sm90(const BackwardParams& p, int batch, cudaStream_t stream, bool* launched) {
   *launched = false;
-  if constexpr (kHeadDim % 64 != 0) {
+  if constexpr (kHeadDim != 128) {
     return cudaSuccess;
   } else {
     using Config = DkvSm90Config<Element, kHeadDim>;
-    if (!dkv_sm90_eligible(p, kHeadDim)) return cudaSuccess;
+    if (!dkv_sm90_eligible(p)) return cudaSuccess;
     auto kernel = dkv_kernel_sm90<Config>;
     int device = 0, major = 0;
     cudaFuncAttributes attr{};
