@@ -401,9 +401,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     const KeyRows rows = p.group_rows[kv_slice * p.key_groups + row_block / Config::kGroupBlocks];
     col_lo = rows.start, col_hi = rows.end;
   } else if constexpr (kKeyRows) {  // query i sees key j iff i + offset - left <= j <= i + offset (+ right)
-    if (p.causal) col_lo = max(col_lo, row0 - offset);
-    if (p.window_right >= 0) col_lo = max(col_lo, row0 - offset - p.window_right);
-    if (p.window_left >= 0) col_hi = min(col_hi, row_last - offset + p.window_left + 1);
+    const QueryRange range(p, offset, sq, row0, row_last);
+    col_lo = range.first, col_hi = range.end;
   } else {
     if (p.window_left >= 0) col_lo = max(col_lo, row0 + offset - p.window_left);
     if (p.causal) col_hi = min(col_hi, row_last + offset + 1);
@@ -652,18 +651,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     // Lists and key groups fold all of it into their per-element test, which
     // thresholds stage.
     const bool mask_full = !has_tiles || tile_class(t) == kTileFull;
-    const bool whole = lists || key_groups || (!thresholds && mask_full && q0 + kQ <= sq && k0 + kK <= sk && (!p.causal || k0 + kK - 1 <= q0 + offset) &&
-                       (p.window_left < 0 || k0 >= q0 + kQ - 1 + offset - p.window_left) &&
-                       (p.window_right < 0 || k0 + kK - 1 <= q0 + offset + p.window_right));
+    const bool whole = lists || key_groups ||
+                       (!thresholds && mask_full && q0 + kQ <= sq && k0 + kK <= sk &&
+                        band_covers(p, offset, q0, q0 + kQ - 1, k0, k0 + kK - 1));
     const bool staged = !whole || (has_bias && p.bias.sr != 0) ||
                         (kKeyRows && !stats_only && (p.bias_grad == BiasGrad::kPerElement || p.bias_grad == BiasGrad::kReduceKeys));
     const bool key_bias = !staged && has_bias;
     const std::int64_t bias_rows = b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + seq.ks * p.bias.sc;
     if (staged) {
       const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - k0);
-      const int lo = p.window_left < 0 ? -kTileFar : clamp_to_tile(q0 + offset - k0 - p.window_left);
-      const int hi = p.causal ? clamp_to_tile(q0 + offset - k0) : kTileFar;
-      const int right = p.window_right < 0 ? kTileFar : clamp_to_tile(q0 + offset - k0 + p.window_right);
+      const TileBand band(p, offset, q0, k0);
       const std::uint8_t* mask_tile = nullptr;
       if (!mask_full)
         mask_tile = static_cast<const std::uint8_t*>(p.mask.data) + b * p.mask.sb + (h / p.mask_group) * p.mask.sh +
@@ -674,7 +671,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         const int qi = kKeyRows ? c : r, kj = kKeyRows ? r : c;
         const std::int64_t key = lists ? (c0 + kj < list_count ? list_keys[c0 + kj] : -1) : k0 + kj;
         const bool ok = lists ? qi < qrows && key >= 0
-                              : qi < qrows && kj < kcols && kj <= qi + hi && kj >= qi + lo && kj <= qi + right &&
+                              : qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi &&
                                     (mask_full || mask_tile[qi * p.mask.sr + kj * p.mask.sc] != 0);
         float x = ok ? 0.0f : -kInf;
         if (has_bias && ok) x = load_float<Element>(p.bias.data, p.bias_float32, bias_rows + qi * p.bias.sr + key * p.bias.sc);

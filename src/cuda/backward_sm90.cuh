@@ -75,8 +75,8 @@ struct DkvSm90Config {
 };
 
 // Whether the Hopper dk/dv kernel computes this backward (launch_backward also
-// needs an sm_90 device running the kernel's sm_90a code).
-// Only the head dim 128 build has it (the kernel's tiles are sized for it).
+// needs an sm_90 device running the kernel's sm_90a code); its tiles are sized
+// for head dim 128.
 inline bool dkv_sm90_eligible(const BackwardParams& p) {
   return p.head_dim == 128 && p.dq_acc != nullptr && p.mask.data == nullptr &&
          p.topk_intervals == nullptr && p.topk_thresholds == nullptr && p.softcap == 0.0f && p.cu_seqlens_q == nullptr &&
@@ -125,13 +125,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
   const std::int64_t row0 = std::int64_t{key_block} * kBlockN;
   if (row0 >= sk) return;
   const std::int64_t row_last = min(row0 + kBlockN, sk) - 1;
-  // Query i sees key j iff i + offset - left <= j <= i + offset (+ right).
-  std::int64_t col_lo = 0, col_hi = sq;
-  if (p.causal) col_lo = max(col_lo, row0 - offset);
-  if (p.window_right >= 0) col_lo = max(col_lo, row0 - offset - p.window_right);
-  if (p.window_left >= 0) col_hi = min(col_hi, row_last - offset + p.window_left + 1);
-  const int first = col_hi > col_lo ? static_cast<int>(col_lo / kBlockM) : 0;
-  const int span = col_hi > col_lo ? static_cast<int>((col_hi + kBlockM - 1) / kBlockM) - first : 0;
+  const QueryRange range(p, offset, sq, row0, row_last);
+  const int first = range.end > range.first ? static_cast<int>(range.first / kBlockM) : 0;
+  const int span = range.end > range.first ? static_cast<int>((range.end + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;  // step t: head h_first + t / span, block first + t % span
   const auto step_head = [&](int t) { return h_first + static_cast<int>(unsigned(t) / unsigned(span)); };
   const auto step_block = [&](int t) { return first + static_cast<int>(unsigned(t) % unsigned(span)); };
@@ -229,21 +225,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     warpgroup_wait<0>();
 
     // A tile wholly inside the sequences, the causal band and the window tests no element.
-    const bool whole = q0 + kBlockM <= sq && row0 + kBlockN <= sk && (!p.causal || row0 + kBlockN - 1 <= q0 + offset) &&
-                       (p.window_left < 0 || row0 >= q0 + kBlockM - 1 + offset - p.window_left) &&
-                       (p.window_right < 0 || row0 + kBlockN - 1 <= q0 + offset + p.window_right);
-    const int qrows = clamp_to_tile(sq - q0);
-    const int lo = p.window_left < 0 ? -kTileFar : clamp_to_tile(q0 + offset - row0 - p.window_left);
-    const int hi = p.causal ? clamp_to_tile(q0 + offset - row0) : kTileFar;
-    const int right = p.window_right < 0 ? kTileFar : clamp_to_tile(q0 + offset - row0 + p.window_right);
-    const int kcols = clamp_to_tile(sk - row0);
+    const bool whole = q0 + kBlockM <= sq && row0 + kBlockN <= sk &&
+                       band_covers(p, offset, q0, q0 + kBlockM - 1, row0, row0 + kBlockN - 1);
+    const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
+    const TileBand band(p, offset, q0, row0);
     const float* st = stats + buf * 3 * kBlockM;
 #pragma unroll
     for (int e = 0; e < kAccS; ++e) {
       const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
       float x = acc_s(e) * scale + key_bias[half];
-      // Query qi sees key kj (tile-local) iff kj <= qi + hi, qi + lo <= kj <= qi + right.
-      if (!whole && !(qi < qrows && kj < kcols && kj <= qi + hi && kj >= qi + lo && kj <= qi + right)) x = -kInf;
+      if (!whole && !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) x = -kInf;
       // (x - max) first: x and max near the float32 limit would overflow times log2(e).
       const float prob = exp2_ftz((x - st[qi]) * kLog2e) * st[kBlockM + qi];
       const float ds = prob * (acc_dp(e) - st[2 * kBlockM + qi]);

@@ -93,6 +93,37 @@ __device__ inline int clamp_to_tile(std::int64_t x) {
   return static_cast<int>(x < -kTileFar ? -kTileFar : (x > kTileFar ? kTileFar : x));
 }
 
+// The causal and sliding-window band (SPEC 1; offset = sk - sq, bottom-right
+// alignment: query i sees key j iff i + offset - left <= j <= i + offset (+ right)).
+// band_covers: every pair of queries [q_first, q_last] and keys [k_first, k_last]
+// is inside it. QueryRange: the queries a key block's band reaches. TileBand:
+// the band of a tile at query q0 and key k0 in tile-local terms, query q0 + qi
+// seeing key k0 + kj iff qi + lo <= kj <= qi + hi.
+__device__ inline bool band_covers(const AttentionParams& p, std::int64_t offset, std::int64_t q_first,
+                                   std::int64_t q_last, std::int64_t k_first, std::int64_t k_last) {
+  return (!p.causal || k_last <= q_first + offset) && (p.window_left < 0 || k_first >= q_last + offset - p.window_left) &&
+         (p.window_right < 0 || k_last <= q_first + offset + p.window_right);
+}
+// The queries [first, end) of [0, sq) that may see a key of [k_first, k_last].
+struct QueryRange {
+  std::int64_t first, end;
+  __device__ QueryRange(const AttentionParams& p, std::int64_t offset, std::int64_t sq, std::int64_t k_first,
+                        std::int64_t k_last)
+      : first(0), end(sq) {
+    if (p.causal) first = max(first, k_first - offset);
+    if (p.window_right >= 0) first = max(first, k_first - offset - p.window_right);
+    if (p.window_left >= 0) end = min(end, k_last - offset + p.window_left + 1);
+  }
+};
+struct TileBand {
+  int lo, hi;
+  __device__ TileBand(const AttentionParams& p, std::int64_t offset, std::int64_t q0, std::int64_t k0)
+      : lo(p.window_left < 0 ? -kTileFar : clamp_to_tile(q0 + offset - k0 - p.window_left)),
+        hi(p.causal ? clamp_to_tile(q0 + offset - k0) : kTileFar) {
+    if (p.window_right >= 0) hi = min(hi, clamp_to_tile(q0 + offset - k0 + p.window_right));
+  }
+};
+
 // 2^x on the special-function unit alone; results below the normal range flush
 // to 0, far below anything that changes a float32 softmax sum.
 __device__ inline float exp2_ftz(float x) {
