@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "backward_kernel.cuh"
+#include "sm90.cuh"
 
 namespace dmattn::cuda {
 
@@ -83,29 +84,6 @@ inline bool dkv_sm90_eligible(const BackwardParams& p) {
          (p.bias.data == nullptr || p.bias.sr == 0) &&
          (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k && p.vector_v &&
          p.vector_dout;
-}
-
-// acc(_, _, k) += A(_, _, k) B(_, _, k) over the K mode as one batch of warpgroup
-// MMAs (zeroing acc first with kZero); the caller waits for it.
-template <bool kZero, class Mma, class A, class B, class C>
-__device__ __forceinline__ void wgmma_batch(Mma& mma, A& a, const B& b, C& acc) {
-  using namespace cute;
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  if constexpr (kZero) mma.accumulate_ = GMMA::ScaleOut::Zero;
-#pragma unroll
-  for (int kk = 0; kk < size<2>(a); ++kk) {
-    gemm(mma, a(_, _, kk), b(_, _, kk), acc);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(acc);
-}
-
-// Generic-proxy shared-memory writes (cp.async, st.shared) made visible to the
-// wgmma operand reads (async proxy) that follow the next barrier.
-__device__ __forceinline__ void fence_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 template <class Config>
@@ -320,14 +298,9 @@ cudaError_t launch_dkv_sm90(const BackwardParams& p, int batch, cudaStream_t str
     using Config = DkvSm90Config<Element, kHeadDim>;
     if (!dkv_sm90_eligible(p)) return cudaSuccess;
     auto kernel = dkv_kernel_sm90<Config>;
-    int device = 0, major = 0;
-    cudaFuncAttributes attr{};
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
-    if (err != cudaSuccess || major != 9 || attr.binaryVersion != 90 || attr.ptxVersion < 90) return err;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
-    if (err != cudaSuccess) return err;
+    bool runs = false;
+    const cudaError_t err = prepare_sm90(kernel, Config::kSmemBytes, &runs);
+    if (!runs) return err;
     const int kv_heads = p.heads / p.group;
     const auto key_blocks = static_cast<unsigned>((p.seqlen_k + Config::kBlockN - 1) / Config::kBlockN);
     kernel<<<dim3(key_blocks, static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)), Config::kThreads,
