@@ -5,19 +5,25 @@
 // code; everything else (decode tiles, split-KV, per-row biases, other head
 // dims) stays on forward_kernel.
 //
-// One CTA of two warpgroups owns 128 query rows, 64 a warpgroup, and walks key
-// tiles of 128 (the last first, as forward_kernel). Tile i's S = Q K^T is
-// issued together with the previous tile's O += P V, so that the softmax of
-// tile i runs while the tensor cores do P V of tile i - 1:
+// One CTA of three warpgroups owns 128 query rows and walks key tiles of 128
+// (the last first, as forward_kernel). Warpgroup 0 loads: Q, then each tile's
+// K, V and key-only bias into one of kStages buffers by cp.async, signalling a
+// buffer full on an mbarrier once its copies landed (and were fenced for the
+// tensor cores), waiting for the consumers to release it before refilling it.
+// Warpgroups 1 and 2 compute, 64 rows each, with most of the registers
+// (setmaxnreg). Tile i's S = Q K^T is issued together with the previous
+// tile's O += P V, so that the softmax of tile i runs while the tensor cores
+// do P V of tile i - 1:
 //   iteration i:  S_i = Q K_i^T  and  O += P_{i-1} V_{i-1}   (both in flight)
 //                 wait for S_i; logits, online softmax -> P_i (float)
-//                 wait for P V; O *= the correction of tile i; P_i to Element
-// K and V have two buffers each: iteration i loads K_{i+1} and V_i, each into
-// the buffer whose last reader finished in iteration i - 1.
+//                 wait for P V; release tile i - 1's buffer;
+//                 O *= the correction of tile i; P_i to Element
 #pragma once
 
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_conversion.h>
 
 #include <cstdint>
@@ -31,10 +37,21 @@ template <class Element_, int kHeadDim_>
 struct ForwardSm90Config {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;  // query rows a CTA, 64 a warpgroup
+  static constexpr int kBlockM = 128;  // query rows a CTA, 64 a consumer warpgroup
   static constexpr int kBlockN = 128;  // keys a tile
-  static constexpr int kThreads = 256;
+  // The loader signals a tile after issuing the next one's copies, and refills
+  // a buffer once the consumers released its tile (in the iteration after it):
+  // two buffers would deadlock (the loader waiting for the release of tile
+  // i - 2, the consumers for the signal of tile i - 1); three keep two tiles
+  // in flight (231 KB of shared memory, within the 227 KiB an sm_90 CTA may have).
+  static constexpr int kStages = 3;
+  static constexpr int kThreads = 384;  // a loading warpgroup and two computing ones
   static_assert(kHeadDim == 128, "tiles sized for head dim 128");
+  // What load_tile needs to know of the loading warpgroup: a thread a row.
+  struct Loader {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_, kThreads = 128;
+  };
 
   using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
   using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
@@ -51,9 +68,12 @@ struct ForwardSm90Config {
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 
   static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
-  // Q, two buffers of K, two of V, then two of the key-only bias (floats).
-  static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
-  static constexpr int kSmemBytes = kBiasAt + 2 * kBlockN * int(sizeof(float));
+  // Q, kStages buffers of K, of V, of the key-only bias (floats), then the
+  // buffers' full and empty mbarriers.
+  static constexpr int kBiasAt = (kQElems + 2 * kStages * kKvElems) * int(sizeof(Element));
+  static constexpr int kBarriersAt = kBiasAt + kStages * kBlockN * int(sizeof(float));
+  static constexpr int kSmemBytes = kBarriersAt + 2 * kStages * 8;
+  static_assert(kStages >= 3 && kSmemBytes <= 227 * 1024, "see kStages");
 };
 
 // Whether the Hopper forward computes this launch (launch_config also needs an
@@ -67,23 +87,28 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel_sm90(const
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
   using Element = typename Config::Element;
+  using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kHeadDim = Config::kHeadDim;
+  constexpr int kStages = Config::kStages;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kInf = INFINITY;
 
   const ForwardBlock blk(p, kBlockM, kBlockN);
   if (blk.row0 >= blk.sq) return;
-  const int h = blk.h, b = blk.b, hk = h / p.group;
+  const int h = blk.h, b = blk.b;
   const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
   const bool has_mask = blk.has_mask, has_bias = p.bias.data != nullptr;
-  const int tiles = blk.tile_end - blk.tile_first;  // iteration i: key tile tile_end - 1 - i
+  const int tiles = blk.tile_end - blk.tile_first;  // iteration i: key tile tile_end - 1 - i, buffer i % kStages
   const auto tile_of = [&](int i) { return blk.tile_end - 1 - i; };
+  const std::int64_t key_count = has_mask ? blk.mask_count : sk;
 
   extern __shared__ __align__(1024) char smem[];
   auto* q_smem = reinterpret_cast<Element*>(smem);
-  Element* k_smem = q_smem + Config::kQElems;  // two buffers
-  Element* v_smem = k_smem + 2 * Config::kKvElems;  // two buffers
-  auto* bias_smem = reinterpret_cast<float*>(smem + Config::kBiasAt);  // two buffers
+  Element* k_smem = q_smem + Config::kQElems;
+  Element* v_smem = k_smem + kStages * Config::kKvElems;
+  auto* bias_smem = reinterpret_cast<float*>(smem + Config::kBiasAt);
+  auto* full = reinterpret_cast<std::uint64_t*>(smem + Config::kBarriersAt);  // the buffer's tile landed
+  std::uint64_t* empty = full + kStages;  // the consumers are done with the buffer
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Config::LayoutQ{});
   auto stage_k = [&](int s) {
     return make_tensor(make_smem_ptr(k_smem + s * Config::kKvElems), typename Config::LayoutKV{});
@@ -94,31 +119,48 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel_sm90(const
   auto stage_vt = [&](int s) {
     return make_tensor(make_smem_ptr(v_smem + s * Config::kKvElems), typename Config::LayoutVt{});
   };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) Barrier::init(full + s, 128), Barrier::init(empty + s, 256);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
 
-  const auto* q = static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + (blk.qs + row0) * p.q.sr;
-  const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + blk.ks * p.k.sr;
-  const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + hk * p.v.sh + blk.ks * p.v.sr;
-  const std::int64_t key_count = has_mask ? blk.mask_count : sk;
-  // Key of entry e of the walk (-1 past the keys): listed, or e itself.
-  auto key_at = [&](std::int64_t e) -> std::int64_t {
-    if (e >= key_count) return -1;
-    return has_mask ? blk.mask_keys[e] : e;
-  };
-  const int tid = threadIdx.x, lane = tid % 32;
-  const int d = p.head_dim;
-  // The K / V row of the calling thread in a tile (two threads a row).
-  const int kv_row = tile_row<Config, kBlockN>();
-  // The key-only bias: thread t < kBlockN stages key t of a tile in float.
-  const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
-  auto fetch_bias = [&](int n) {
-    if (!has_bias || tid >= kBlockN) return 0.0f;
-    const std::int64_t key = key_at(std::int64_t{n} * kBlockN + tid);
-    return key < 0 ? 0.0f : load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
-  };
-  auto store_bias = [&](int s, float x) {
-    if (has_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
-  };
+  if (threadIdx.x < 128) {  // the loading warpgroup: thread t copies row t of each tile
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    using Loader = typename Config::Loader;
+    const int t = threadIdx.x, d = p.head_dim, hk = h / p.group;
+    const auto* q = static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + (blk.qs + row0) * p.q.sr;
+    const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + blk.ks * p.k.sr;
+    const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + hk * p.v.sh + blk.ks * p.v.sr;
+    const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
+    if (tiles > 0) load_tile<Loader>(sQ, q, p.q.sr, t < sq - row0 ? t : -1, d, true);  // with the first tile
+    for (int i = 0; i < tiles; ++i) {
+      const int s = i % kStages;
+      if (i >= kStages) Barrier::wait(empty + s, (i / kStages - 1) & 1);
+      const std::int64_t e = std::int64_t{tile_of(i)} * kBlockN + t;
+      const std::int64_t key = e >= key_count ? -1 : has_mask ? blk.mask_keys[e] : e;
+      load_tile<Loader>(stage_k(s), k, p.k.sr, key, d, true);
+      load_tile<Loader>(stage_v(s), v, p.v.sr, key, d, true);
+      cute::cp_async_fence();
+      if (has_bias)
+        bias_smem[s * kBlockN + t] =
+            key < 0 ? 0.0f : load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
+      if (i > 0) {  // the previous tile landed: fenced for the tensor cores, signalled
+        cp_async_wait<1>();
+        fence_async_shared();
+        Barrier::arrive(full + (i - 1) % kStages);
+      }
+    }
+    if (tiles > 0) {
+      cp_async_wait<0>();
+      fence_async_shared();
+      Barrier::arrive(full + (tiles - 1) % kStages);
+    }
+    return;
+  }
 
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int tid = threadIdx.x - 128, lane = tid % 32;
   typename Config::MmaS mma_s;
   typename Config::MmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(tid);
@@ -158,33 +200,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel_sm90(const
     wgmma_batch<false>(mma_o, rP, tOrV, acc_o);
   };
 
-  // Prologue: Q and the first tile's K, its bias.
-  const bool q_row = kv_row < sq - row0;  // 128 query rows as K's 128: the same thread row
-  if (tiles > 0) {
-    load_tile<Config>(sQ, q, p.q.sr, q_row ? kv_row : -1, d, true);
-    load_tile<Config>(stage_k(0), k, p.k.sr, key_at(std::int64_t{tile_of(0)} * kBlockN + kv_row), d, true);
-    cute::cp_async_fence();
-    store_bias(0, fetch_bias(tile_of(0)));
-  }
   // Iteration i; kPipelined (all but the first): with the previous tile's P V.
   auto iteration = [&](int i, auto pipelined) {
     constexpr bool kPipelined = decltype(pipelined)::value;
-    const int n = tile_of(i), buf = i & 1;
-    cp_async_wait<0>();
-    fence_async_shared();
-    __syncthreads();  // K_i, V_{i-1} and tile i's bias landed; every thread is done with iteration i - 1
-    // K_{i+1} and V_i, into the buffers that S_{i-1} and P V_{i-2} used.
-    if (i + 1 < tiles)
-      load_tile<Config>(stage_k(buf ^ 1), k, p.k.sr, key_at(std::int64_t{n - 1} * kBlockN + kv_row), d, true);
-    load_tile<Config>(stage_v(buf), v, p.v.sr, key_at(std::int64_t{n} * kBlockN + kv_row), d, true);
-    cute::cp_async_fence();
-
+    const int n = tile_of(i), s = i % kStages;
+    Barrier::wait(full + s, (i / kStages) & 1);
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor tSrK = thr_s.partition_fragment_B(stage_k(buf));
+    Tensor tSrK = thr_s.partition_fragment_B(stage_k(s));
     wgmma_batch<true>(mma_s, tSrQ, tSrK, acc_s);
-    if constexpr (kPipelined) mma_pv(buf ^ 1);
-    // While they run: the next tile's bias and this tile's mask bits.
-    const float next_bias = i + 1 < tiles ? fetch_bias(n - 1) : 0.0f;
+    if constexpr (kPipelined) mma_pv((i - 1) % kStages);
+    // While they run: this tile's mask bits.
     std::uint64_t bits[2][2] = {{0, 0}, {0, 0}};
     if (has_mask) {
       const std::int64_t word = std::int64_t{n} * kBlockN / 32;
@@ -204,13 +229,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel_sm90(const
     // The logits (SPEC 1: softcap, then the bias) and the allowed set: with a
     // mask, the tile's bits (the pre-pass folded causal, the window and the key
     // range into them); without, a tile wholly inside the band and the keys
-    // tests no element.
+    // tests no element. Each condition is tested once a tile, outside the
+    // element loops.
     const std::int64_t col0 = std::int64_t{n} * kBlockN;
     const bool whole = !has_mask && col0 + kBlockN <= sk && band_covers(p, offset, row0, blk.row_last, col0, col0 + kBlockN - 1);
     const int qrows = clamp_to_tile(sq - row0), kcols = clamp_to_tile(sk - col0);
     const TileBand band(p, offset, row0, col0);
-    const float* bias_cols = bias_smem + buf * kBlockN;
-    // Each condition is tested once a tile, outside the element loops.
+    const float* bias_cols = bias_smem + s * kBlockN;
     const auto for_each = [&](auto&& f) {
 #pragma unroll
       for (int e = 0; e < kAccS; ++e) f(e, e / 2 % 2, col_base + 8 * (e / 4) + e % 2);
@@ -270,11 +295,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel_sm90(const
       }
       row_sum[half] += sum;
     }
-    store_bias(buf ^ 1, next_bias);
 
     if constexpr (kPipelined) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(rP);
+      Barrier::arrive(empty + (i - 1) % kStages);
     }
     if (__any_sync(0xffffffff, moved)) {
 #pragma unroll
@@ -287,15 +312,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel_sm90(const
   if (tiles > 0) iteration(0, std::false_type{});
   for (int i = 1; i < tiles; ++i) iteration(i, std::true_type{});
   if (tiles > 0) {  // the last tile's P V
-    cp_async_wait<0>();
-    fence_async_shared();
-    __syncthreads();
-    mma_pv((tiles - 1) & 1);
+    mma_pv((tiles - 1) % kStages);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
   }
 
   // Epilogue: o = acc / sum (0 for a row with no allowed key), lse = max + log(sum).
+  const int d = p.head_dim;
   auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (blk.qs + row0) * p.out.sr;
   Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   float inv[2];
