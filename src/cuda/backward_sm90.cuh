@@ -89,8 +89,8 @@ struct DkvSm90Config {
 
 // Whether the Hopper dk/dv kernel computes this backward (launch_backward also
 // needs an sm_90 device running the kernel's sm_90a code); its tiles are sized
-// for head dim 128.
-// Top-k intervals come with their key groups, a mask folded into them.
+// for head dim 128. Top-k intervals come with their key groups, a mask folded
+// into them.
 inline bool dkv_sm90_eligible(const BackwardParams& p) {
   const bool selection = p.topk_intervals == nullptr ? p.mask.data == nullptr : p.group_rows != nullptr;
   return p.head_dim == 128 && p.dq_acc != nullptr && selection && p.topk_thresholds == nullptr && p.softcap == 0.0f &&
