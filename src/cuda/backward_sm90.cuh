@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh;
   const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + kvh * p.v.sh;
   const int d = p.head_dim, tid = threadIdx.x, lane = tid % 32;
-  {  // the CTA's keys: row0 on, or gathered from key_order
+  if constexpr (kKeyGroups) {  // the CTA's keys gathered from key_order
     const std::int64_t key = group_key(p, entry0, row0, sk, tile_row<Config, kBlockN>());
     load_tile<Config>(sK, k, p.k.sr, key, d, true);
     load_tile<Config>(sV, v, p.v.sr, key, d, true);
@@ -177,6 +177,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
       own_keys[tid] = static_cast<std::int32_t>(key);
       if (pieces) piece_info[tid] = KeyPieces<kHeadDim, kBlockN>::info_of(p, entry0 + tid, kv_slice, key);
     }
+  } else {
+    load_rows<Config>(sK, k + row0 * p.k.sr, p.k.sr, sk - row0, d, true);
+    load_rows<Config>(sV, v + row0 * p.v.sr, p.v.sr, sk - row0, d, true);
   }
   const int segment_lo = kKeyGroups ? group_segment_lo(p, entry0) : 0;
   // Q, dO and the statistics of step t into buffer buf (one cp.async group).
@@ -210,6 +213,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
   Tensor tSsDs = thr_sdp.partition_C(sDs);
   constexpr int kAccS = decltype(size(cS))::value;  // 32: (2 queries, 2 keys, 8 query groups)
   const int my_key[2] = {get<0>(cS(0)), get<0>(cS(2))};
+  // The key of the thread's row my_key[half] (-1: none).
+  auto thread_key = [&](int half) -> std::int64_t {
+    if constexpr (kKeyGroups) return own_keys[my_key[half]];
+    return row0 + my_key[half] < sk ? row0 + my_key[half] : -1;
+  };
 
   const bool has_bias = p.bias.data != nullptr, key_sums = p.bias_grad == BiasGrad::kPerKey;
   const BiasGradOut<Element> db_out(p, b, kvh, key_block, seq);
@@ -228,7 +236,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
       key_bias_head = hb;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int key = own_keys[my_key[half]];
+        const std::int64_t key = thread_key(half);
         key_bias[half] =
             key >= 0 ? load_float<Element>(p.bias.data, p.bias_float32, b * p.bias.sb + hb * p.bias.sh + key * p.bias.sc)
                      : 0.0f;
@@ -252,30 +260,28 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     if (t + 1 < total) issue(t + 1, buf ^ 1);  // while the MMAs run
     warpgroup_wait<0>();
 
-    // The queries [lo, hi) of the tile that each of the thread's keys sees: its
-    // rows (key groups), or the sequences, the causal band and the window; a
-    // tile wholly inside the latter tests no element.
-    const bool whole = !kKeyGroups && q0 + kBlockM <= sq && row0 + kBlockN <= sk &&
+    // A tile wholly inside the sequences, the causal band and the window tests
+    // no element; key groups test each against its key's rows [lo, hi).
+    const bool whole = q0 + kBlockM <= sq && row0 + kBlockN <= sk &&
                        band_covers(p, offset, q0, q0 + kBlockM - 1, row0, row0 + kBlockN - 1);
-    const int qrows = clamp_to_tile(sq - q0);
-    int lo[2], hi[2];
+    const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
+    const TileBand band(p, offset, q0, row0);
+    int lo[2] = {0, 0}, hi[2] = {0, 0};
+    if constexpr (kKeyGroups) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int kj = my_key[half];
-      if constexpr (kKeyGroups) {
-        const KeyRows rows = own_rows[kj];
+      for (int half = 0; half < 2; ++half) {
+        const KeyRows rows = own_rows[my_key[half]];
         lo[half] = clamp_to_tile(rows.start - q0), hi[half] = clamp_to_tile(rows.end - q0);
-      } else {  // qi + band.lo <= kj <= qi + band.hi
-        const TileBand band(p, offset, q0, row0);
-        lo[half] = kj - band.hi, hi[half] = row0 + kj < sk ? min(qrows, kj - band.lo + 1) : lo[half];
       }
     }
     const float* st = stats + buf * 3 * kBlockM;
 #pragma unroll
     for (int e = 0; e < kAccS; ++e) {
-      const int half = e / 2 % 2, qi = get<1>(cS(e));
+      const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
       float x = acc_s(e) * scale + key_bias[half];
-      if (!whole && !(qi >= lo[half] && qi < hi[half])) x = -kInf;
+      if (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
+                     : !whole && !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi))
+        x = -kInf;
       // (x - max) first: x and max near the float32 limit would overflow times log2(e).
       const float prob = exp2_ftz((x - st[qi]) * kLog2e) * st[kBlockM + qi];
       const float ds = prob * (acc_dp(e) - st[2 * kBlockM + qi]);
@@ -331,7 +337,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float x = quad_sum(key_sum[half]);
-        const int key = own_keys[my_key[half]];
+        const std::int64_t key = thread_key(half);
         key_sum[half] = 0.0f;
         if (lane % 4 == 0 && key >= 0) db_out.add(p, hb, 0, key, x);
       }
@@ -339,7 +345,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
   }
 
   // dk = scale * acc_dk, dv = acc_dv by key, the pieces of a key added up first.
-  __syncthreads();  // own_keys, where the walk had no step
+  if (kKeyGroups) __syncthreads();  // own_keys, where the walk had no step
   Tensor cO = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   bool stores[2] = {true, true};
   if (pieces) {
@@ -361,20 +367,21 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     hand.pass();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int key = own_keys[my_key[half]];
+      const std::int64_t key = thread_key(half);
       if (key_sums && stores[half] && lane % 4 == 0 && key >= 0)
         db_out.add(p, h_first / p.bias_group, 0, key, key_sum[half]);
     }
   }
   auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh;
   auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh;
-  const int store_key[2] = {stores[0] ? own_keys[my_key[0]] : -1, stores[1] ? own_keys[my_key[1]] : -1};
+  const std::int64_t store_key[2] = {stores[0] ? thread_key(0) : -1, stores[1] ? thread_key(1) : -1};
 #pragma unroll
   for (int e = 0; e < size(acc_dk); ++e) {
-    const int key = store_key[e / 2 % 2], f = get<1>(cO(e));
+    const std::int64_t key = store_key[e / 2 % 2];
+    const int f = get<1>(cO(e));
     if (key < 0) continue;
-    dk[std::int64_t{key} * p.dk.sr + f] = static_cast<Element>(acc_dk(e) * scale);
-    dv[std::int64_t{key} * p.dv.sr + f] = static_cast<Element>(acc_dv(e));
+    dk[key * p.dk.sr + f] = static_cast<Element>(acc_dk(e) * scale);
+    dv[key * p.dv.sr + f] = static_cast<Element>(acc_dv(e));
   }
 #endif
 }
