@@ -13,7 +13,7 @@
 // each element tested against its key's rows within the group's segment, and
 // the pieces of a key add up in segment order (KeyPieces), as in
 // backward_kernel; kKeyGroups compiles that walk apart from the dense one (in
-// one kernel both, ptxas spilled 160 bytes instead of 72 and 88, and the dense
+// one kernel both, ptxas spilled 160 bytes instead of 80 and 88, and the dense
 // backward took 10% longer). A step:
 //   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x 64 a warpgroup;
 //                                     the next step's Q, dO and statistics start
