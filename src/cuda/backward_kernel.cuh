@@ -23,8 +23,8 @@
 //                    segment order; thresholds: the dense walk with the threshold
 //                    test.
 //   dkv_kernel_sm90 (backward_sm90.cuh): on sm_90 devices, the dk/dv kernel of
-//                    the common training case (no mask, top-k or softcap, D = 128,
-//                    dq by atomics) with warpgroup MMAs.
+//                    the common training case (no mask or softcap, D = 128, dq
+//                    by atomics) and of top-k key groups with warpgroup MMAs.
 //   reduce_bias_grad: sums the dbias slices in order (or zero-fills dbias).
 //   finish_dq:       dq = scale * the atomic float32 sums (deterministic = false).
 // Both walks use the same tile: each warp owns 16 rows (its accumulators), the
@@ -231,6 +231,85 @@ struct BiasGradOut {
                            db_b * p.dbias.sb + hb * p.dbias.sh + (p.db_rows == 1 ? 0 : qs + i) * p.dbias.sr +
                                (p.db_cols == 1 ? 0 : ks + j) * p.dbias.sc,
                            x);
+  }
+};
+
+// Top-k key groups of the dk/dv walk (BackwardParams::group_rows), helpers of
+// both dk/dv kernels. Key r of a CTA: entry r of its group in key_order from
+// entry0 (sorted groups), else key row0 + r (-1: none past sk).
+__device__ inline std::int64_t group_key(const BackwardParams& p, std::int64_t entry0, std::int64_t row0, std::int64_t sk,
+                                         int r) {
+  if (p.key_order != nullptr) return entry0 % p.seqlen_k + r < p.seqlen_k ? p.key_order[entry0 + r] : -1;
+  return row0 + r < sk ? row0 + r : -1;
+}
+// The first row of the segment of the group whose entries start at entry0.
+__device__ inline int group_segment_lo(const BackwardParams& p, std::int64_t entry0) {
+  return static_cast<int>(entry0 / p.seqlen_k % p.key_segments * p.segment_rows);
+}
+// The rows of selection head sh of batch b that select key `key` (>= 0),
+// within the segment from row segment_lo.
+__device__ inline KeyRows segment_key_rows(const BackwardParams& p, int b, int sh, std::int64_t key, int segment_lo) {
+  KeyRows r = p.topk_intervals[(std::int64_t{b} * p.topk_heads + sh) * p.seqlen_k + key];
+  r.start = max(r.start, segment_lo);
+  r.end = static_cast<std::int32_t>(min(std::int64_t{r.end}, segment_lo + p.segment_rows));
+  return r;
+}
+
+// Pieces (key_segments > 1): the pieces of a key add their dK, dV (unscaled)
+// and key dbias sums in segment order through the key's float32 slot: piece r
+// waits until the key's turn counter reads r (its earlier pieces are in earlier
+// segments, whose CTAs started before it: CTAs start in order), adds the slot,
+// and passes it on; the last piece writes the gradients. Row r of the CTA's
+// kRows holds key keys[r] (-1: none) with info[r] (info()).
+template <int kHeadDim, int kRows>
+struct KeyPieces {
+  static constexpr int kSlot = 2 * kHeadDim + 1;  // dK, dV, key dbias
+  float* slots;
+  int* turns;
+  const std::int32_t* keys;
+  const int* info;
+  __device__ KeyPieces(const BackwardParams& p, int b, int kvh, const std::int32_t* keys_, const int* info_)
+      : keys(keys_), info(info_) {
+    const std::int64_t slice = std::int64_t{b} * (p.heads / p.group) + kvh;
+    slots = p.piece_acc + slice * p.seqlen_k * kSlot;
+    turns = p.piece_turn + slice * p.seqlen_k;
+  }
+  // The info of group entry `entry` holding key `key` of kv slice `slice`:
+  // 2 rank + 1 for the key's last piece (no key: 1).
+  __device__ static int info_of(const BackwardParams& p, std::int64_t entry, std::int64_t slice, std::int64_t key) {
+    const int rank = key >= 0 ? p.key_rank[entry] : 0;
+    return 2 * rank + (key < 0 || rank + 1 == p.key_pieces[slice * p.seqlen_k + key]);
+  }
+  // One row's piece: x plus the sum its key's earlier pieces left at `at` of
+  // the slot, left there in turn for the later ones (where `writes`).
+  struct Row {
+    float* slot;
+    int info;
+    __device__ bool last() const { return info & 1; }
+    __device__ float add(int at, float x, bool writes) const {
+      if (info > 1) x += __ldcg(slot + at);
+      if (!(info & 1) && writes) __stcg(slot + at, x);
+      return x;
+    }
+  };
+  __device__ Row row(int r) const {
+    const int key = keys[r];
+    return Row{slots + std::int64_t{max(key, 0)} * kSlot, key >= 0 ? info[r] : 1};
+  }
+  // The whole CTA: waits for the turns of its keys; passes them on.
+  __device__ void wait() const {
+    const int tid = threadIdx.x;
+    if (tid < kRows && keys[tid] >= 0) {
+      while (atomicAdd(turns + keys[tid], 0) != info[tid] >> 1) __nanosleep(256);
+      __threadfence();
+    }
+    __syncthreads();
+  }
+  __device__ void pass() const {
+    const int tid = threadIdx.x;
+    __threadfence();
+    __syncthreads();
+    if (tid < kRows && keys[tid] >= 0 && !(info[tid] & 1)) atomicExch(turns + keys[tid], (info[tid] >> 1) + 1);
   }
 };
 
@@ -541,23 +620,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   {
     Tensor d0 = sA0, d1 = sA1;
     if constexpr (kKeyRows) {  // the CTA's keys: row0 on, or gathered from key_order
-      auto own_key = [&](int r) -> std::int64_t {
-        if (p.key_order != nullptr) return entry0 % p.seqlen_k + r < p.seqlen_k ? p.key_order[entry0 + r] : -1;
-        return row0 + r < sk ? row0 + r : -1;
-      };
-      const std::int64_t key = own_key(tile_row<Config, kBlockRows>());
+      const std::int64_t key = group_key(p, entry0, row0, sk, tile_row<Config, kBlockRows>());
       load_tile<Config>(d0, k, p.k.sr, key, d, p.vector_k);
       load_tile<Config>(d1, v, p.v.sr, key, d, p.vector_v);
       cp_async_fence();
       if (tid < kBlockRows) {
-        const std::int64_t key = own_key(tid);
+        const std::int64_t key = group_key(p, entry0, row0, sk, tid);
         own_keys[tid] = static_cast<std::int32_t>(key);
-        if (pieces) {  // rank 2 r + 1 for the key's last piece (rows without a key: 1)
-          const int rank = key >= 0 ? p.key_rank[entry0 + tid] : 0;
-          piece_info[tid] = 2 * rank + (key < 0 || rank + 1 == p.key_pieces[kv_slice * p.seqlen_k + key]);
-        }
+        if (pieces) piece_info[tid] = KeyPieces<kHeadDim, kBlockRows>::info_of(p, entry0 + tid, kv_slice, key);
       }
-      if (tid == 0) segment_lo = static_cast<int>(entry0 / p.seqlen_k % p.key_segments * p.segment_rows);
+      if (tid == 0) segment_lo = group_segment_lo(p, entry0);
     } else {
       const int h = h_first;
       load_rows<Config>(d0, q + h * p.q.sh + row0 * p.q.sr, p.q.sr, sq - row0, d, p.vector_q);
@@ -629,13 +701,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       rows_head = h / p.topk_group;
       if (tid < kBlockRows) {
         const int key = own_keys[tid];
-        KeyRows r{0, 0};
-        if (key >= 0) {  // the key's interval within the group's segment
-          r = p.topk_intervals[(std::int64_t{b} * p.topk_heads + rows_head) * p.seqlen_k + key];
-          r.start = max(r.start, segment_lo);
-          r.end = static_cast<std::int32_t>(min(std::int64_t{r.end}, segment_lo + p.segment_rows));
-        }
-        own_rows[tid] = r;
+        own_rows[tid] = key >= 0 ? segment_key_rows(p, b, rows_head, key, segment_lo) : KeyRows{0, 0};
       }
       __syncthreads();
     }
@@ -948,31 +1014,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     }
   };
   if constexpr (kKeyRows) {
-    if (pieces) {
-      // The pieces of a key add their dK, dV (unscaled) and key dbias sums in
-      // segment order through the key's float32 slot: piece r waits until the
-      // key's turn counter reads r (its earlier pieces are in earlier segments,
-      // whose CTAs started before it: CTAs start in order), adds the slot, and
-      // passes it on; the last piece writes the gradients.
-      constexpr int kSlot = 2 * kHeadDim + 1;
-      float* const slots = p.piece_acc + (std::int64_t{b} * kv_heads + kvh) * p.seqlen_k * kSlot;
-      int* const turns = p.piece_turn + (std::int64_t{b} * kv_heads + kvh) * p.seqlen_k;
-      if (tid < kBlockRows && own_keys[tid] >= 0) {
-        const int rank = piece_info[tid] >> 1;
-        while (atomicAdd(turns + own_keys[tid], 0) != rank) __nanosleep(256);
-        __threadfence();
-      }
-      __syncthreads();
+    if (pieces) {  // the key's earlier pieces' sums added, handed on unless the last piece
+      const KeyPieces<kHeadDim, kBlockRows> hand(p, b, kvh, own_keys, piece_info);
+      hand.wait();
       float x[2];
-      float* slot[2];
-      int info[2];
+      typename KeyPieces<kHeadDim, kBlockRows>::Row piece[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int key = own_keys[my_row[half]];
-        info[half] = key >= 0 ? piece_info[my_row[half]] : 1;  // no key: no sum to read or hand on
-        slot[half] = slots + std::int64_t{max(key, 0)} * kSlot;
-        my_store[half] = info[half] & 1;
-        x[half] = quad_sum(key_sum[half]);
+        piece[half] = hand.row(my_row[half]);
+        my_store[half] = piece[half].last();
+        x[half] = piece[half].add(2 * kHeadDim, quad_sum(key_sum[half]), lane % 4 == 0 && stager);
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half)
@@ -981,19 +1032,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const auto e = make_coord(make_coord(c, half), 0, nn);
-            float* at = slot[half] + feature0 + get<1>(cO(e));
-            if (info[half] > 1) acc_a(e) += __ldcg(at), acc_b(e) += __ldcg(at + kHeadDim);
-            if (!(info[half] & 1)) __stcg(at, acc_a(e)), __stcg(at + kHeadDim, acc_b(e));
+            const int f = feature0 + get<1>(cO(e));
+            acc_a(e) = piece[half].add(f, acc_a(e), true);
+            acc_b(e) = piece[half].add(kHeadDim + f, acc_b(e), true);
           }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        if (info[half] > 1) x[half] += __ldcg(slot[half] + 2 * kHeadDim);
-        if (!(info[half] & 1) && lane % 4 == 0 && stager) __stcg(slot[half] + 2 * kHeadDim, x[half]);
-      }
-      __threadfence();
-      __syncthreads();
-      if (tid < kBlockRows && own_keys[tid] >= 0 && !(piece_info[tid] & 1))
-        atomicExch(turns + own_keys[tid], (piece_info[tid] >> 1) + 1);
+      hand.pass();
       if (p.bias_grad == BiasGrad::kPerKey)
         store_key_sums(h_first / p.bias_group, x, unsigned{my_store[0]} | unsigned{my_store[1]} << 1);
     }

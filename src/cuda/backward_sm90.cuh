@@ -1,12 +1,20 @@
 // The Hopper dk/dv kernel (sm_90a): warpgroup MMAs (wgmma) for the dense walk
-// of the common training case, dq by atomics. launch_backward takes it where
-// dkv_sm90_eligible holds and the device runs the sm_90a code; everything else
-// (masks, top-k, softcap, varlen, deterministic dq, other head dims, dbias
-// other than key-only) stays on backward_kernel<.., true>.
+// of the common training case and the top-k key groups (intervals), dq by
+// atomics. launch_backward takes it where dkv_sm90_eligible holds and the
+// device runs the sm_90a code; everything else (masks without top-k
+// intervals, top-k thresholds, softcap, varlen, deterministic dq, other head
+// dims, dbias other than key-only) stays on backward_kernel<.., true>.
 //
 // One CTA of two warpgroups owns 128 keys of one (batch, kv head), 64 a
 // warpgroup, and walks 64-query steps over the G query heads of the group
-// (heads outermost, the causal / window range of query blocks inside). A step:
+// (heads outermost, the causal / window range of query blocks inside). Top-k
+// key groups (BackwardParams::group_rows): the 128 keys are a group's entries
+// of key_order (rows of absent keys zero), the query range the group's rows,
+// each element tested against its key's rows within the group's segment, and
+// the pieces of a key add up in segment order (KeyPieces), as in
+// backward_kernel; kKeyGroups compiles that walk apart from the dense one (in
+// one kernel both, ptxas spilled 160 bytes instead of 80 and 88, and the dense
+// backward took 10% longer). A step:
 //   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x 64 a warpgroup;
 //                                     the next step's Q, dO and statistics start
 //                                     loading by cp.async while they run)
@@ -72,21 +80,27 @@ struct DkvSm90Config {
   static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
   // K, V, two buffers of Q and dO, dS^T, then two buffers of the step's statistics.
   static constexpr int kStatsAt = (2 * kKvElems + 4 * kQElems + kDsElems) * int(sizeof(Element));
-  static constexpr int kSmemBytes = kStatsAt + 2 * 3 * kBlockM * int(sizeof(float));
+  static constexpr int kStatBytes = 2 * 3 * kBlockM * int(sizeof(float));
+  // Behind them, 16 bytes a key: its index, its piece's info (KeyPieces) and
+  // its rows in the current selection head (key groups).
+  static constexpr int kSmemBytes = kStatsAt + kStatBytes + 16 * kBlockN;
+  static_assert(kBlockN == kKeyGroupKeys, "a top-k key group is one CTA");
 };
 
 // Whether the Hopper dk/dv kernel computes this backward (launch_backward also
 // needs an sm_90 device running the kernel's sm_90a code); its tiles are sized
-// for head dim 128.
+// for head dim 128. Top-k intervals come with their key groups, a mask folded
+// into them.
 inline bool dkv_sm90_eligible(const BackwardParams& p) {
-  return p.head_dim == 128 && p.dq_acc != nullptr && p.mask.data == nullptr &&
-         p.topk_intervals == nullptr && p.topk_thresholds == nullptr && p.softcap == 0.0f && p.cu_seqlens_q == nullptr &&
+  const bool selection = p.topk_intervals == nullptr ? p.mask.data == nullptr : p.group_rows != nullptr;
+  return p.head_dim == 128 && p.dq_acc != nullptr && selection && p.topk_thresholds == nullptr && p.softcap == 0.0f &&
+         p.cu_seqlens_q == nullptr &&
          (p.bias.data == nullptr || p.bias.sr == 0) &&
          (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k && p.vector_v &&
          p.vector_dout;
 }
 
-template <class Config>
+template <class Config, bool kKeyGroups>
 __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __grid_constant__ BackwardParams p) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
@@ -95,17 +109,33 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kInf = INFINITY;
 
-  // Grid as backward_kernel's dk/dv walk: heads fastest, the longest key blocks first.
+  // Grid as backward_kernel's dk/dv walk: heads fastest, the longest key blocks
+  // (or key groups, in segment order) first.
   const int b = blockIdx.z, blocks = gridDim.x, linear = blockIdx.x + blocks * blockIdx.y;
   const int kvh = linear % gridDim.y, key_block = linear / gridDim.y;
   const Sequence seq(p, b);
   const std::int64_t sq = seq.sq, sk = seq.sk, offset = sk - sq;  // bottom-right alignment
   const std::int64_t row0 = std::int64_t{key_block} * kBlockN;
-  if (row0 >= sk) return;
-  const std::int64_t row_last = min(row0 + kBlockN, sk) - 1;
-  const QueryRange range(p, offset, sq, row0, row_last);
-  const int first = range.end > range.first ? static_cast<int>(range.first / kBlockM) : 0;
-  const int span = range.end > range.first ? static_cast<int>((range.end + kBlockM - 1) / kBlockM) - first : 0;
+  const std::int64_t kv_slice = std::int64_t{b} * (p.heads / p.group) + kvh;
+  std::int64_t entry0 = 0;  // sorted key groups: the group's first entry of key_order
+  if (kKeyGroups && p.group_first != nullptr) {
+    entry0 = p.group_first[kv_slice * p.key_groups + key_block];
+    if (entry0 < 0) return;
+  } else if (row0 >= sk) {
+    return;
+  }
+  const bool pieces = kKeyGroups && p.key_segments > 1;
+  // The queries [q_lo, q_hi) of the walk.
+  std::int64_t q_lo, q_hi;
+  if constexpr (kKeyGroups) {
+    const KeyRows rows = p.group_rows[kv_slice * p.key_groups + key_block];
+    q_lo = rows.start, q_hi = rows.end;
+  } else {
+    const QueryRange range(p, offset, sq, row0, min(row0 + kBlockN, sk) - 1);
+    q_lo = range.first, q_hi = range.end;
+  }
+  const int first = q_hi > q_lo ? static_cast<int>(q_lo / kBlockM) : 0;
+  const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;  // step t: head h_first + t / span, block first + t % span
   const auto step_head = [&](int t) { return h_first + static_cast<int>(unsigned(t) / unsigned(span)); };
   const auto step_block = [&](int t) { return first + static_cast<int>(unsigned(t) % unsigned(span)); };
@@ -117,6 +147,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
   Element* do_smem = q_smem + 2 * Config::kQElems;  // two buffers
   Element* ds_smem = do_smem + 2 * Config::kQElems;
   auto* stats = reinterpret_cast<float*>(smem + Config::kStatsAt);  // two buffers of max, inv, delta
+  auto* own_keys = reinterpret_cast<std::int32_t*>(smem + Config::kStatsAt + Config::kStatBytes);
+  int* piece_info = own_keys + kBlockN;
+  auto* own_rows = reinterpret_cast<KeyRows*>(piece_info + kBlockN);
   Tensor sK = make_tensor(make_smem_ptr(k_smem), typename Config::LayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(v_smem), typename Config::LayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(k_smem), typename Config::LayoutKt{});
@@ -133,9 +166,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
   const auto* dout = static_cast<const Element*>(p.dout.data) + b * p.dout.sb;
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh;
   const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + kvh * p.v.sh;
-  const int d = p.head_dim;
-  load_rows<Config>(sK, k + row0 * p.k.sr, p.k.sr, sk - row0, d, true);
-  load_rows<Config>(sV, v + row0 * p.v.sr, p.v.sr, sk - row0, d, true);
+  const int d = p.head_dim, tid = threadIdx.x, lane = tid % 32;
+  if constexpr (kKeyGroups) {  // the CTA's keys gathered from key_order
+    const std::int64_t key = group_key(p, entry0, row0, sk, tile_row<Config, kBlockN>());
+    load_tile<Config>(sK, k, p.k.sr, key, d, true);
+    load_tile<Config>(sV, v, p.v.sr, key, d, true);
+    cp_async_fence();
+    if (tid < kBlockN) {
+      const std::int64_t key = group_key(p, entry0, row0, sk, tid);
+      own_keys[tid] = static_cast<std::int32_t>(key);
+      if (pieces) piece_info[tid] = KeyPieces<kHeadDim, kBlockN>::info_of(p, entry0 + tid, kv_slice, key);
+    }
+  } else {
+    load_rows<Config>(sK, k + row0 * p.k.sr, p.k.sr, sk - row0, d, true);
+    load_rows<Config>(sV, v + row0 * p.v.sr, p.v.sr, sk - row0, d, true);
+  }
+  const int segment_lo = kKeyGroups ? group_segment_lo(p, entry0) : 0;
   // Q, dO and the statistics of step t into buffer buf (one cp.async group).
   auto issue = [&](int t, int buf) {
     const int h = step_head(t);
@@ -147,7 +193,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     load_row_stats<Config::kThreads>(p, stats + buf * 3 * kBlockM, b, h, q0, kBlockM, sq);
   };
 
-  const int tid = threadIdx.x, lane = tid % 32;
   typename Config::MmaSdp mma_sdp;
   typename Config::MmaDkv mma_dkv;
   typename Config::MmaDq mma_dq;
@@ -168,11 +213,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
   Tensor tSsDs = thr_sdp.partition_C(sDs);
   constexpr int kAccS = decltype(size(cS))::value;  // 32: (2 queries, 2 keys, 8 query groups)
   const int my_key[2] = {get<0>(cS(0)), get<0>(cS(2))};
+  // The key of the thread's row my_key[half] (-1: none).
+  auto thread_key = [&](int half) -> std::int64_t {
+    if constexpr (kKeyGroups) return own_keys[my_key[half]];
+    return row0 + my_key[half] < sk ? row0 + my_key[half] : -1;
+  };
 
   const bool has_bias = p.bias.data != nullptr, key_sums = p.bias_grad == BiasGrad::kPerKey;
   const BiasGradOut<Element> db_out(p, b, kvh, key_block, seq);
   float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
-  int key_bias_head = -1;
+  int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
   const float scale = p.scale;
 
   if (total > 0) issue(0, 0);
@@ -181,16 +231,24 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     const std::int64_t q0 = std::int64_t{step_block(t)} * kBlockM;
     cp_async_wait<0>();
     fence_async_shared();
-    __syncthreads();  // step t landed; every thread is done with step t - 1 (its buffers and dS^T)
+    __syncthreads();  // step t landed; every thread is done with step t - 1 (its buffers, dS^T and own_rows)
     if (has_bias && hb != key_bias_head) {
       key_bias_head = hb;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const std::int64_t key = row0 + my_key[half];
+        const std::int64_t key = thread_key(half);
         key_bias[half] =
-            key < sk ? load_float<Element>(p.bias.data, p.bias_float32, b * p.bias.sb + hb * p.bias.sh + key * p.bias.sc)
+            key >= 0 ? load_float<Element>(p.bias.data, p.bias_float32, b * p.bias.sb + hb * p.bias.sh + key * p.bias.sc)
                      : 0.0f;
       }
+    }
+    if (kKeyGroups && h / p.topk_group != rows_head) {  // the rows of the CTA's keys in this selection head
+      rows_head = h / p.topk_group;
+      if (tid < kBlockN) {
+        const int key = own_keys[tid];
+        own_rows[tid] = key >= 0 ? segment_key_rows(p, b, rows_head, key, segment_lo) : KeyRows{0, 0};
+      }
+      __syncthreads();
     }
 
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -202,17 +260,28 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     if (t + 1 < total) issue(t + 1, buf ^ 1);  // while the MMAs run
     warpgroup_wait<0>();
 
-    // A tile wholly inside the sequences, the causal band and the window tests no element.
+    // A tile wholly inside the sequences, the causal band and the window tests
+    // no element; key groups test each against its key's rows [lo, hi).
     const bool whole = q0 + kBlockM <= sq && row0 + kBlockN <= sk &&
                        band_covers(p, offset, q0, q0 + kBlockM - 1, row0, row0 + kBlockN - 1);
     const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
     const TileBand band(p, offset, q0, row0);
+    int lo[2] = {0, 0}, hi[2] = {0, 0};
+    if constexpr (kKeyGroups) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const KeyRows rows = own_rows[my_key[half]];
+        lo[half] = clamp_to_tile(rows.start - q0), hi[half] = clamp_to_tile(rows.end - q0);
+      }
+    }
     const float* st = stats + buf * 3 * kBlockM;
 #pragma unroll
     for (int e = 0; e < kAccS; ++e) {
       const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
       float x = acc_s(e) * scale + key_bias[half];
-      if (!whole && !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) x = -kInf;
+      if (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
+                     : !whole && !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi))
+        x = -kInf;
       // (x - max) first: x and max near the float32 limit would overflow times log2(e).
       const float prob = exp2_ftz((x - st[qi]) * kLog2e) * st[kBlockM + qi];
       const float ds = prob * (acc_dp(e) - st[2 * kBlockM + qi]);
@@ -261,27 +330,58 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     warpgroup_fence_operand(rP);
     warpgroup_fence_operand(rDs);
 
-    // Key-only dbias: a bias head's sums are complete when the next step has another.
-    if (key_sums && (t + 1 >= total || static_cast<int>(unsigned(step_head(t + 1)) / unsigned(p.bias_group)) != hb)) {
+    // Key-only dbias: a bias head's sums are complete when the next step has
+    // another (pieces of keys: in the epilogue, one bias head).
+    if (key_sums && !pieces &&
+        (t + 1 >= total || static_cast<int>(unsigned(step_head(t + 1)) / unsigned(p.bias_group)) != hb)) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float x = quad_sum(key_sum[half]);
+        const std::int64_t key = thread_key(half);
         key_sum[half] = 0.0f;
-        if (lane % 4 == 0 && row0 + my_key[half] < sk) db_out.add(p, hb, 0, row0 + my_key[half], x);
+        if (lane % 4 == 0 && key >= 0) db_out.add(p, hb, 0, key, x);
       }
     }
   }
 
-  // dk = scale * acc_dk, dv = acc_dv.
+  // dk = scale * acc_dk, dv = acc_dv by key, the pieces of a key added up first.
+  if (kKeyGroups) __syncthreads();  // own_keys, where the walk had no step
   Tensor cO = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh + row0 * p.dk.sr;
-  auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh + row0 * p.dv.sr;
+  bool stores[2] = {true, true};
+  if (pieces) {
+    const KeyPieces<kHeadDim, kBlockN> hand(p, b, kvh, own_keys, piece_info);
+    hand.wait();
+    typename KeyPieces<kHeadDim, kBlockN>::Row piece[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      piece[half] = hand.row(my_key[half]);
+      stores[half] = piece[half].last();
+      key_sum[half] = piece[half].add(2 * kHeadDim, quad_sum(key_sum[half]), lane % 4 == 0);
+    }
+#pragma unroll
+    for (int e = 0; e < size(acc_dk); ++e) {
+      const int half = e / 2 % 2, f = get<1>(cO(e));
+      acc_dk(e) = piece[half].add(f, acc_dk(e), true);
+      acc_dv(e) = piece[half].add(kHeadDim + f, acc_dv(e), true);
+    }
+    hand.pass();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t key = thread_key(half);
+      if (key_sums && stores[half] && lane % 4 == 0 && key >= 0)
+        db_out.add(p, h_first / p.bias_group, 0, key, key_sum[half]);
+    }
+  }
+  auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh;
+  auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh;
+  const std::int64_t store_key[2] = {stores[0] ? thread_key(0) : -1, stores[1] ? thread_key(1) : -1};
 #pragma unroll
   for (int e = 0; e < size(acc_dk); ++e) {
-    const int kj = get<0>(cO(e)), f = get<1>(cO(e));
-    if (row0 + kj >= sk) continue;
-    dk[kj * p.dk.sr + f] = static_cast<Element>(acc_dk(e) * scale);
-    dv[kj * p.dv.sr + f] = static_cast<Element>(acc_dv(e));
+    const std::int64_t key = store_key[e / 2 % 2];
+    const int f = get<1>(cO(e));
+    if (key < 0) continue;
+    dk[key * p.dk.sr + f] = static_cast<Element>(acc_dk(e) * scale);
+    dv[key * p.dv.sr + f] = static_cast<Element>(acc_dv(e));
   }
 #endif
 }
@@ -297,13 +397,14 @@ cudaError_t launch_dkv_sm90(const BackwardParams& p, int batch, cudaStream_t str
   } else {
     using Config = DkvSm90Config<Element, kHeadDim>;
     if (!dkv_sm90_eligible(p)) return cudaSuccess;
-    auto kernel = dkv_kernel_sm90<Config>;
+    auto kernel = p.group_rows != nullptr ? dkv_kernel_sm90<Config, true> : dkv_kernel_sm90<Config, false>;
     bool runs = false;
     const cudaError_t err = prepare_sm90(kernel, Config::kSmemBytes, &runs);
     if (!runs) return err;
     const int kv_heads = p.heads / p.group;
-    const auto key_blocks = static_cast<unsigned>((p.seqlen_k + Config::kBlockN - 1) / Config::kBlockN);
-    kernel<<<dim3(key_blocks, static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)), Config::kThreads,
+    const auto blocks = static_cast<unsigned>(p.group_rows != nullptr ? p.key_groups
+                                                                     : (p.seqlen_k + Config::kBlockN - 1) / Config::kBlockN);
+    kernel<<<dim3(blocks, static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)), Config::kThreads,
              Config::kSmemBytes, stream>>>(p);
     *launched = true;
     return cudaGetLastError();
