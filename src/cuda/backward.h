@@ -40,13 +40,12 @@ struct BackwardParams : AttentionParams, KeyLists {
   int heads = 1;
   bool vector_dout = false;
 
-  // Row statistics, float32 scratch of (b, h, local row) at (b * heads + h) * seqlen_q + i:
-  // p_ij = exp(l_ij - row_max) * row_inv (row_max = lse and row_inv = 1 unless the
-  // dq kernel recomputed them, row_inv = 0 for a row with no allowed key), and
-  // row_delta = <do_i, o_i>.
-  float* row_max = nullptr;
-  float* row_inv = nullptr;
-  float* row_delta = nullptr;
+  // Row statistics, float32 scratch, four floats a (b, h, local row) from
+  // 4 * ((b * heads + h) * seqlen_q + i): max, inv, delta, 0. p_ij = exp(l_ij -
+  // max) * inv (max = lse and inv = 1 unless the dq kernel recomputed them, inv
+  // = 0 for a row with no allowed key), and delta = <do_i, o_i>; one 16-byte
+  // word a row, so that a block of rows is one bulk copy.
+  float* query_stats = nullptr;
 
   MaskTiles dkv_tiles;  // mask tiles of the dk/dv walk (a mask without top-k, or top-k thresholds)
 
@@ -92,7 +91,9 @@ struct BackwardParams : AttentionParams, KeyLists {
   // (b, h, local row, kHeadDim) at ((b * heads + h) * seqlen_q + i) * kHeadDim,
   // the dq kernel only recomputes the row statistics that need it, and finish_dq
   // writes dq = scale * dq_acc. launch_backward sets dq_acc where atomic_dq allows.
-  bool atomic_dq = false;
+  // dq_blocks: dq_acc holds the Hopper dk/dv kernel's blocks instead
+  // (backward_kernel.cuh DqBlocks).
+  bool atomic_dq = false, dq_blocks = false;
   float* dq_acc = nullptr;
   // With dq_acc: 1 once row_stats finds a row whose statistics the dq kernel
   // recomputes; while 0 the dq kernel and its key lists' pre-passes do nothing.

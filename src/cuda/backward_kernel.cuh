@@ -199,8 +199,7 @@ __device__ void load_row_stats(const BackwardParams& p, float* dst, int b, int h
       dst[r] = 0.0f;
       continue;
     }
-    const float* src = (which == 0 ? p.row_max : which == 1 ? p.row_inv : p.row_delta) +
-                       (std::int64_t{b} * p.heads + h) * p.seqlen_q + i0 + i;
+    const float* src = p.query_stats + 4 * ((std::int64_t{b} * p.heads + h) * p.seqlen_q + i0 + i) + which;
     const auto smem_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst + r));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_dst), "l"(src));
   }
@@ -322,7 +321,7 @@ struct KeyPieces {
 constexpr float kLseExact = 4096.0f;
 
 // One warp per (b, h, query row): delta = <do, o> in float32, and the row
-// statistics from lse (row_max = lse, row_inv = 1; 0 and 0 for a row with no
+// statistics from lse (max = lse, inv = 1; 0 and 0 for a row with no
 // allowed key, lse = -inf); sets *huge_rows where |lse| exceeds kLseExact.
 template <class Element>
 __global__ void __launch_bounds__(256) row_stats(const BackwardParams p, int batch) {
@@ -342,9 +341,7 @@ __global__ void __launch_bounds__(256) row_stats(const BackwardParams p, int bat
   if (lane != 0) return;
   const float lse = static_cast<const float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (s.qs + i) * p.lse.sr];
   const bool empty = lse == -INFINITY;
-  p.row_delta[row] = dot;
-  p.row_max[row] = empty ? 0.0f : lse;
-  p.row_inv[row] = empty ? 0.0f : 1.0f;
+  reinterpret_cast<float4*>(p.query_stats)[row] = make_float4(empty ? 0.0f : lse, empty ? 0.0f : 1.0f, dot, 0.0f);
   if (p.huge_rows != nullptr && !empty && fabsf(lse) > kLseExact) *p.huge_rows = 1;
 }
 
@@ -986,8 +983,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
           if (lane % 4 != 0 || row0 + row >= sq || !stager) continue;
           const std::int64_t at = (std::int64_t{b} * p.heads + h_first) * p.seqlen_q + row0 + row;
           const float mx = run_max[r] == -kInf ? 0.0f : run_max[r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-          stats[row] = p.row_max[at] = mx;
-          stats[kBlockRows + row] = p.row_inv[at] = inv;
+          stats[row] = p.query_stats[4 * at] = mx;
+          stats[kBlockRows + row] = p.query_stats[4 * at + 1] = inv;
         }
     }
   }
@@ -1093,23 +1090,58 @@ __global__ void __launch_bounds__(256) zero_unselected(const BackwardParams p, i
   }
 }
 
+// The Hopper dk/dv kernel's dq_acc (BackwardParams::dq_blocks): blocks of
+// kRows query rows x kFeatures of (b, h) from ((b * heads + h) * blocks of the
+// query length + block) * kRows * kFeatures, the float32 sums of one step,
+// added by one bulk reduction a warpgroup. Half w of a block (features
+// 64 w .. 64 w + 63, warpgroup w) holds its dQ accumulators in register
+// order, registers 4 j .. 4 j + 3 of thread t (of 128) at 512 j + 4 t. By the
+// wgmma accumulator layout (m64nNk16) these are (row, c), (row, c + 1),
+// (row + 8, c), (row + 8, c + 1) with row = 16 (t / 32) + t % 32 / 4 and
+// c = 64 w + 8 j + 2 (t % 4).
+struct DqBlocks {
+  static constexpr int kRows = 64, kFeatures = 128, kQuads = kRows * kFeatures / 4;
+  // Quad q (4 floats) of a block: its first row and feature, the second pair 8 rows below.
+  __device__ static void quad(int q, int* row, int* col) {
+    const int w = q / (kQuads / 2), j = q % (kQuads / 2) / 128, t = q % 128;
+    *row = 16 * (t / 32) + t % 32 / 4;
+    *col = 64 * w + 8 * j + 2 * (t % 4);
+  }
+};
+
 // dq by atomics: dq = scale * dq_acc in the dtype, for the rows of each
-// sequence, four features a thread.
+// sequence, four floats of dq_acc a thread (rows of kHeadDim floats, or
+// DqBlocks).
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) finish_dq(const BackwardParams p, int batch) {
   constexpr int kQuads = kHeadDim / 4;
-  const std::int64_t quads = std::int64_t{batch} * p.heads * p.seqlen_q * kQuads;
+  const std::int64_t rows = p.dq_blocks ? (p.seqlen_q + DqBlocks::kRows - 1) / DqBlocks::kRows * DqBlocks::kRows : p.seqlen_q;
+  const std::int64_t head_quads = rows * kQuads, quads = std::int64_t{batch} * p.heads * head_quads;
   for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < quads;
        e += std::int64_t{gridDim.x} * blockDim.x) {
-    const int col = static_cast<int>(e % kQuads) * 4;
-    const std::int64_t row = e / kQuads, i = row % p.seqlen_q;
-    const int h = static_cast<int>(row / p.seqlen_q % p.heads), b = static_cast<int>(row / p.seqlen_q / p.heads);
+    const std::int64_t bh = e / head_quads, at = e % head_quads;
+    const int h = static_cast<int>(bh % p.heads), b = static_cast<int>(bh / p.heads);
+    // The two pairs of the quad: rows i[half], features col[half] and col[half] + 1.
+    std::int64_t i[2];
+    int col[2];
+    if (p.dq_blocks) {
+      int row = 0, c = 0;
+      DqBlocks::quad(static_cast<int>(at % DqBlocks::kQuads), &row, &c);
+      i[0] = at / DqBlocks::kQuads * DqBlocks::kRows + row, i[1] = i[0] + 8;
+      col[0] = col[1] = c;
+    } else {
+      i[0] = i[1] = at / kQuads;
+      col[0] = static_cast<int>(at % kQuads) * 4, col[1] = col[0] + 2;
+    }
     const Sequence s(p, b);
-    if (col >= p.head_dim || i >= s.sq) continue;
     const float4 x = reinterpret_cast<const float4*>(p.dq_acc)[e];
-    auto* dst = static_cast<Element*>(p.dq.data) + b * p.dq.sb + h * p.dq.sh + (s.qs + i) * p.dq.sr + col;
-    dst[0] = static_cast<Element>(x.x * p.scale), dst[1] = static_cast<Element>(x.y * p.scale);
-    dst[2] = static_cast<Element>(x.z * p.scale), dst[3] = static_cast<Element>(x.w * p.scale);
+    const float pair[2][2] = {{x.x, x.y}, {x.z, x.w}};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (col[half] >= p.head_dim || i[half] >= s.sq) continue;
+      auto* dst = static_cast<Element*>(p.dq.data) + b * p.dq.sb + h * p.dq.sh + (s.qs + i[half]) * p.dq.sr + col[half];
+      dst[0] = static_cast<Element>(pair[half][0] * p.scale), dst[1] = static_cast<Element>(pair[half][1] * p.scale);
+    }
   }
 }
 
@@ -1200,16 +1232,17 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   const std::int64_t db_elements = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
 
   std::uint8_t* dkv_tiles = nullptr;
-  cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&p.row_max), static_cast<std::size_t>(3 * rows + 1) * 4, stream);
-  const std::int64_t dq_elements = rows * kHeadDim;
+  cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&p.query_stats), static_cast<std::size_t>(4 * rows + 1) * 4, stream);
+  // dq_acc: room for either layout (finish_dq), rows of (b, h) padded to DqBlocks::kRows.
+  const std::int64_t dq_elements =
+      std::int64_t{batch} * p.heads * ((p.seqlen_q + DqBlocks::kRows - 1) / DqBlocks::kRows * DqBlocks::kRows) * kHeadDim;
   if (err == cudaSuccess && p.atomic_dq && Config::kAtomicDq && dq_elements > 0) {
     err = cudaMallocAsync(reinterpret_cast<void**>(&p.dq_acc), static_cast<std::size_t>(dq_elements) * 4, stream);
     if (err == cudaSuccess) err = cudaMemsetAsync(p.dq_acc, 0, static_cast<std::size_t>(dq_elements) * 4, stream);
-    p.huge_rows = reinterpret_cast<int*>(p.row_max + 3 * rows);
+    p.huge_rows = reinterpret_cast<int*>(p.query_stats + 4 * rows);
     if (err == cudaSuccess) err = cudaMemsetAsync(p.huge_rows, 0, 4, stream);
   }
   if (err == cudaSuccess) {
-    p.row_inv = p.row_max + rows, p.row_delta = p.row_inv + rows;
     if (slices > 0) {
       const std::size_t bytes = static_cast<std::size_t>(slices * db_elements) * 4;
       err = cudaMallocAsync(reinterpret_cast<void**>(&p.scratch), bytes, stream);
@@ -1278,11 +1311,12 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   }
   if (slices > 0) reduce(slices);
   if (err == cudaSuccess && p.dq_acc != nullptr) {
+    p.dq_blocks = hopper;
     const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((dq_elements / 4 + 255) / 256, 65536));
     finish_dq<Element, kHeadDim><<<blocks, 256, 0, stream>>>(p, batch);
     err = cudaGetLastError();
   }
-  for (void* ptr : {static_cast<void*>(p.row_max), static_cast<void*>(p.scratch), static_cast<void*>(p.mask_bits),
+  for (void* ptr : {static_cast<void*>(p.query_stats), static_cast<void*>(p.scratch), static_cast<void*>(p.mask_bits),
                     static_cast<void*>(dkv_tiles), static_cast<void*>(piece_memory), static_cast<void*>(p.dq_acc)})
     if (ptr != nullptr) cudaFreeAsync(ptr, stream);
   check_cuda(err, ("backward launch (head dim " + std::to_string(kHeadDim) + ")").c_str());

@@ -1,7 +1,7 @@
 // The Hopper dk/dv kernel (sm_90a): warpgroup MMAs (wgmma) for the dense walk
 // of the common training case and the top-k key groups (intervals), dq by
-// atomics. launch_backward takes it where dkv_sm90_eligible holds and the
-// device runs the sm_90a code; everything else (masks without top-k
+// bulk reductions. launch_backward takes it where dkv_sm90_eligible holds and
+// the device runs the sm_90a code; everything else (masks without top-k
 // intervals, top-k thresholds, softcap, varlen, deterministic dq, other head
 // dims, dbias other than key-only) stays on backward_kernel<.., true>.
 //
@@ -16,25 +16,31 @@
 // one kernel both, ptxas spilled 160 bytes instead of 80 and 88, and the dense
 // backward took 10% longer). A step:
 //   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x 64 a warpgroup;
-//                                     the next step's Q, dO and statistics start
-//                                     loading by cp.async while they run)
+//                                     Q, dO and the row statistics of the next
+//                                     step arrive by TMA meanwhile, issued by one
+//                                     thread at the top of the step)
 //   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
 //   dQ   = dS K                      (dS^T through shared memory, 64 queries x
 //                                     D / 2 features a warpgroup), then
 //   dV  += P^T dO, dK += dS^T Q      (P^T and dS^T from registers: the
 //                                     accumulators' layout is the A operand's)
-// and dQ's float32 vector reductions into dq_acc run while the dV and dK
-// MMAs do. The key-only dbias sums dS^T over the queries of a bias head in
-// registers, in the walk's order: bitwise reproducible, as dk and dv.
-// (Keeping dQ's accumulators across the next step's S / dP MMAs instead makes
-// ptxas serialize the warpgroup MMAs for want of registers, C7511.)
+// and while the dV and dK MMAs run, each warpgroup stores its dQ accumulators
+// to shared memory in register order and one of its threads adds them to
+// dq_acc by one bulk reduction (DqBlocks). The key-only dbias sums dS^T over
+// the queries of a bias head in registers, in the walk's order: bitwise
+// reproducible, as dk and dv. (Keeping dQ's accumulators across the next
+// step's S / dP MMAs instead makes ptxas serialize the warpgroup MMAs for want
+// of registers, C7511.)
 #pragma once
 
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_conversion.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backward_kernel.cuh"
 #include "sm90.cuh"
@@ -78,13 +84,27 @@ struct DkvSm90Config {
       cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>{}));
 
   static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
-  // K, V, two buffers of Q and dO, dS^T, then two buffers of the step's statistics.
-  static constexpr int kStatsAt = (2 * kKvElems + 4 * kQElems + kDsElems) * int(sizeof(Element));
-  static constexpr int kStatBytes = 2 * 3 * kBlockM * int(sizeof(float));
-  // Behind them, 16 bytes a key: its index, its piece's info (KeyPieces) and
-  // its rows in the current selection head (key groups).
-  static constexpr int kSmemBytes = kStatsAt + kStatBytes + 16 * kBlockN;
+  // K, V, two buffers of Q and dO (a buffer two TMA boxes of 64 features), dS^T,
+  // two buffers of dQ (float32, DqBlocks), two of the step's row statistics
+  // (16 bytes a query), then 16 bytes a key: its index, its piece's info
+  // (KeyPieces) and its rows in the current selection head (key groups), and
+  // the two buffers' barriers.
+  static constexpr int kBoxElems = kBlockM * 64, kTxBytes = 2 * kQElems * int(sizeof(Element));
+  static constexpr int kDsAt = (2 * kKvElems + 4 * kQElems) * int(sizeof(Element));
+  static constexpr int kDqAt = kDsAt + kDsElems * int(sizeof(Element));
+  static_assert(kBlockM == 64, "a row of dS^T is one 128-byte swizzle atom row (sw128_offset)");
+  static constexpr int kStatsAt = kDqAt + 2 * kQElems * int(sizeof(float));
+  static constexpr int kKeysAt = kStatsAt + 2 * 16 * kBlockM;
+  static constexpr int kBarriersAt = kKeysAt + 16 * kBlockN;
+  static constexpr int kSmemBytes = kBarriersAt + 2 * 8;
   static_assert(kBlockN == kKeyGroupKeys, "a top-k key group is one CTA");
+  static_assert(kBlockM == DqBlocks::kRows && kHeadDim == DqBlocks::kFeatures, "a step's dQ is one DqBlocks block");
+};
+
+// The TMA descriptors of Q and dO: (feature, row, head, batch), boxes of 64
+// features x kBlockM rows, 128-byte swizzled as the tiles' atoms.
+struct DkvSm90Maps {
+  CUtensorMap q, dout;
 };
 
 // Whether the Hopper dk/dv kernel computes this backward (launch_backward also
@@ -101,10 +121,12 @@ inline bool dkv_sm90_eligible(const BackwardParams& p) {
 }
 
 template <class Config, bool kKeyGroups>
-__global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __grid_constant__ BackwardParams p) {
+__global__ void __launch_bounds__(Config::kThreads, 1)
+    dkv_kernel_sm90(const __grid_constant__ BackwardParams p, const __grid_constant__ DkvSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
   using Element = typename Config::Element;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kBlockN = Config::kBlockN, kBlockM = Config::kBlockM, kHeadDim = Config::kHeadDim;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kInf = INFINITY;
@@ -134,26 +156,28 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     const QueryRange range(p, offset, sq, row0, min(row0 + kBlockN, sk) - 1);
     q_lo = range.first, q_hi = range.end;
   }
+  // Steps: query blocks [first, first + span) of each head of the group in turn.
   const int first = q_hi > q_lo ? static_cast<int>(q_lo / kBlockM) : 0;
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
-  const int h_first = kvh * p.group, total = p.group * span;  // step t: head h_first + t / span, block first + t % span
-  const auto step_head = [&](int t) { return h_first + static_cast<int>(unsigned(t) / unsigned(span)); };
-  const auto step_block = [&](int t) { return first + static_cast<int>(unsigned(t) % unsigned(span)); };
+  const int h_first = kvh * p.group, total = p.group * span;
+  const int q_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
 
   extern __shared__ __align__(1024) char smem[];
   auto* k_smem = reinterpret_cast<Element*>(smem);
   Element* v_smem = k_smem + Config::kKvElems;
   Element* q_smem = v_smem + Config::kKvElems;       // two buffers
   Element* do_smem = q_smem + 2 * Config::kQElems;  // two buffers
-  Element* ds_smem = do_smem + 2 * Config::kQElems;
-  auto* stats = reinterpret_cast<float*>(smem + Config::kStatsAt);  // two buffers of max, inv, delta
-  auto* own_keys = reinterpret_cast<std::int32_t*>(smem + Config::kStatsAt + Config::kStatBytes);
+  Element* ds_smem = do_smem + 2 * Config::kQElems;  // Config::kDsAt
+  auto* dq_smem = reinterpret_cast<float*>(smem + Config::kDqAt);        // two buffers
+  auto* stats = reinterpret_cast<float4*>(smem + Config::kStatsAt);      // two buffers of (max, inv, delta, 0)
+  auto* own_keys = reinterpret_cast<std::int32_t*>(smem + Config::kKeysAt);
   int* piece_info = own_keys + kBlockN;
   auto* own_rows = reinterpret_cast<KeyRows*>(piece_info + kBlockN);
+  auto* loaded = reinterpret_cast<std::uint64_t*>(smem + Config::kBarriersAt);  // a buffer's Q, dO and statistics
   Tensor sK = make_tensor(make_smem_ptr(k_smem), typename Config::LayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(v_smem), typename Config::LayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(k_smem), typename Config::LayoutKt{});
-  Tensor sDs = make_tensor(make_smem_ptr(ds_smem), typename Config::LayoutDs{});
+  char* ds_bytes = smem + Config::kDsAt;
   Tensor sDsT = make_tensor(make_smem_ptr(ds_smem), typename Config::LayoutDsT{});
   auto rows_tile = [&](Element* base, int buf) {
     return make_tensor(make_smem_ptr(base + buf * Config::kQElems), typename Config::LayoutQ{});
@@ -162,11 +186,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     return make_tensor(make_smem_ptr(base + buf * Config::kQElems), typename Config::LayoutQt{});
   };
 
-  const auto* q = static_cast<const Element*>(p.q.data) + b * p.q.sb;
-  const auto* dout = static_cast<const Element*>(p.dout.data) + b * p.dout.sb;
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh;
   const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + kvh * p.v.sh;
-  const int d = p.head_dim, tid = threadIdx.x, lane = tid % 32;
+  const int d = p.head_dim, tid = threadIdx.x, lane = tid % 32, wg = tid / 128, wg_tid = tid % 128;
   if constexpr (kKeyGroups) {  // the CTA's keys gathered from key_order
     const std::int64_t key = group_key(p, entry0, row0, sk, tile_row<Config, kBlockN>());
     load_tile<Config>(sK, k, p.k.sr, key, d, true);
@@ -182,15 +204,28 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     load_rows<Config>(sV, v + row0 * p.v.sr, p.v.sr, sk - row0, d, true);
   }
   const int segment_lo = kKeyGroups ? group_segment_lo(p, entry0) : 0;
-  // Q, dO and the statistics of step t into buffer buf (one cp.async group).
-  auto issue = [&](int t, int buf) {
-    const int h = step_head(t);
-    const std::int64_t q0 = std::int64_t{step_block(t)} * kBlockM;
-    const int r = tile_row<Config, kBlockM>();
-    load_tile<Config>(rows_tile(q_smem, buf), q + h * p.q.sh + q0 * p.q.sr, p.q.sr, q0 + r < sq ? r : -1, d, true);
-    load_tile<Config>(rows_tile(do_smem, buf), dout + h * p.dout.sh + q0 * p.dout.sr, p.dout.sr, q0 + r < sq ? r : -1, d,
-                      true);
-    load_row_stats<Config::kThreads>(p, stats + buf * 3 * kBlockM, b, h, q0, kBlockM, sq);
+  // Statistics of rows past sq are never loaded: finite (zero) until then, so
+  // that their masked elements give 0.
+  for (int i = tid; i < 2 * kBlockM; i += Config::kThreads) stats[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (tid == 0) {
+    Barrier::init(&loaded[0], 1);
+    Barrier::init(&loaded[1], 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  // Q, dO and the statistics of the step at head h, query block blk into
+  // buffer buf (thread 0): two TMA boxes of 64 features each, and one bulk
+  // copy of the statistics' rows before sq.
+  auto issue = [&](int h, int blk, int buf) {
+    const int q0 = blk * kBlockM, rows = static_cast<int>(min(std::int64_t{kBlockM}, sq - q0));
+    Barrier::arrive_and_expect_tx(&loaded[buf], Config::kTxBytes + 16 * rows);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int at = buf * Config::kQElems + half * Config::kBoxElems;
+      SM90_TMA_LOAD_4D::copy(&maps.q, &loaded[buf], 0, q_smem + at, 64 * half, q0, h, b);
+      SM90_TMA_LOAD_4D::copy(&maps.dout, &loaded[buf], 0, do_smem + at, 64 * half, q0, h, b);
+    }
+    SM90_BULK_COPY_G2S::copy(p.query_stats + 4 * ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0), &loaded[buf],
+                             stats + buf * kBlockM, 16 * rows);
   };
 
   typename Config::MmaSdp mma_sdp;
@@ -207,10 +242,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(acc_dk);
   clear(acc_dv);
-  // The thread's (key, query) of S^T and its dS^T words in shared memory: two
-  // keys (rows r and r + 8 of its warp's 16), pairs of adjacent queries.
+  // The thread's (key, query) of S^T and dS^T: two keys (rows r and r + 8 of
+  // its warp's 16), pairs of adjacent queries; dS^T goes to shared memory by
+  // 32-bit addresses (a swizzled CuTe pointer computes 64-bit generic ones).
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
-  Tensor tSsDs = thr_sdp.partition_C(sDs);
   constexpr int kAccS = decltype(size(cS))::value;  // 32: (2 queries, 2 keys, 8 query groups)
   const int my_key[2] = {get<0>(cS(0)), get<0>(cS(2))};
   // The key of the thread's row my_key[half] (-1: none).
@@ -225,13 +260,21 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
   int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
   const float scale = p.scale;
 
-  if (total > 0) issue(0, 0);
+  cp_async_wait<0>();
+  fence_async_shared();
+  __syncthreads();  // K, V, the zeroed statistics and the barriers
+  if (tid == 0 && total > 0) issue(h_first, first, 0);
+  // The walk's step: head h, query block blk; (h_next, blk_next) the next step's.
+  int h = h_first, blk = first;
   for (int t = 0; t < total; ++t) {
-    const int buf = t & 1, h = step_head(t), hb = static_cast<int>(unsigned(h) / unsigned(p.bias_group));
-    const std::int64_t q0 = std::int64_t{step_block(t)} * kBlockM;
-    cp_async_wait<0>();
-    fence_async_shared();
-    __syncthreads();  // step t landed; every thread is done with step t - 1 (its buffers, dS^T and own_rows)
+    const int buf = t & 1, hb = static_cast<int>(unsigned(h) / unsigned(p.bias_group));
+    const bool last_block = blk + 1 == first + span;
+    const int h_next = last_block ? h + 1 : h, blk_next = last_block ? first : blk + 1;
+    const std::int64_t q0 = std::int64_t{blk} * kBlockM;
+    // The bulk reduction of step t - 2 has read dQ buffer buf.
+    if (wg_tid == 0) tma_store_wait<1>();
+    __syncthreads();  // every thread is done with step t - 1 (its buffers, dS^T and own_rows)
+    if (tid == 0 && t + 1 < total) issue(h_next, blk_next, buf ^ 1);
     if (has_bias && hb != key_bias_head) {
       key_bias_head = hb;
 #pragma unroll
@@ -250,6 +293,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
       }
       __syncthreads();
     }
+    Barrier::wait(&loaded[buf], (t >> 1) & 1);
 
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -257,7 +301,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     Tensor tSrDo = thr_sdp.partition_fragment_B(rows_tile(do_smem, buf));
     wgmma_batch<true>(mma_sdp, tSrK, tSrQ, acc_s);
     wgmma_batch<true>(mma_sdp, tSrV, tSrDo, acc_dp);
-    if (t + 1 < total) issue(t + 1, buf ^ 1);  // while the MMAs run
     warpgroup_wait<0>();
 
     // A tile wholly inside the sequences, the causal band and the window tests
@@ -274,21 +317,31 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
         lo[half] = clamp_to_tile(rows.start - q0), hi[half] = clamp_to_tile(rows.end - q0);
       }
     }
-    const float* st = stats + buf * 3 * kBlockM;
+    const float4* st = stats + buf * kBlockM;
+    // P^T and dS^T in place of S^T and dP^T; kMasked: each element tested (the
+    // code of whole tiles, most of a causal walk, has no test).
+    auto gradients = [&](auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
 #pragma unroll
-    for (int e = 0; e < kAccS; ++e) {
-      const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
-      float x = acc_s(e) * scale + key_bias[half];
-      if (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
-                     : !whole && !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi))
-        x = -kInf;
-      // (x - max) first: x and max near the float32 limit would overflow times log2(e).
-      const float prob = exp2_ftz((x - st[qi]) * kLog2e) * st[kBlockM + qi];
-      const float ds = prob * (acc_dp(e) - st[2 * kBlockM + qi]);
-      acc_s(e) = prob;
-      acc_dp(e) = ds;
-      if (key_sums) key_sum[half] += ds;
-    }
+      for (int e = 0; e < kAccS; ++e) {
+        const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
+        float x = acc_s(e) * scale + key_bias[half];
+        if (kMasked && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
+                                   : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)))
+          x = -kInf;
+        // (x - max) first: x and max near the float32 limit would overflow times log2(e).
+        const float4 row = st[qi];
+        const float prob = exp2_ftz((x - row.x) * kLog2e) * row.y;
+        const float ds = prob * (acc_dp(e) - row.z);
+        acc_s(e) = prob;
+        acc_dp(e) = ds;
+        if (key_sums) key_sum[half] += ds;
+      }
+    };
+    if (kKeyGroups || !whole)
+      gradients(std::true_type{});
+    else
+      gradients(std::false_type{});
 
     // P^T and dS^T in Element, in the A-operand layout of the dK / dV MMAs (the
     // accumulator's 8 query groups are 4 k-slices of 16), and dS^T to shared memory.
@@ -303,9 +356,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
         Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_dp.data())));
     const auto* ds_pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rDs.data()));
 #pragma unroll
-    for (int e = 0; e < kAccS; e += 2) *reinterpret_cast<std::uint32_t*>(&tSsDs(e)) = ds_pairs[e / 2];
+    for (int e = 0; e < kAccS; e += 2)
+      *reinterpret_cast<std::uint32_t*>(ds_bytes + sw128_offset(get<0>(cS(e)), get<1>(cS(e)))) = ds_pairs[e / 2];
 
-    // dQ first: its reductions then overlap the dK and dV MMAs.
+    // dQ first: its store and reduction then overlap the dK and dV MMAs.
     fence_async_shared();
     __syncthreads();  // both warpgroups' dS^T are in shared memory
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -319,12 +373,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
     warpgroup_wait<2>();
     warpgroup_fence_operand(acc_dq);
 
-    Tensor cQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    float* dq_rows = p.dq_acc + ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0) * kHeadDim;
+    // The warpgroup's half of the DqBlocks block: registers in order, then one
+    // bulk reduction into dq_acc once all 128 threads have stored theirs.
+    float* dq_half = dq_smem + buf * Config::kQElems + wg * (Config::kQElems / 2);
+    static_assert(decltype(size(acc_dq))::value == 32, "a thread's dQ is 8 words of 4 floats");
 #pragma unroll
-    for (int e = 0; e < size(acc_dq); e += 2) {
-      const int qi = get<0>(cQ(e)), f = get<1>(cQ(e));
-      if (qi < qrows) red_add2(dq_rows + qi * kHeadDim + f, acc_dq(e), acc_dq(e + 1));
+    for (int j = 0; j < 8; ++j)
+      *reinterpret_cast<float4*>(dq_half + 512 * j + 4 * wg_tid) =
+          make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
+    fence_async_shared();
+    cutlass::arch::NamedBarrier::sync(128, 1 + wg);
+    if (wg_tid == 0) {
+      float* dq_rows = p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems + wg * (Config::kQElems / 2);
+      bulk_reduce_add(dq_rows, dq_half, Config::kQElems / 2 * int(sizeof(float)));
+      tma_store_arrive();
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(rP);
@@ -332,8 +394,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
 
     // Key-only dbias: a bias head's sums are complete when the next step has
     // another (pieces of keys: in the epilogue, one bias head).
-    if (key_sums && !pieces &&
-        (t + 1 >= total || static_cast<int>(unsigned(step_head(t + 1)) / unsigned(p.bias_group)) != hb)) {
+    if (key_sums && !pieces && (t + 1 >= total || (last_block && unsigned(h_next) % unsigned(p.bias_group) == 0))) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float x = quad_sum(key_sum[half]);
@@ -342,7 +403,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
         if (lane % 4 == 0 && key >= 0) db_out.add(p, hb, 0, key, x);
       }
     }
+    h = h_next, blk = blk_next;
   }
+  if (wg_tid == 0) tma_store_wait<0>();
 
   // dk = scale * acc_dk, dv = acc_dv by key, the pieces of a key added up first.
   if (kKeyGroups) __syncthreads();  // own_keys, where the walk had no step
@@ -387,8 +450,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) dkv_kernel_sm90(const __g
 }
 
 // Launches the Hopper dk/dv kernel for this backward if it may
-// (dkv_sm90_eligible, an sm_90 device running the kernel's sm_90a code) and
-// sets *launched; the launch's error, if any.
+// (dkv_sm90_eligible, an sm_90 device running the kernel's sm_90a code, TMA
+// descriptors of Q and dO) and sets *launched; the launch's error, if any.
 template <class Element, int kHeadDim>
 cudaError_t launch_dkv_sm90(const BackwardParams& p, int batch, cudaStream_t stream, bool* launched) {
   *launched = false;
@@ -401,11 +464,16 @@ cudaError_t launch_dkv_sm90(const BackwardParams& p, int batch, cudaStream_t str
     bool runs = false;
     const cudaError_t err = prepare_sm90(kernel, Config::kSmemBytes, &runs);
     if (!runs) return err;
+    constexpr bool kBf16 = std::is_same_v<Element, cutlass::bfloat16_t>;
+    DkvSm90Maps maps;
+    if (!encode_token_map(&maps.q, p.q, kBf16, batch, p.heads, p.seqlen_q, kHeadDim, Config::kBlockM) ||
+        !encode_token_map(&maps.dout, p.dout, kBf16, batch, p.heads, p.seqlen_q, kHeadDim, Config::kBlockM))
+      return cudaSuccess;
     const int kv_heads = p.heads / p.group;
     const auto blocks = static_cast<unsigned>(p.group_rows != nullptr ? p.key_groups
                                                                      : (p.seqlen_k + Config::kBlockN - 1) / Config::kBlockN);
     kernel<<<dim3(blocks, static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)), Config::kThreads,
-             Config::kSmemBytes, stream>>>(p);
+             Config::kSmemBytes, stream>>>(p, maps);
     *launched = true;
     return cudaGetLastError();
   }

@@ -1,11 +1,17 @@
 // Helpers of the Hopper (sm_90a) kernels: a batch of warpgroup MMAs, the
-// proxy fence between generic shared-memory writes and wgmma reads, and the
+// proxy fence between generic shared-memory writes and wgmma (or TMA) reads,
+// the bulk float32 reduction, the TMA descriptor of a token operand, and the
 // launch-time test that the device runs a kernel's sm_90a code.
 #pragma once
 
+#include <cuda.h>
+#include <cuda_runtime.h>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
-#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../problem.h"
 
 namespace dmattn::cuda {
 
@@ -30,6 +36,55 @@ __device__ __forceinline__ void wgmma_batch(Mma& mma, A& a, const B& b, C& acc) 
 // wgmma operand reads (async proxy) that follow the next barrier.
 __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Byte offset of element (row, col) of a tile of 2-byte elements stored as
+// GMMA 128-byte K-major swizzle atoms (Layout_K_SW128_Atom) whose rows hold
+// the 64 columns, from the tile's 1024-byte aligned base: 16-byte chunk c of
+// row r lands in chunk c ^ (r % 8).
+__device__ __forceinline__ unsigned sw128_offset(int row, int col) {
+  const unsigned linear = 128u * row + 2u * col;
+  return linear ^ ((linear >> 3) & 0x70u);
+}
+
+// Adds `bytes` (a multiple of 16) of float32 from shared memory at `from` into
+// global memory at `to` (both 16-byte aligned) as one bulk reduction of the
+// calling thread's current bulk group.
+__device__ __forceinline__ void bulk_reduce_add(float* to, const float* from, int bytes) {
+  const auto smem = static_cast<unsigned>(__cvta_generic_to_shared(from));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(to), "r"(smem),
+               "r"(bytes)
+               : "memory");
+}
+
+// The TMA descriptor of a token operand of 2-byte elements (`bf16` or fp16) as
+// (feature, row, head, batch) of `features` x `rows` x `heads` x `batch`,
+// boxes of 64 features (128 bytes, swizzled as GMMA's 128-byte K-major atoms)
+// x `box_rows` rows; false where TMA cannot address it (strides not whole
+// 16 bytes, or no driver entry point).
+inline bool encode_token_map(CUtensorMap* map, const Operand& t, bool bf16, int batch, int heads, std::int64_t rows,
+                             int features, int box_rows) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<decltype(&cuTensorMapEncodeTiled)>(fn);  // the driver's, not linked
+  }();
+  const std::int64_t extent[3] = {rows, heads, batch}, stride[3] = {t.sr, t.sh, t.sb};
+  cuuint64_t dims[4] = {static_cast<cuuint64_t>(features), 0, 0, 0}, strides[3] = {};
+  for (int i = 0; i < 3; ++i) {
+    const std::int64_t bytes = extent[i] == 1 ? 16 : 2 * stride[i];  // a stride of one row, head or batch is unused
+    if (bytes <= 0 || bytes % 16 != 0) return false;
+    dims[i + 1] = static_cast<cuuint64_t>(extent[i]), strides[i] = static_cast<cuuint64_t>(bytes);
+  }
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1}, step[4] = {1, 1, 1, 1};
+  return encode != nullptr && t.sc == 1 && reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 &&
+         encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, t.data, dims, strides,
+                box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // Whether `kernel` runs its sm_90a code on the current device (an sm_90 device
