@@ -1093,19 +1093,19 @@ __global__ void __launch_bounds__(256) zero_unselected(const BackwardParams p, i
 // The Hopper dk/dv kernel's dq_acc (BackwardParams::dq_blocks): blocks of
 // kRows query rows x kFeatures of (b, h) from ((b * heads + h) * blocks of the
 // query length + block) * kRows * kFeatures, the float32 sums of one step,
-// added by one bulk reduction a warpgroup. Half w of a block (features
-// 64 w .. 64 w + 63, warpgroup w) holds its dQ accumulators in register
-// order, registers 4 j .. 4 j + 3 of thread t (of 128) at 512 j + 4 t. By the
-// wgmma accumulator layout (m64nNk16) these are (row, c), (row, c + 1),
-// (row + 8, c), (row + 8, c + 1) with row = 16 (t / 32) + t % 32 / 4 and
-// c = 64 w + 8 j + 2 (t % 4).
+// added by one bulk reduction a warp. Warp w (of 8) holds its dQ accumulators
+// at 1024 w in register order, registers 4 j .. 4 j + 3 of lane l at
+// 128 j + 4 l. By the wgmma accumulator layout (m64nNk16; warpgroup w / 4
+// owns features 64 (w / 4) .. + 63) these are (row, c), (row, c + 1),
+// (row + 8, c), (row + 8, c + 1) with row = 16 (w % 4) + l / 4 and
+// c = 64 (w / 4) + 8 j + 2 (l % 4).
 struct DqBlocks {
   static constexpr int kRows = 64, kFeatures = 128, kQuads = kRows * kFeatures / 4;
   // Quad q (4 floats) of a block: its first row and feature, the second pair 8 rows below.
   __device__ static void quad(int q, int* row, int* col) {
-    const int w = q / (kQuads / 2), j = q % (kQuads / 2) / 128, t = q % 128;
-    *row = 16 * (t / 32) + t % 32 / 4;
-    *col = 64 * w + 8 * j + 2 * (t % 4);
+    const int w = q / 256, j = q % 256 / 32, l = q % 32;
+    *row = 16 * (w % 4) + l / 4;
+    *col = 64 * (w / 4) + 8 * j + 2 * (l % 4);
   }
 };
 

@@ -24,9 +24,9 @@
 //                                     D / 2 features a warpgroup), then
 //   dV  += P^T dO, dK += dS^T Q      (P^T and dS^T from registers: the
 //                                     accumulators' layout is the A operand's)
-// and while the dV and dK MMAs run, each warpgroup stores its dQ accumulators
-// to shared memory in register order and one of its threads adds them to
-// dq_acc by one bulk reduction (DqBlocks). The key-only dbias sums dS^T over
+// and while the dV and dK MMAs run, each warp stores its dQ accumulators to
+// shared memory in register order and one of its threads adds them to dq_acc
+// by one bulk reduction (DqBlocks). The key-only dbias sums dS^T over
 // the queries of a bias head in registers, in the walk's order: bitwise
 // reproducible, as dk and dv. (Keeping dQ's accumulators across the next
 // step's S / dP MMAs instead makes ptxas serialize the warpgroup MMAs for want
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh;
   const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + kvh * p.v.sh;
-  const int d = p.head_dim, tid = threadIdx.x, lane = tid % 32, wg = tid / 128, wg_tid = tid % 128;
+  const int d = p.head_dim, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   if constexpr (kKeyGroups) {  // the CTA's keys gathered from key_order
     const std::int64_t key = group_key(p, entry0, row0, sk, tile_row<Config, kBlockN>());
     load_tile<Config>(sK, k, p.k.sr, key, d, true);
@@ -271,8 +271,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const bool last_block = blk + 1 == first + span;
     const int h_next = last_block ? h + 1 : h, blk_next = last_block ? first : blk + 1;
     const std::int64_t q0 = std::int64_t{blk} * kBlockM;
-    // The bulk reduction of step t - 2 has read dQ buffer buf.
-    if (wg_tid == 0) tma_store_wait<1>();
+    // The bulk reductions of step t - 2 have read dQ buffer buf.
+    if (lane == 0) tma_store_wait<1>();
     __syncthreads();  // every thread is done with step t - 1 (its buffers, dS^T and own_rows)
     if (tid == 0 && t + 1 < total) issue(h_next, blk_next, buf ^ 1);
     if (has_bias && hb != key_bias_head) {
@@ -373,19 +373,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     warpgroup_wait<2>();
     warpgroup_fence_operand(acc_dq);
 
-    // The warpgroup's half of the DqBlocks block: registers in order, then one
-    // bulk reduction into dq_acc once all 128 threads have stored theirs.
-    float* dq_half = dq_smem + buf * Config::kQElems + wg * (Config::kQElems / 2);
+    // The warp's part of the DqBlocks block: registers in order, then one bulk
+    // reduction into dq_acc by lane 0.
+    float* dq_warp = dq_smem + buf * Config::kQElems + warp * 1024;
     static_assert(decltype(size(acc_dq))::value == 32, "a thread's dQ is 8 words of 4 floats");
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      *reinterpret_cast<float4*>(dq_half + 512 * j + 4 * wg_tid) =
+      *reinterpret_cast<float4*>(dq_warp + 128 * j + 4 * lane) =
           make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
     fence_async_shared();
-    cutlass::arch::NamedBarrier::sync(128, 1 + wg);
-    if (wg_tid == 0) {
-      float* dq_rows = p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems + wg * (Config::kQElems / 2);
-      bulk_reduce_add(dq_rows, dq_half, Config::kQElems / 2 * int(sizeof(float)));
+    __syncwarp();
+    if (lane == 0) {
+      bulk_reduce_add(p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems + warp * 1024,
+                      dq_warp, 1024 * int(sizeof(float)));
       tma_store_arrive();
     }
     warpgroup_wait<0>();
@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     h = h_next, blk = blk_next;
   }
-  if (wg_tid == 0) tma_store_wait<0>();
+  if (lane == 0) tma_store_wait<0>();
 
   // dk = scale * acc_dk, dv = acc_dv by key, the pieces of a key added up first.
   if (kKeyGroups) __syncthreads();  // own_keys, where the walk had no step
