@@ -15,13 +15,13 @@
 // backward_kernel; kKeyGroups compiles that walk apart from the dense one (in
 // one kernel both, ptxas spilled 160 bytes instead of 80 and 88, and the dense
 // backward took 10% longer). A step:
-//   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x 64 a warpgroup;
-//                                     Q, dO and the row statistics of the next
-//                                     step arrive by TMA meanwhile, issued by one
-//                                     thread at the top of the step)
+//   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x 64 a warpgroup)
 //   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
 //   dQ   = dS K                      (dS^T through shared memory, 64 queries x
-//                                     D / 2 features a warpgroup), then
+//                                     D / 2 features a warpgroup; after the
+//                                     step's one barrier, where one thread issues
+//                                     the TMA copies of the next step's Q, dO and
+//                                     row statistics into the other buffer), then
 //   dV  += P^T dO, dK += dS^T Q      (P^T and dS^T from registers: the
 //                                     accumulators' layout is the A operand's)
 // and while the dV and dK MMAs run, each warp stores its dQ accumulators to
@@ -91,9 +91,9 @@ struct DkvSm90Config {
   // the two buffers' barriers.
   static constexpr int kBoxElems = kBlockM * 64, kTxBytes = 2 * kQElems * int(sizeof(Element));
   static constexpr int kDsAt = (2 * kKvElems + 4 * kQElems) * int(sizeof(Element));
-  static constexpr int kDqAt = kDsAt + kDsElems * int(sizeof(Element));
+  static constexpr int kDqAt = kDsAt + 2 * kDsElems * int(sizeof(Element));
   static_assert(kBlockM == 64, "a row of dS^T is one 128-byte swizzle atom row (sw128_offset)");
-  static constexpr int kStatsAt = kDqAt + 2 * kQElems * int(sizeof(float));
+  static constexpr int kStatsAt = kDqAt + kQElems * int(sizeof(float));
   static constexpr int kKeysAt = kStatsAt + 2 * 16 * kBlockM;
   static constexpr int kBarriersAt = kKeysAt + 16 * kBlockN;
   static constexpr int kSmemBytes = kBarriersAt + 2 * 8;
@@ -167,8 +167,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   Element* v_smem = k_smem + Config::kKvElems;
   Element* q_smem = v_smem + Config::kKvElems;       // two buffers
   Element* do_smem = q_smem + 2 * Config::kQElems;  // two buffers
-  Element* ds_smem = do_smem + 2 * Config::kQElems;  // Config::kDsAt
-  auto* dq_smem = reinterpret_cast<float*>(smem + Config::kDqAt);        // two buffers
+  Element* ds_smem = do_smem + 2 * Config::kQElems;  // Config::kDsAt, two buffers
+  auto* dq_smem = reinterpret_cast<float*>(smem + Config::kDqAt);
   auto* stats = reinterpret_cast<float4*>(smem + Config::kStatsAt);      // two buffers of (max, inv, delta, 0)
   auto* own_keys = reinterpret_cast<std::int32_t*>(smem + Config::kKeysAt);
   int* piece_info = own_keys + kBlockN;
@@ -177,8 +177,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   Tensor sK = make_tensor(make_smem_ptr(k_smem), typename Config::LayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(v_smem), typename Config::LayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(k_smem), typename Config::LayoutKt{});
-  char* ds_bytes = smem + Config::kDsAt;
-  Tensor sDsT = make_tensor(make_smem_ptr(ds_smem), typename Config::LayoutDsT{});
   auto rows_tile = [&](Element* base, int buf) {
     return make_tensor(make_smem_ptr(base + buf * Config::kQElems), typename Config::LayoutQ{});
   };
@@ -236,7 +234,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);
   Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-  Tensor tQrDs = thr_dq.partition_fragment_A(sDsT);
   Tensor tQrK = thr_dq.partition_fragment_B(sKt);
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -271,10 +268,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const bool last_block = blk + 1 == first + span;
     const int h_next = last_block ? h + 1 : h, blk_next = last_block ? first : blk + 1;
     const std::int64_t q0 = std::int64_t{blk} * kBlockM;
-    // The bulk reductions of step t - 2 have read dQ buffer buf.
-    if (lane == 0) tma_store_wait<1>();
-    __syncthreads();  // every thread is done with step t - 1 (its buffers, dS^T and own_rows)
-    if (tid == 0 && t + 1 < total) issue(h_next, blk_next, buf ^ 1);
     if (has_bias && hb != key_bias_head) {
       key_bias_head = hb;
 #pragma unroll
@@ -357,11 +350,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const auto* ds_pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rDs.data()));
 #pragma unroll
     for (int e = 0; e < kAccS; e += 2)
-      *reinterpret_cast<std::uint32_t*>(ds_bytes + sw128_offset(get<0>(cS(e)), get<1>(cS(e)))) = ds_pairs[e / 2];
+      *reinterpret_cast<std::uint32_t*>(smem + Config::kDsAt + buf * Config::kDsElems * int(sizeof(Element)) +
+                                        sw128_offset(get<0>(cS(e)), get<1>(cS(e)))) = ds_pairs[e / 2];
 
     // dQ first: its store and reduction then overlap the dK and dV MMAs.
     fence_async_shared();
-    __syncthreads();  // both warpgroups' dS^T are in shared memory
+    // The walk's one barrier a step: both warpgroups' dS^T are in shared
+    // memory, and both are done with step t - 1 (Q, dO and statistics buffer
+    // buf ^ 1, which the next step's copies then fill, and dS^T buffer buf ^ 1).
+    __syncthreads();
+    if (tid == 0 && t + 1 < total) issue(h_next, blk_next, buf ^ 1);
+    Tensor tQrDs = thr_dq.partition_fragment_A(
+        make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), typename Config::LayoutDsT{}));
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
     Tensor tVrDo = thr_dkv.partition_fragment_B(rows_tile_t(do_smem, buf));
@@ -375,8 +375,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
     // The warp's part of the DqBlocks block: registers in order, then one bulk
     // reduction into dq_acc by lane 0.
-    float* dq_warp = dq_smem + buf * Config::kQElems + warp * 1024;
+    float* dq_warp = dq_smem + warp * 1024;
     static_assert(decltype(size(acc_dq))::value == 32, "a thread's dQ is 8 words of 4 floats");
+    if (lane == 0) tma_store_wait<0>();  // the previous step's reduction has read the buffer
+    __syncwarp();
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       *reinterpret_cast<float4*>(dq_warp + 128 * j + 4 * lane) =
