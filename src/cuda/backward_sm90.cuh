@@ -13,8 +13,8 @@
 // each element tested against its key's rows within the group's segment, and
 // the pieces of a key add up in segment order (KeyPieces), as in
 // backward_kernel; kKeyGroups compiles that walk apart from the dense one (in
-// one kernel both, ptxas spilled 160 bytes instead of 80 and 88, and the dense
-// backward took 10% longer). A step:
+// one kernel both, at 1335552 ptxas spilled 160 bytes instead of 80 and 88,
+// and the dense backward took 10% longer). A step:
 //   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x 64 a warpgroup)
 //   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
 //   dQ   = dS K                      (dS^T through shared memory, 64 queries x
@@ -84,11 +84,11 @@ struct DkvSm90Config {
       cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>{}));
 
   static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
-  // K, V, two buffers of Q and dO (a buffer two TMA boxes of 64 features), dS^T,
-  // two buffers of dQ (float32, DqBlocks), two of the step's row statistics
+  // K, V, two buffers of Q and dO (a buffer two TMA boxes of 64 features), two
+  // of dS^T, one of dQ (float32, DqBlocks), two of the step's row statistics
   // (16 bytes a query), then 16 bytes a key: its index, its piece's info
   // (KeyPieces) and its rows in the current selection head (key groups), and
-  // the two buffers' barriers.
+  // the barriers of the two Q / dO buffers.
   static constexpr int kBoxElems = kBlockM * 64, kTxBytes = 2 * kQElems * int(sizeof(Element));
   static constexpr int kDsAt = (2 * kKvElems + 4 * kQElems) * int(sizeof(Element));
   static constexpr int kDqAt = kDsAt + 2 * kDsElems * int(sizeof(Element));
