@@ -166,10 +166,6 @@ __device__ __forceinline__ void gemm_rs(Mma& mma, Acc& acc, const RA& rA, const 
 }
 
 template <class Element>
-__device__ inline float load_float(const void* data, bool is_float32, std::int64_t at) {
-  return is_float32 ? static_cast<const float*>(data)[at] : static_cast<float>(static_cast<const Element*>(data)[at]);
-}
-template <class Element>
 __device__ inline void store_float(void* data, bool is_float32, std::int64_t at, float x) {
   if (is_float32)
     static_cast<float*>(data)[at] = x;

@@ -124,6 +124,12 @@ struct TileBand {
   }
 };
 
+// Element `at` of a bias or gradient in float32 or Element, as float.
+template <class Element>
+__device__ inline float load_float(const void* data, bool is_float32, std::int64_t at) {
+  return is_float32 ? static_cast<const float*>(data)[at] : static_cast<float>(static_cast<const Element*>(data)[at]);
+}
+
 // 2^x on the special-function unit alone; results below the normal range flush
 // to 0, far below anything that changes a float32 softmax sum.
 __device__ inline float exp2_ftz(float x) {

@@ -600,6 +600,51 @@ __device__ void load_dense_rows(SmemTensor&& s, const typename Config::Element* 
       std::make_integer_sequence<int, Config::kBlockN / kRowStep>{});
 }
 
+// A forward CTA's query block. The grid is (query block, split, batch, head),
+// head fastest, and the query blocks in reverse: under causal masking the last
+// rows have the most keys, so the CTAs start longest first across every head
+// and batch and the grid ends on the shortest (fewer idle SMs in its last
+// wave). has_mask: the pre-passes listed the block's keys (a mask, a top-k
+// selection or both) and the block walks them, block_n a tile, gathered;
+// otherwise it walks the keys that any row of it may see. Its key tiles:
+// [tile_first, tile_end). Nothing past row0 and sq is set where row0 >= sq.
+struct ForwardBlock {
+  int h, b, split;
+  std::int64_t row0, qs = 0, ks = 0, sq, sk, offset = 0, row_last = 0, mask_block = 0;
+  bool has_mask;
+  int mask_count = 0, tile_first = 0, tile_end = 0;
+  const std::int32_t* mask_keys = nullptr;
+  __device__ ForwardBlock(const ForwardParams& p, int block_m, int block_n)
+      : h(static_cast<int>(blockIdx.x % p.heads)), sq(p.seqlen_q), sk(p.seqlen_k), has_mask(p.mask_keys != nullptr) {
+    const unsigned slice = blockIdx.x / p.heads;
+    b = static_cast<int>(slice % p.batch);
+    split = static_cast<int>(slice / p.batch % p.num_splits);
+    const int blocks_m = static_cast<int>(gridDim.x / (std::uint32_t(p.heads) * p.batch * p.num_splits));
+    row0 = std::int64_t{blocks_m - 1 - static_cast<int>(slice / p.batch / p.num_splits)} * block_m;
+    if (p.cu_seqlens_q != nullptr) {
+      qs = p.cu_seqlens_q[b], sq = p.cu_seqlens_q[b + 1] - qs;
+      ks = p.cu_seqlens_k[b], sk = p.cu_seqlens_k[b + 1] - ks;
+    }
+    if (row0 >= sq) return;
+    offset = sk - sq;  // bottom-right alignment
+    row_last = min(row0 + block_m, sq) - 1;
+    if (has_mask) {
+      mask_block = ((p.list_batched ? b : 0) * std::int64_t{p.heads / p.list_group} + h / p.list_group) * p.mask_blocks +
+                   row0 / block_m;
+      mask_count = p.mask_counts[mask_block];
+      mask_keys = p.mask_keys + mask_block * p.keys_stride;
+      tile_end = (mask_count + block_n - 1) / block_n;
+      return;
+    }
+    const std::int64_t key_lo = p.window_left < 0 ? 0 : max(std::int64_t{0}, row0 + offset - p.window_left);
+    std::int64_t key_hi = sk;
+    if (p.causal) key_hi = min(key_hi, row_last + offset + 1);
+    if (p.window_right >= 0) key_hi = min(key_hi, row_last + offset + p.window_right + 1);
+    tile_first = static_cast<int>(key_lo / block_n);
+    tile_end = key_hi > key_lo ? static_cast<int>((key_hi + block_n - 1) / block_n) : tile_first;
+  }
+};
+
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const ForwardParams p) {
   using namespace cute;
@@ -609,47 +654,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kInf = INFINITY;
 
-  // The grid is (query block, split, batch, head), head fastest, and the query
-  // blocks in reverse: under causal masking the last rows have the most keys,
-  // so the CTAs start longest first across every head and batch and the grid
-  // ends on the shortest (fewer idle SMs in its last wave).
-  const int h = static_cast<int>(blockIdx.x % p.heads);
-  const unsigned slice = blockIdx.x / p.heads;
-  const int b = static_cast<int>(slice % p.batch);
-  const int split = static_cast<int>(slice / p.batch % p.num_splits);
-  const int blocks_m = static_cast<int>(gridDim.x / (std::uint32_t(p.heads) * p.batch * p.num_splits));
-  const std::int64_t row0 = std::int64_t{blocks_m - 1 - static_cast<int>(slice / p.batch / p.num_splits)} * kBlockM;
-  std::int64_t qs = 0, ks = 0, sq = p.seqlen_q, sk = p.seqlen_k;
-  if (p.cu_seqlens_q != nullptr) {
-    qs = p.cu_seqlens_q[b], sq = p.cu_seqlens_q[b + 1] - qs;
-    ks = p.cu_seqlens_k[b], sk = p.cu_seqlens_k[b + 1] - ks;
-  }
-  if (row0 >= sq) return;
-  const int hk = h / p.group;
-  const std::int64_t offset = sk - sq;  // bottom-right alignment
-  const std::int64_t row_last = min(row0 + kBlockM, sq) - 1;
-
-  // has_mask: the pre-passes listed the block's keys (a mask, a top-k selection
-  // or both); the block walks them, 64 a tile, gathered. Otherwise it walks the
-  // keys that any row of it may see: [key_lo, key_hi).
-  const bool has_mask = p.mask_keys != nullptr, has_bias = p.bias.data != nullptr;
-  const std::int64_t mask_block =
-      has_mask ? ((p.list_batched ? b : 0) * std::int64_t{p.heads / p.list_group} + h / p.list_group) * p.mask_blocks +
-                     row0 / kBlockM
-               : 0;
-  const int mask_count = has_mask ? p.mask_counts[mask_block] : 0;
-  const std::int32_t* mask_keys = has_mask ? p.mask_keys + mask_block * p.keys_stride : nullptr;
-  const std::int64_t key_lo = p.window_left < 0 ? 0 : max(std::int64_t{0}, row0 + offset - p.window_left);
-  std::int64_t key_hi = sk;
-  if (p.causal) key_hi = min(key_hi, row_last + offset + 1);
-  if (p.window_right >= 0) key_hi = min(key_hi, row_last + offset + p.window_right + 1);
-  const int block_first = has_mask ? 0 : static_cast<int>(key_lo / kBlockN);
-  const int block_end = has_mask ? (mask_count + kBlockN - 1) / kBlockN
-                                 : (key_hi > key_lo ? static_cast<int>((key_hi + kBlockN - 1) / kBlockN) : block_first);
+  const ForwardBlock blk(p, kBlockM, kBlockN);
+  if (blk.row0 >= blk.sq) return;
+  const int h = blk.h, b = blk.b, hk = h / p.group;
+  const std::int64_t row0 = blk.row0, qs = blk.qs, ks = blk.ks, sq = blk.sq, sk = blk.sk, offset = blk.offset;
+  const std::int64_t row_last = blk.row_last;
+  const bool has_mask = blk.has_mask, has_bias = p.bias.data != nullptr;
+  const std::int64_t mask_block = blk.mask_block;
+  const int mask_count = blk.mask_count;
+  const std::int32_t* mask_keys = blk.mask_keys;
   // This split's share of the key blocks: [n_first, n_end).
-  const int per_split = (block_end - block_first + p.num_splits - 1) / p.num_splits;
-  const int n_first = min(block_end, block_first + split * per_split);
-  const int n_end = min(block_end, n_first + per_split);
+  const int per_split = (blk.tile_end - blk.tile_first + p.num_splits - 1) / p.num_splits;
+  const int n_first = min(blk.tile_end, blk.tile_first + blk.split * per_split);
+  const int n_end = min(blk.tile_end, n_first + per_split);
 
   const auto* q = static_cast<const Element*>(p.q.data) + b * p.q.sb + h * p.q.sh + (qs + row0) * p.q.sr;
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + ks * p.k.sr;
@@ -1043,7 +1060,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       const float row_lse = sum > 0.0f ? row_max[r] * unit + logf(sum) : -kInf;
       if (p.num_splits > 1) {
         const std::int64_t partial_row =
-            ((std::int64_t{split} * p.batch + b) * p.heads + h) * p.seqlen_q + row0 + row;
+            ((std::int64_t{blk.split} * p.batch + b) * p.heads + h) * p.seqlen_q + row0 + row;
 #pragma unroll
         for (int dd = 0; dd < size<2>(acc_o); ++dd)
 #pragma unroll
@@ -1218,6 +1235,10 @@ cudaError_t kernel_slots(int& sms, int& per_sm) {
   return err;
 }
 
+// The Hopper forward (forward_sm90.cuh) where it applies.
+template <class Element, int kHeadDim>
+cudaError_t launch_forward_sm90(const ForwardParams& p, int block_m, cudaStream_t stream, bool* launched);
+
 template <class Config>
 void launch_config(const ForwardParams& in, int batch, int heads, cudaStream_t stream) {
   using Element = typename Config::Element;
@@ -1244,9 +1265,13 @@ void launch_config(const ForwardParams& in, int batch, int heads, cudaStream_t s
   }
   if (err == cudaSuccess) {
     params.batch = batch, params.heads = heads;
-    const auto grid = static_cast<unsigned>(blocks_m * params.num_splits * batch * heads);
-    kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(params);
-    err = cudaGetLastError();
+    bool hopper = false;
+    err = launch_forward_sm90<Element, kHeadDim>(params, Config::kBlockM, stream, &hopper);
+    if (err == cudaSuccess && !hopper) {
+      const auto grid = static_cast<unsigned>(blocks_m * params.num_splits * batch * heads);
+      kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(params);
+      err = cudaGetLastError();
+    }
   }
   if (err == cudaSuccess && params.num_splits > 1) {
     const auto rows = partial_rows / params.num_splits;

@@ -1,0 +1,348 @@
+// The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the dense 128-row
+// query blocks of head dim 128 without split-KV, varlen or a mask / top-k
+// selection, with no bias or a key-only one, and softcap. launch_config takes
+// it where forward_sm90_eligible holds, the device runs the sm_90a code and
+// TMA can address Q, K and V; everything else (decode tiles, split-KV, key
+// lists, per-row biases, varlen, other head dims) stays on forward_kernel.
+//
+// One CTA of two warpgroups owns 128 query rows, 64 a warpgroup, and walks key
+// tiles of 128 (the last first, as forward_kernel). Tile i's S = Q K^T is
+// issued together with the previous tile's O += P V, so that the softmax of
+// tile i runs while the tensor cores do P V of tile i - 1:
+//   iteration i:  S_i = Q K_i^T  and  O += P_{i-1} V_{i-1}   (both in flight)
+//                 wait for S_i; logits, online softmax -> P_i (float)
+//                 wait for P V; O *= the correction of tile i; P_i to Element
+// Q, K and V come by TMA (one thread issues them, each buffer has an
+// mbarrier); K and V have two buffers each: after iteration i's opening
+// barrier, K_{i+1} and V_i load into the buffers whose last readers (S_{i-1},
+// P V_{i-2}) finished in iteration i - 1.
+#pragma once
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_conversion.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "forward_kernel.cuh"
+#include "sm90.cuh"
+
+namespace dmattn::cuda {
+
+template <class Element_, int kHeadDim_>
+struct ForwardSm90Config {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;  // query rows a CTA, 64 a warpgroup
+  static constexpr int kBlockN = 128;  // keys a tile
+  static constexpr int kThreads = 256;
+  static_assert(kHeadDim == 128, "tiles sized for head dim 128");
+
+  using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
+  using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using LayoutKV = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // V seen as (feature, key): the MN-major B operand of O += P V.
+  using LayoutVt = decltype(cute::composition(
+      LayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  using MmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  using MmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+
+  static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
+  static constexpr int kBoxElems = kBlockN * 64, kTileBytes = kKvElems * int(sizeof(Element));
+  // Q, two buffers of K, two of V, two of the key-only bias (floats), then the
+  // barriers of Q, the K buffers and the V buffers.
+  static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
+  static constexpr int kBarriersAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
+  static constexpr int kSmemBytes = kBarriersAt + 5 * 8;
+  static_assert(kBlockM == kBlockN, "Q and K / V tiles share their TMA box");
+};
+
+// The TMA descriptors of Q, K and V: (feature, row, head, batch), boxes of 64
+// features x 128 rows, 128-byte swizzled as the tiles' atoms.
+struct ForwardSm90Maps {
+  CUtensorMap q, k, v;
+};
+
+// Whether the Hopper forward computes this launch (launch_config also needs an
+// sm_90 device running its sm_90a code, and no split-KV).
+inline bool forward_sm90_eligible(const ForwardParams& p) {
+  return p.head_dim == 128 && p.mask_keys == nullptr && p.cu_seqlens_q == nullptr && p.vector_q && p.vector_k &&
+         p.vector_v && (p.bias.data == nullptr || p.bias.sr == 0);
+}
+
+template <class Config>
+__global__ void __launch_bounds__(Config::kThreads, 1)
+    forward_kernel_sm90(const __grid_constant__ ForwardParams p, const __grid_constant__ ForwardSm90Maps maps) {
+#if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
+  using namespace cute;
+  using Element = typename Config::Element;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kHeadDim = Config::kHeadDim;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kInf = INFINITY;
+
+  const ForwardBlock blk(p, kBlockM, kBlockN);
+  if (blk.row0 >= blk.sq) return;
+  const int h = blk.h, b = blk.b, hk = h / p.group;
+  const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
+  const bool has_bias = p.bias.data != nullptr;
+  const int tiles = blk.tile_end - blk.tile_first;  // iteration i: key tile tile_end - 1 - i
+  const auto tile_of = [&](int i) { return blk.tile_end - 1 - i; };
+
+  extern __shared__ __align__(1024) char smem[];
+  auto* q_smem = reinterpret_cast<Element*>(smem);
+  Element* k_smem = q_smem + Config::kQElems;  // two buffers
+  Element* v_smem = k_smem + 2 * Config::kKvElems;  // two buffers
+  auto* bias_smem = reinterpret_cast<float*>(smem + Config::kBiasAt);  // two buffers
+  auto* q_full = reinterpret_cast<std::uint64_t*>(smem + Config::kBarriersAt);
+  std::uint64_t* k_full = q_full + 1;  // two
+  std::uint64_t* v_full = q_full + 3;  // two
+  Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Config::LayoutQ{});
+  auto stage_k = [&](int s) {
+    return make_tensor(make_smem_ptr(k_smem + s * Config::kKvElems), typename Config::LayoutKV{});
+  };
+  auto stage_vt = [&](int s) {
+    return make_tensor(make_smem_ptr(v_smem + s * Config::kKvElems), typename Config::LayoutVt{});
+  };
+  // One tile of 128 rows from row `row` of `map` (two boxes of 64 features) into
+  // dst, completing on `bar` (thread 0).
+  auto load = [&](const CUtensorMap* map, std::uint64_t* bar, Element* dst, std::int64_t row, int head) {
+    Barrier::arrive_and_expect_tx(bar, Config::kTileBytes);
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      SM90_TMA_LOAD_4D::copy(map, bar, 0, dst + half * Config::kBoxElems, 64 * half, static_cast<int>(row), head, b);
+  };
+
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int d = p.head_dim;
+  // The key-only bias: thread t < kBlockN stages key t of a tile in float.
+  const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh : 0;
+  auto fetch_bias = [&](int n) {
+    const std::int64_t key = std::int64_t{n} * kBlockN + tid;
+    if (!has_bias || tid >= kBlockN || key >= sk) return 0.0f;
+    return load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
+  };
+  auto store_bias = [&](int s, float x) {
+    if (has_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
+  };
+
+  typename Config::MmaS mma_s;
+  typename Config::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+  // The thread's (row, key) of S: two rows (r and r + 8 of its warp's 16),
+  // pairs of adjacent keys, 16 groups of 8 keys; element e = c + 2 half + 4 j.
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  constexpr int kAccS = decltype(size(cS))::value;  // 64
+  const int my_row[2] = {get<0>(cS(0)), get<0>(cS(2))}, col_base = get<1>(cS(0));
+
+  // The logit l is x * unit, x: with neither softcap nor bias the raw product
+  // q.k (unit = scale); otherwise the logits themselves (unit = 1). As in
+  // forward_kernel, exp(l - max l) = exp2(x c - max x c), c = unit log2 e.
+  const float scale = p.scale, softcap = p.softcap;
+  const bool logits = has_bias || softcap > 0.0f;
+  const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
+  constexpr float kNearMax = 256.0f;
+  constexpr float kStale = 8.0f;  // forward_kernel's lazily moved row maxima
+  float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
+
+  // P of the previous tile, the A operand of O += P V: the accumulator's 16
+  // groups of 8 keys are 8 k-slices of 16.
+  using ARegs = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>>;
+  Tensor rP = make_tensor<Element>(ARegs{});
+  // O += P V of iteration j (its V in buffer j % 2, loaded with parity j / 2 % 2).
+  auto mma_pv = [&](int j) {
+    Barrier::wait(&v_full[j & 1], (j >> 1) & 1);
+    Tensor tOrV = thr_o.partition_fragment_B(stage_vt(j & 1));
+    warpgroup_fence_operand(rP);
+    wgmma_batch<false>(mma_o, rP, tOrV, acc_o);
+  };
+
+  // Prologue: the barriers, then Q and the first tile's K; its bias.
+  if (tid == 0) {
+    Barrier::init(q_full, 1);
+    for (int s = 0; s < 2; ++s) Barrier::init(&k_full[s], 1), Barrier::init(&v_full[s], 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  if (tid == 0 && tiles > 0) {
+    load(&maps.q, q_full, q_smem, row0, h);
+    load(&maps.k, &k_full[0], k_smem, std::int64_t{tile_of(0)} * kBlockN, hk);
+  }
+  if (tiles > 0) {
+    store_bias(0, fetch_bias(tile_of(0)));
+    Barrier::wait(q_full, 0);
+  }
+  // Iteration i; kPipelined (all but the first): with the previous tile's P V.
+  auto iteration = [&](int i, auto pipelined) {
+    constexpr bool kPipelined = decltype(pipelined)::value;
+    const int n = tile_of(i), buf = i & 1;
+    __syncthreads();  // tile i's bias is staged; every thread is done with iteration i - 1
+    // K_{i+1} and V_i, into the buffers that S_{i-1} and P V_{i-2} used.
+    if (tid == 0) {
+      if (i + 1 < tiles) load(&maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, std::int64_t{n - 1} * kBlockN, hk);
+      load(&maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, std::int64_t{n} * kBlockN, hk);
+    }
+    Barrier::wait(&k_full[buf], (i >> 1) & 1);
+
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor tSrK = thr_s.partition_fragment_B(stage_k(buf));
+    wgmma_batch<true>(mma_s, tSrQ, tSrK, acc_s);
+    if constexpr (kPipelined) mma_pv(i - 1);
+    // While they run: the next tile's bias.
+    const float next_bias = i + 1 < tiles ? fetch_bias(n - 1) : 0.0f;
+    if constexpr (kPipelined)
+      warpgroup_wait<1>();
+    else
+      warpgroup_wait<0>();
+
+    // The logits (SPEC 1: softcap, then the bias) and the allowed set: a tile
+    // wholly inside the band and the keys tests no element.
+    const std::int64_t col0 = std::int64_t{n} * kBlockN;
+    const bool whole = col0 + kBlockN <= sk && band_covers(p, offset, row0, blk.row_last, col0, col0 + kBlockN - 1);
+    const int qrows = clamp_to_tile(sq - row0), kcols = clamp_to_tile(sk - col0);
+    const TileBand band(p, offset, row0, col0);
+    const float* bias_cols = bias_smem + buf * kBlockN;
+    // Each condition is tested once a tile, outside the element loops.
+    const auto for_each = [&](auto&& f) {
+#pragma unroll
+      for (int e = 0; e < kAccS; ++e) f(e, e / 2 % 2, col_base + 8 * (e / 4) + e % 2);
+    };
+    if (softcap > 0.0f) {
+      const float inner = scale / softcap;
+      for_each([&](int e, int, int) { acc_s(e) = softcap * tanhf(acc_s(e) * inner); });
+    }
+    if (has_bias) {
+      const float pre = softcap > 0.0f ? 1.0f : scale;
+      for_each([&](int e, int, int kj) { acc_s(e) = fmaf(acc_s(e), pre, bias_cols[kj]); });
+    }
+    if (!whole) {
+      for_each([&](int e, int half, int kj) {
+        const int qi = my_row[half];
+        if (!(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) acc_s(e) = -kInf;
+      });
+    }
+
+    // Online softmax (forward_kernel's): lazily moved maxima, the exact
+    // exponent for large logits.
+    float correction[2];
+    bool moved = false, far = false;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = row_max[half];
+#pragma unroll
+      for (int e = 2 * half; e < kAccS; e += 4) mx = fmaxf(mx, fmaxf(acc_s(e), acc_s(e + 1)));
+      mx = quad_max(mx);
+      const bool row_moved = (mx - row_max[half]) * c_log2 > kStale;
+      correction[half] = row_moved ? exp2_ftz((row_max[half] - mx) * c_log2) : 1.0f;
+      row_sum[half] *= correction[half];
+      moved |= row_moved;
+      if (row_moved) row_max[half] = mx;
+      far |= row_max[half] != -kInf && fabsf(row_max[half]) > kNearMax;
+    }
+    const bool exact = logits && __any_sync(0xffffffff, far);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float base = row_max[half] == -kInf ? 0.0f : row_max[half], base_c = base * c_log2;
+      float sum = 0.0f;
+      if (exact) {
+#pragma unroll
+        for (int e = 2 * half; e < kAccS; e += 4)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) sum += acc_s(e + c) = exp2_ftz((acc_s(e + c) - base) * c_log2);
+      } else {
+#pragma unroll
+        for (int e = 2 * half; e < kAccS; e += 4)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) sum += acc_s(e + c) = exp2_ftz(fmaf(acc_s(e + c), c_log2, -base_c));
+      }
+      row_sum[half] += sum;
+    }
+    store_bias(buf ^ 1, next_bias);
+
+    if constexpr (kPipelined) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(rP);
+    }
+    if (__any_sync(0xffffffff, moved)) {
+#pragma unroll
+      for (int e = 0; e < size(acc_o); ++e) acc_o(e) *= correction[e / 2 % 2];
+    }
+    using Convert = cutlass::NumericArrayConverter<Element, float, kAccS>;
+    *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rP.data())) =
+        Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_s.data())));
+  };
+  if (tiles > 0) iteration(0, std::false_type{});
+  for (int i = 1; i < tiles; ++i) iteration(i, std::true_type{});
+  if (tiles > 0) {  // the last tile's P V
+    mma_pv(tiles - 1);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_o);
+  }
+
+  // Epilogue: o = acc / sum (0 for a row with no allowed key), lse = max + log(sum).
+  auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (blk.qs + row0) * p.out.sr;
+  Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float sum = quad_sum(row_sum[half]);
+    inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const std::int64_t row = row0 + my_row[half];
+    if (p.lse.data != nullptr && lane % 4 == 0 && row < sq)
+      static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (blk.qs + row) * p.lse.sr] =
+          sum > 0.0f ? row_max[half] * unit + logf(sum) : -kInf;
+  }
+#pragma unroll
+  for (int e = 0; e < size(acc_o); e += 2) {
+    const int half = e / 2 % 2, qi = get<0>(cO(e)), f = get<1>(cO(e));
+    if (row0 + qi >= sq || f >= d) continue;
+    out[qi * p.out.sr + f] = static_cast<Element>(acc_o(e) * inv[half]);
+    if (f + 1 < d) out[qi * p.out.sr + f + 1] = static_cast<Element>(acc_o(e + 1) * inv[half]);
+  }
+#endif
+}
+
+// Launches the Hopper forward for this launch if it may (forward_sm90_eligible,
+// one split, block_m rows a block, an sm_90 device running the kernel's sm_90a
+// code, TMA descriptors of Q, K and V) and sets *launched; the launch's error,
+// if any.
+template <class Element, int kHeadDim>
+cudaError_t launch_forward_sm90(const ForwardParams& p, int block_m, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  if constexpr (kHeadDim != 128) {
+    return cudaSuccess;
+  } else {
+    using Config = ForwardSm90Config<Element, kHeadDim>;
+    if (p.num_splits != 1 || block_m != Config::kBlockM || !forward_sm90_eligible(p)) return cudaSuccess;
+    auto kernel = forward_kernel_sm90<Config>;
+    bool runs = false;
+    const cudaError_t err = prepare_sm90(kernel, Config::kSmemBytes, &runs);
+    if (!runs) return err;
+    constexpr bool kBf16 = std::is_same_v<Element, cutlass::bfloat16_t>;
+    const int kv_heads = p.heads / p.group;
+    ForwardSm90Maps maps;
+    if (!encode_token_map(&maps.q, p.q, kBf16, p.batch, p.heads, p.seqlen_q, kHeadDim, Config::kBlockM) ||
+        !encode_token_map(&maps.k, p.k, kBf16, p.batch, kv_heads, p.seqlen_k, kHeadDim, Config::kBlockN) ||
+        !encode_token_map(&maps.v, p.v, kBf16, p.batch, kv_heads, p.seqlen_k, kHeadDim, Config::kBlockN))
+      return cudaSuccess;
+    const std::int64_t blocks_m = (p.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
+    const auto grid = static_cast<unsigned>(blocks_m * p.batch * p.heads);
+    kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, maps);
+    *launched = true;
+    return cudaGetLastError();
+  }
+}
+
+}  // namespace dmattn::cuda
