@@ -142,6 +142,25 @@ __device__ inline float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
 }
+
+// The forward kernels' online softmax, in log2 units c: a row's max is the
+// one of its keys so far, or one at most kStale below it. It moves to the
+// tile's max mx (quad-reduced) only when that passes it by more, so that
+// P <= 2^kStale and O is rescaled on the first tiles and seldom later (an
+// exact max moves on nearly every other tile). Scales the row's sum by the
+// correction it returns (1 where the max stays; -inf to -inf: NaN, not moved),
+// sets moved where it moved and far where the max lies beyond kNearMax (logits
+// up to that size take the one-FFMA exponent).
+constexpr float kStale = 8.0f, kNearMax = 256.0f;
+__device__ inline float move_row_max(float mx, float c_log2, float& row_max, float& row_sum, bool& moved, bool& far) {
+  const bool row_moved = (mx - row_max) * c_log2 > kStale;
+  const float correction = row_moved ? exp2_ftz((row_max - mx) * c_log2) : 1.0f;
+  row_sum *= correction;
+  moved |= row_moved;
+  if (row_moved) row_max = mx;
+  far |= row_max != -INFINITY && fabsf(row_max) > kNearMax;
+  return correction;
+}
 __device__ inline float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffff, x, 1);
   return x + __shfl_xor_sync(0xffffffff, x, 2);

@@ -793,7 +793,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   const float scale = p.scale, softcap = p.softcap;
   const bool logits = has_bias || softcap > 0.0f;
   const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
-  constexpr float kNearMax = 256.0f;  // logits up to this size take the one-FFMA exp
 
   // Prologue: Q with the first stage, then kStages - 1 key blocks in flight.
   const int d = p.head_dim;
@@ -956,14 +955,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     }
 
     // Online softmax: masked entries are -inf and add exactly 0; a row with no
-    // allowed key so far keeps max -inf and sum 0. First the row maxima, with O
-    // and the sums rescaled to them. A row's max is the one of its keys so far,
-    // or one at most kStale (log2 units) below it: it moves only when the tile's
-    // max passes it by more, so P <= 2^kStale and O is rescaled (when some row
-    // of the warp moved) on the first tiles and seldom later, where an exact max
-    // moves on nearly every other tile (random data, 32 rows a warp). The sums
-    // and O carry the same factor and lse = max + log(sum) holds for any such max.
-    constexpr float kStale = 8.0f;
+    // allowed key so far keeps max -inf and sum 0. First the row maxima
+    // (move_row_max), with O and the sums rescaled to them (when some row of the
+    // warp moved). The sums and O carry the same factor and lse = max + log(sum)
+    // holds for any such max.
     float correction[kRows];
     bool moved = false, far = false;
 #pragma unroll
@@ -976,14 +971,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
         for (int nn = 0; nn < size<2>(acc_s); ++nn)
 #pragma unroll
           for (int c = 0; c < 2; ++c) mx = fmaxf(mx, acc_s(make_coord(c, half), m, nn));
-        mx = quad_max(mx);
-        // -inf to -inf: NaN, not moved; -inf to finite: moved.
-        const bool row_moved = (mx - row_max[r]) * c_log2 > kStale;
-        correction[r] = row_moved ? exp2_ftz((row_max[r] - mx) * c_log2) : 1.0f;
-        row_sum[r] *= correction[r];
-        moved |= row_moved;
-        if (row_moved) row_max[r] = mx;
-        far |= row_max[r] != -kInf && fabsf(row_max[r]) > kNearMax;
+        correction[r] = move_row_max(quad_max(mx), c_log2, row_max[r], row_sum[r], moved, far);
       }
     }
     if (__any_sync(0xffffffff, moved)) {

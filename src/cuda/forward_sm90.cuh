@@ -153,8 +153,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const float scale = p.scale, softcap = p.softcap;
   const bool logits = has_bias || softcap > 0.0f;
   const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
-  constexpr float kNearMax = 256.0f;
-  constexpr float kStale = 8.0f;  // forward_kernel's lazily moved row maxima
   float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
 
   // P of the previous tile, the A operand of O += P V: the accumulator's 16
@@ -234,8 +232,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       });
     }
 
-    // Online softmax (forward_kernel's): lazily moved maxima, the exact
-    // exponent for large logits.
+    // Online softmax (forward_kernel's): lazily moved maxima (move_row_max), the
+    // exact exponent for large logits.
     float correction[2];
     bool moved = false, far = false;
 #pragma unroll
@@ -243,13 +241,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       float mx = row_max[half];
 #pragma unroll
       for (int e = 2 * half; e < kAccS; e += 4) mx = fmaxf(mx, fmaxf(acc_s(e), acc_s(e + 1)));
-      mx = quad_max(mx);
-      const bool row_moved = (mx - row_max[half]) * c_log2 > kStale;
-      correction[half] = row_moved ? exp2_ftz((row_max[half] - mx) * c_log2) : 1.0f;
-      row_sum[half] *= correction[half];
-      moved |= row_moved;
-      if (row_moved) row_max[half] = mx;
-      far |= row_max[half] != -kInf && fabsf(row_max[half]) > kNearMax;
+      correction[half] = move_row_max(quad_max(mx), c_log2, row_max[half], row_sum[half], moved, far);
     }
     const bool exact = logits && __any_sync(0xffffffff, far);
 #pragma unroll
