@@ -267,13 +267,30 @@ CaseInputs make_inputs(const Case& c, const Shape& q_shape, const Shape& k_shape
 
 constexpr std::int64_t kNaiveEntries = std::int64_t{1} << 23;  // B * H * Sq * Sk: a few seconds of oracle
 
-// The two naive computations of SPEC 5 of a batched case (tests/reference.h):
-// every intermediate rounded to the dtype, and only what is stored rounded.
-// None for varlen cases or above kNaiveEntries. Without dout: forward only.
+// The two naive computations of SPEC 5 of a case (tests/reference.h; varlen:
+// each sequence alone): every intermediate rounded to the dtype, and only what
+// is stored rounded. None above kNaiveEntries or for a varlen case with a mask
+// (the varlen oracle takes a key-only bias alone). Without dout: forward only.
 std::vector<dmattn_test::RefResult> naive_runs(const Case& c, const CaseInputs& inputs,
                                                const std::optional<std::vector<double>>& dout) {
   std::vector<dmattn_test::RefResult> runs;
-  if (c.varlen() || c.B * c.H * c.Sq * c.Sk > kNaiveEntries) return runs;
+  const std::optional<DType> db = inputs.bias ? std::optional<DType>(c.bias_dtype) : std::nullopt;
+  const dmattn_test::Rounding roundings[2] = {{c.dtype, c.dtype, c.dtype, db}, {std::nullopt, c.dtype, DType::kFloat32, db}};
+  if (c.varlen()) {
+    std::int64_t entries = 0;
+    for (std::size_t b = 0; b < c.seqlens_q.size(); ++b) entries += c.H * c.seqlens_q[b] * c.seqlens_k[b];
+    if (inputs.mask || entries > kNaiveEntries) return runs;
+    dmattn_test::RefVarlenProblem p;
+    for (const auto& [lengths, cu] : {std::pair{&c.seqlens_q, &p.cu_q}, std::pair{&c.seqlens_k, &p.cu_k}})
+      for (std::int32_t x : cumulative(*lengths)) cu->push_back(x);
+    p.H = c.H, p.Hk = c.Hk, p.D = c.D;
+    p.q = inputs.q.values(), p.k = inputs.k.values(), p.v = inputs.v.values();
+    if (inputs.bias) p.Hb = c.bias_shape[1], p.bias = inputs.bias->values();
+    p.options = dmattn_test::ref_options(c.options, c.D);
+    for (const dmattn_test::Rounding& r : roundings) runs.push_back(dmattn_test::reference_varlen(p, dout, r));
+    return runs;
+  }
+  if (c.B * c.H * c.Sq * c.Sk > kNaiveEntries) return runs;
   dmattn_test::RefProblem p;
   p.B = c.B, p.Sq = c.Sq, p.Sk = c.Sk, p.H = c.H, p.Hk = c.Hk, p.D = c.D;
   p.q = inputs.q.values(), p.k = inputs.k.values(), p.v = inputs.v.values();
@@ -281,10 +298,7 @@ std::vector<dmattn_test::RefResult> naive_runs(const Case& c, const CaseInputs& 
   if (inputs.mask) p.mask_shape = shape4(c.mask_shape), p.mask = inputs.mask->values();
   if (inputs.bias) p.bias_shape = shape4(c.bias_shape), p.bias = inputs.bias->values();
   p.options = dmattn_test::ref_options(c.options, c.D);
-  const std::optional<DType> db = inputs.bias ? std::optional<DType>(c.bias_dtype) : std::nullopt;
-  for (const dmattn_test::Rounding& r : {dmattn_test::Rounding{c.dtype, c.dtype, c.dtype, db},
-                                         dmattn_test::Rounding{std::nullopt, c.dtype, DType::kFloat32, db}})
-    runs.push_back(dmattn_test::reference(p, dout, r));
+  for (const dmattn_test::Rounding& r : roundings) runs.push_back(dmattn_test::reference(p, dout, r));
   return runs;
 }
 
@@ -884,8 +898,8 @@ Layout dbias_layout(const Case& c) {
 }
 
 // Errors against ref of dq, dk, dv and dbias of the two naive computations of a
-// batched case, the larger of the two (0 where the oracle is not run or
-// overflows the dtype).
+// case, the larger of the two (0 where the oracle is not run or overflows the
+// dtype).
 std::array<double, 4> naive_errors(const Case& c, const CaseInputs& inputs, const HostTensor& dout,
                                    const Gradients& ref) {
   std::array<double, 4> err{};
