@@ -89,7 +89,7 @@ struct DkvSm90Config {
   // (16 bytes a query), then 16 bytes a key: its index, its piece's info
   // (KeyPieces) and its rows in the current selection head (key groups), and
   // the barriers of the two Q / dO buffers.
-  static constexpr int kBoxElems = kBlockM * 64, kTxBytes = 2 * kQElems * int(sizeof(Element));
+  static constexpr int kTxBytes = 2 * kQElems * int(sizeof(Element));
   static constexpr int kDsAt = (2 * kKvElems + 4 * kQElems) * int(sizeof(Element));
   static constexpr int kDqAt = kDsAt + 2 * kDsElems * int(sizeof(Element));
   static_assert(kBlockM == 64, "a row of dS^T is one 128-byte swizzle atom row (sw128_offset)");
@@ -211,17 +211,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   // Q, dO and the statistics of the step at head h, query block blk into
-  // buffer buf (thread 0): two TMA boxes of 64 features each, and one bulk
-  // copy of the statistics' rows before sq.
+  // buffer buf (thread 0): TMA tiles, and one bulk copy of the statistics'
+  // rows before sq.
   auto issue = [&](int h, int blk, int buf) {
     const int q0 = blk * kBlockM, rows = static_cast<int>(min(std::int64_t{kBlockM}, sq - q0));
     Barrier::arrive_and_expect_tx(&loaded[buf], Config::kTxBytes + 16 * rows);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int at = buf * Config::kQElems + half * Config::kBoxElems;
-      SM90_TMA_LOAD_4D::copy(&maps.q, &loaded[buf], 0, q_smem + at, 64 * half, q0, h, b);
-      SM90_TMA_LOAD_4D::copy(&maps.dout, &loaded[buf], 0, do_smem + at, 64 * half, q0, h, b);
-    }
+    tma_load_rows<kBlockM, kHeadDim>(&loaded[buf], q0, h, b, std::pair{&maps.q, q_smem + buf * Config::kQElems},
+                                     std::pair{&maps.dout, do_smem + buf * Config::kQElems});
     SM90_BULK_COPY_G2S::copy(p.query_stats + 4 * ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0), &loaded[buf],
                              stats + buf * kBlockM, 16 * rows);
   };
@@ -466,10 +462,10 @@ cudaError_t launch_dkv_sm90(const BackwardParams& p, int batch, cudaStream_t str
     bool runs = false;
     const cudaError_t err = prepare_sm90(kernel, Config::kSmemBytes, &runs);
     if (!runs) return err;
-    constexpr bool kBf16 = std::is_same_v<Element, cutlass::bfloat16_t>;
     DkvSm90Maps maps;
-    if (!encode_token_map(&maps.q, p.q, kBf16, batch, p.heads, p.seqlen_q, kHeadDim, Config::kBlockM) ||
-        !encode_token_map(&maps.dout, p.dout, kBf16, batch, p.heads, p.seqlen_q, kHeadDim, Config::kBlockM))
+    auto encode = encode_token_map<Element, kHeadDim>;
+    if (!encode(&maps.q, p.q, batch, p.heads, p.seqlen_q, Config::kBlockM) ||
+        !encode(&maps.dout, p.dout, batch, p.heads, p.seqlen_q, Config::kBlockM))
       return cudaSuccess;
     const int kv_heads = p.heads / p.group;
     const auto blocks = static_cast<unsigned>(p.group_rows != nullptr ? p.key_groups

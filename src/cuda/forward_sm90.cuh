@@ -18,7 +18,6 @@
 // P V_{i-2}) finished in iteration i - 1.
 #pragma once
 
-#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -56,7 +55,7 @@ struct ForwardSm90Config {
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
 
   static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
-  static constexpr int kBoxElems = kBlockN * 64, kTileBytes = kKvElems * int(sizeof(Element));
+  static constexpr int kTileBytes = kKvElems * int(sizeof(Element));
   // Q, two buffers of K, two of V, two of the key-only bias (floats), then the
   // barriers of Q, the K buffers and the V buffers.
   static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
@@ -112,13 +111,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   auto stage_vt = [&](int s) {
     return make_tensor(make_smem_ptr(v_smem + s * Config::kKvElems), typename Config::LayoutVt{});
   };
-  // One tile of 128 rows from row `row` of `map` (two boxes of 64 features) into
-  // dst, completing on `bar` (thread 0).
+  // One tile of 128 rows from row `row` of `map` into dst, completing on `bar`
+  // (thread 0).
   auto load = [&](const CUtensorMap* map, std::uint64_t* bar, Element* dst, std::int64_t row, int head) {
     Barrier::arrive_and_expect_tx(bar, Config::kTileBytes);
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-      SM90_TMA_LOAD_4D::copy(map, bar, 0, dst + half * Config::kBoxElems, 64 * half, static_cast<int>(row), head, b);
+    tma_load_rows<kBlockN, kHeadDim>(bar, static_cast<int>(row), head, b, std::pair{map, dst});
   };
 
   const int tid = threadIdx.x, lane = tid % 32;
@@ -322,12 +319,12 @@ cudaError_t launch_forward_sm90(const ForwardParams& p, int block_m, cudaStream_
     bool runs = false;
     const cudaError_t err = prepare_sm90(kernel, Config::kSmemBytes, &runs);
     if (!runs) return err;
-    constexpr bool kBf16 = std::is_same_v<Element, cutlass::bfloat16_t>;
     const int kv_heads = p.heads / p.group;
     ForwardSm90Maps maps;
-    if (!encode_token_map(&maps.q, p.q, kBf16, p.batch, p.heads, p.seqlen_q, kHeadDim, Config::kBlockM) ||
-        !encode_token_map(&maps.k, p.k, kBf16, p.batch, kv_heads, p.seqlen_k, kHeadDim, Config::kBlockN) ||
-        !encode_token_map(&maps.v, p.v, kBf16, p.batch, kv_heads, p.seqlen_k, kHeadDim, Config::kBlockN))
+    auto encode = encode_token_map<Element, kHeadDim>;
+    if (!encode(&maps.q, p.q, p.batch, p.heads, p.seqlen_q, Config::kBlockM) ||
+        !encode(&maps.k, p.k, p.batch, kv_heads, p.seqlen_k, Config::kBlockN) ||
+        !encode(&maps.v, p.v, p.batch, kv_heads, p.seqlen_k, Config::kBlockN))
       return cudaSuccess;
     const std::int64_t blocks_m = (p.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
     const auto grid = static_cast<unsigned>(blocks_m * p.batch * p.heads);

@@ -6,10 +6,14 @@
 
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "../problem.h"
 
@@ -57,13 +61,14 @@ __device__ __forceinline__ void bulk_reduce_add(float* to, const float* from, in
                : "memory");
 }
 
-// The TMA descriptor of a token operand of 2-byte elements (`bf16` or fp16) as
-// (feature, row, head, batch) of `features` x `rows` x `heads` x `batch`,
-// boxes of 64 features (128 bytes, swizzled as GMMA's 128-byte K-major atoms)
-// x `box_rows` rows; false where TMA cannot address it (strides not whole
+// The TMA descriptor of a token operand of Element (bf16 or fp16) as
+// (feature, row, head, batch) of kFeatures x `rows` x `heads` x `batch`, boxes
+// of 64 features (128 bytes, swizzled as GMMA's 128-byte K-major atoms) x
+// `box_rows` rows; false where TMA cannot address it (strides not whole
 // 16 bytes, or no driver entry point).
-inline bool encode_token_map(CUtensorMap* map, const Operand& t, bool bf16, int batch, int heads, std::int64_t rows,
-                             int features, int box_rows) {
+template <class Element, int kFeatures>
+bool encode_token_map(CUtensorMap* map, const Operand& t, int batch, int heads, std::int64_t rows, int box_rows) {
+  static_assert(sizeof(Element) == 2 && kFeatures % 64 == 0, "2-byte elements, whole boxes of 64 features");
   static const auto encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status{};
@@ -74,17 +79,34 @@ inline bool encode_token_map(CUtensorMap* map, const Operand& t, bool bf16, int 
     return reinterpret_cast<decltype(&cuTensorMapEncodeTiled)>(fn);  // the driver's, not linked
   }();
   const std::int64_t extent[3] = {rows, heads, batch}, stride[3] = {t.sr, t.sh, t.sb};
-  cuuint64_t dims[4] = {static_cast<cuuint64_t>(features), 0, 0, 0}, strides[3] = {};
+  cuuint64_t dims[4] = {static_cast<cuuint64_t>(kFeatures), 0, 0, 0}, strides[3] = {};
   for (int i = 0; i < 3; ++i) {
     const std::int64_t bytes = extent[i] == 1 ? 16 : 2 * stride[i];  // a stride of one row, head or batch is unused
     if (bytes <= 0 || bytes % 16 != 0) return false;
     dims[i + 1] = static_cast<cuuint64_t>(extent[i]), strides[i] = static_cast<cuuint64_t>(bytes);
   }
   const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1}, step[4] = {1, 1, 1, 1};
+  constexpr auto kType = std::is_same_v<Element, cutlass::bfloat16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                      : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   return encode != nullptr && t.sc == 1 && reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 &&
-         encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, t.data, dims, strides,
-                box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+         encode(map, kType, 4, t.data, dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+             CUDA_SUCCESS;
+}
+
+// Issues the TMA copies of rows [row, row + kRows) of head `head` and batch
+// `batch` of encode_token_map maps (boxes of kRows rows): for each (map, dst)
+// pair, its tile of kRows x kFeatures into dst (boxes of 64 features one after
+// another, as tile_to_shape lays out GMMA's atoms), box by box across the
+// pairs (the order ptxas allocates the dk/dv kernel's registers best for),
+// completing on the mbarrier bar.
+template <int kRows, int kFeatures, class Element, class... More>
+__device__ __forceinline__ void tma_load_rows(std::uint64_t* bar, int row, int head, int batch,
+                                              std::pair<const CUtensorMap*, Element*> tile, More... more) {
+#pragma unroll
+  for (int box = 0; box < kFeatures / 64; ++box)
+    for (const auto& [map, dst] : {tile, more...})
+      cute::SM90_TMA_LOAD_4D::copy(map, bar, 0, dst + box * kRows * 64, 64 * box, row, head, batch);
 }
 
 // Whether `kernel` runs its sm_90a code on the current device (an sm_90 device
