@@ -85,6 +85,18 @@ const Backend& backend_for(const Problem& p) {
                 "cuda:" + std::to_string(p.device.index));
   return *cuda;
 }
+
+// A bias whose key dimension is 1 (constant along keys, or every sequence of at
+// most one key) cannot change the softmax: its gradient is exactly zero (SPEC
+// 4), written here rather than summed from rounding noise by the backend.
+void run_backward(Problem p, const std::optional<TensorView>& dbias) {
+  const Backend& backend = backend_for(p);
+  if (p.dbias.present() && p.bias_shape.cols == 1) {
+    backend.fill_zeros(*dbias, p.stream);
+    p.dbias = Operand{};
+  }
+  backend.backward(p);
+}
 }  // namespace
 
 void forward(const Inputs& in, const TensorView& out, const std::optional<TensorView>& lse, const Options& options) {
@@ -94,8 +106,7 @@ void forward(const Inputs& in, const TensorView& out, const std::optional<Tensor
 
 void backward(const Inputs& in, const TensorView& out, const TensorView& dout, const TensorView& lse,
               const Gradients& grads, const Options& options) {
-  const Problem p = make_backward_problem(in, nullptr, out, dout, lse, grads, options);
-  backend_for(p).backward(p);
+  run_backward(make_backward_problem(in, nullptr, out, dout, lse, grads, options), grads.dbias);
 }
 
 void varlen_forward(const Inputs& in, const VarlenLayout& layout, const TensorView& out,
@@ -106,8 +117,7 @@ void varlen_forward(const Inputs& in, const VarlenLayout& layout, const TensorVi
 
 void varlen_backward(const Inputs& in, const VarlenLayout& layout, const TensorView& out, const TensorView& dout,
                      const TensorView& lse, const Gradients& grads, const Options& options) {
-  const Problem p = make_backward_problem(in, &layout, out, dout, lse, grads, options);
-  backend_for(p).backward(p);
+  run_backward(make_backward_problem(in, &layout, out, dout, lse, grads, options), grads.dbias);
 }
 
 BuildInfo build_info() {

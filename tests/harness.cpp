@@ -34,6 +34,7 @@ const char* values_str(Values v) {
     case Values::kConstant: return "constant";
     case Values::kDistinct: return "distinct";
     case Values::kExtreme: return "extreme";
+    case Values::kNegInf: return "-inf";
   }
   return "?";
 }
@@ -151,6 +152,14 @@ void fill_values(HostTensor& t, Values values, Rng& rng) {
       t.fill([&](std::int64_t) {
         const std::int64_t pick = rng.integer(0, 5);
         return pick < 3 ? extremes[pick] : rng.uniform(-2.0, 2.0);
+      });
+      return;
+    }
+    case Values::kNegInf: {
+      const std::int64_t row_length = t.shape().size() == 4 ? t.shape()[3] : t.numel() + 1;
+      t.fill([&](std::int64_t i) {
+        const bool excluded = (i / std::max<std::int64_t>(row_length, 1)) % 4 == 1 || rng.integer(0, 2) == 0;
+        return excluded ? -std::numeric_limits<double>::infinity() : rng.uniform(-2.0, 2.0);
       });
       return;
     }

@@ -23,6 +23,8 @@ enum class Values {
   kConstant,  // 0.5 everywhere
   kDistinct,  // a shuffled grid: no two values within 1/numel of each other (float32 and float64)
   kExtreme,   // -1e30, +1e30 and the dtype's lowest value (clamped to the dtype) mixed with uniform ones
+  kNegInf,    // -inf (an exclusion, SPEC 2) on a third of the entries and on every entry of every
+              // fourth row (4-D tensors: rows along the last dimension), uniform elsewhere
 };
 
 struct MaskSpec {

@@ -50,6 +50,20 @@ TEST_P(Backward, FullyMaskedRowsHaveZeroGradients) {
     for (std::int64_t e = 0; e < g->numel(); ++e) ASSERT_EQ(g->at(e), 0.0) << "element " << e;
 }
 
+// A bias constant along keys (its key dimension 1) cannot change the softmax:
+// its gradient is exactly zero (SPEC 4), not rounding noise, in every dtype.
+TEST_P(Backward, KeyConstantBiasHasExactlyZeroGradient) {
+  for (const Shape4 shape : {Shape4{1, 1, 1, 1}, Shape4{2, 1, 1, 1}, Shape4{1, 4, 1, 1}, Shape4{2, 2, 13, 1},
+                             Shape4{1, 1, 13, 1}}) {
+    Case c = make_case(GetParam(), 13, 17, 16);
+    c.options.causal = true;
+    c.bias = BiasSpec{shape, {}, std::nullopt, Values::kUniform};
+    SCOPED_TRACE(describe(c));
+    const Checked checked = check_case(c, rng, true);
+    for (std::int64_t e = 0; e < checked.r.dbias->numel(); ++e) ASSERT_EQ(checked.r.dbias->at(e), 0.0) << "element " << e;
+  }
+}
+
 // Sets DMATTN_NUM_THREADS (read by the CPU backend on every call) for a scope.
 class ThreadCount {
  public:

@@ -69,6 +69,23 @@ TEST_P(Extremes, HugeAndLowestBiasGradients) {
   for (const Case& c : extreme_cases(GetParam())) check_case(c, rng, true);
 }
 
+// A bias entry of -inf excludes the entry as the mask does (SPEC 2): every
+// bias shape, with causal, softcap and top-k, against the oracle; rows whose
+// entries are all -inf give o = 0, lse = -inf and zero dq exactly.
+TEST_P(Extremes, NegativeInfinityBiasExcludes) {
+  for (const bool topk : {false, true})
+    for (const Shape4 shape : {Shape4{2, 4, 9, 11}, Shape4{2, 2, 1, 11}, Shape4{1, 1, 9, 11}, Shape4{2, 4, 9, 1},
+                               Shape4{1, 2, 1, 1}}) {
+      Case c = make_case(GetParam(), 9, 11, 16);
+      c.options.causal = !topk;
+      if (topk) c.options.keep_window_size = 4;
+      else c.options.softcap = 5.0;
+      c.bias = BiasSpec{shape, {}, std::nullopt, Values::kNegInf};
+      SCOPED_TRACE(describe(c));
+      EXPECT_GT(expect_masked_rows_exact(check_case(c, rng, true)), 0);
+    }
+}
+
 // Every key masked: o = 0, lse = -inf and every gradient exactly 0.
 TEST_P(Extremes, EverythingMasked) {
   Case c = make_case(GetParam(), 6, 7, 16);

@@ -166,6 +166,10 @@ struct Case {
   enum class MaskPattern { kRandom, kBands, kKeyPadding } mask_pattern = MaskPattern::kRandom;
   double bias_lo = -2.0, bias_hi = 2.0;
   double bias_quantum = 0.0;  // > 0: bias values rounded down to multiples of it (ties)
+  // Not empty: each bias value is drawn from these (NaN: a draw as above). With
+  // excluded_rows, every fourth row of the bias (along its keys) is -inf throughout.
+  std::vector<double> bias_mix;
+  bool excluded_rows = false;
   dmattn::Options options;
   bool with_lse = true;  // false: no lse tensor (options.return_lse = false)
   bool varlen() const { return !seqlens_q.empty(); }
@@ -257,7 +261,13 @@ CaseInputs make_inputs(const Case& c, const Shape& q_shape, const Shape& k_shape
   }
   if (!c.bias_shape.empty()) {
     bias.emplace(c.bias_dtype, c.bias_shape, c.bias_layout, false);
-    bias->fill([&](std::int64_t) {
+    const std::int64_t row_length = c.bias_shape.back();
+    bias->fill([&](std::int64_t index) {
+      if (c.excluded_rows && index / row_length % 4 == 1) return -kInf;
+      if (!c.bias_mix.empty()) {
+        const double pick = c.bias_mix[rng.integer(0, static_cast<std::int64_t>(c.bias_mix.size()) - 1)];
+        if (!std::isnan(pick)) return pick;
+      }
       const double x = rng.uniform(c.bias_lo, c.bias_hi);
       return c.bias_quantum > 0.0 ? c.bias_quantum * std::floor(x / c.bias_quantum) : x;
     });
@@ -453,6 +463,70 @@ void topk_varlen(Case& c, int i) {
   if (i) c.options.sliding_window = {80, 0};
 }
 
+// The bias magnitude sweep (SPEC 2 and 5), forward and backward alike:
+// magnitudes (ordinary; -1e30; the bias dtype's lowest; -inf exclusions, with
+// every fourth bias row wholly -inf; -1e30 and lowest mixed; all of them mixed
+// with ordinary values) x every broadcast shape of the bias x top-k off / on
+// (w = 7: per-key intervals for query-broadcast biases, per-row thresholds
+// otherwise) x fp16 / bf16 q, the bias in q's dtype on even shapes and float32
+// on odd ones, causal on every other shape. 40 queries over 600 keys in 8
+// (b, h) slices: few CTAs, so the forward splits the keys (split-KV), whose
+// merge once lost the sums of huge tied logits.
+std::vector<Case> bias_magnitude_sweep(const std::string& prefix) {
+  const double ordinary = std::numeric_limits<double>::quiet_NaN();
+  struct Magnitude {
+    const char* name;
+    std::vector<double> mix;  // kLowest: the bias dtype's lowest value
+    bool excluded_rows;
+  };
+  constexpr double kLowest = -1.0;
+  const Magnitude magnitudes[] = {{"ordinary", {}, false},
+                                  {"-1e30", {-1e30}, false},
+                                  {"lowest", {kLowest}, false},
+                                  {"-inf", {-kInf, ordinary}, true},
+                                  {"-1e30+lowest", {-1e30, kLowest}, false},
+                                  {"mixed", {ordinary, -1e30, kLowest, -kInf}, false}};
+  std::vector<Case> cases;
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16})
+    for (const Magnitude& m : magnitudes)
+      for (std::int64_t w : {0, 7}) {
+        int form = 0;
+        for (const Shape& shape : broadcast_shapes(2, 4, 2, 40, 600)) {
+          Case c;
+          c.dtype = dtype;
+          c.B = 2, c.H = 4, c.Hk = 2, c.Sq = 40, c.Sk = 600;
+          c.bias_shape = shape;
+          c.bias_dtype = form % 2 == 0 ? dtype : DType::kFloat32;
+          c.bias_mix = m.mix;
+          for (double& x : c.bias_mix)
+            if (x == kLowest) x = dmattn_test::lowest(c.bias_dtype);
+          c.excluded_rows = m.excluded_rows;
+          c.options.causal = form % 2 == 0;
+          if (w > 0) c.options.keep_window_size = w;
+          c.name = prefix + "bias magnitude " + m.name + (w > 0 ? " top-k 7 " : " ") + dtype_tag(dtype) +
+                   " B2 Sq40 Sk600 H4/2 bias " + dtype_tag(c.bias_dtype) + " " + dmattn_test::shape_str(shape) +
+                   (c.options.causal ? " causal" : "");
+          cases.push_back(c);
+          ++form;
+        }
+      }
+  return cases;
+}
+
+// Head dim 64 has its own instantiation in the default build: every third case
+// of a matrix (head dim 128) again at D = 64.
+void add_head_dim_64(std::vector<Case>& cases) {
+  const std::size_t n = cases.size();
+  for (std::size_t i = 0; i < n; i += 3) {
+    if (cases[i].D != 128) continue;
+    Case c = cases[i];
+    c.D = 64;
+    const std::size_t at = c.name.find(" D128");
+    c.name = at == std::string::npos ? c.name + " D64" : c.name.replace(at, 5, " D64");
+    cases.push_back(c);
+  }
+}
+
 std::vector<Case> matrix(bool small) {
   std::vector<Case> cases;
   const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
@@ -526,6 +600,7 @@ std::vector<Case> matrix(bool small) {
     td.bias_shape = {td.B, td.Hk, 1, td.Sk};
     td.name = name(td, "small top-k decode 300");
     cases.push_back(td);
+    add_head_dim_64(cases);
     return cases;
   }
   // Sizes: awkward lengths, both dtypes, causal or not.
@@ -603,6 +678,7 @@ std::vector<Case> matrix(bool small) {
     c.name = name(c, "huge negative bias " + num(lo));
     cases.push_back(c);
   }
+  for (Case& c : bias_magnitude_sweep("")) cases.push_back(c);
   // Options: sliding windows, softcap, scale, with Sq != Sk both ways.
   const std::int64_t windows[][2] = {{16, 0}, {0, 16}, {30, -1}, {-1, 5}, {100, 100}, {0, 0}};
   int w = 0;
@@ -848,6 +924,7 @@ std::vector<Case> matrix(bool small) {
     c.name = name(c, std::string("top-k decode ") + f.what);
     cases.push_back(c);
   }
+  add_head_dim_64(cases);
   return cases;
 }
 
@@ -1389,6 +1466,7 @@ std::vector<Case> backward_matrix(bool small) {
     det.name += " deterministic";
     cases.push_back(det);
     for (Case& c : wide_head_cases(make, true)) cases.push_back(finish(c));
+    add_head_dim_64(cases);
     return cases;
   }
   // Sizes, GQA and MQA, causal or not.
@@ -1514,9 +1592,11 @@ std::vector<Case> backward_matrix(bool small) {
       c.name += shape == 2 ? " window (0,0)" : "";
       cases.push_back(finish(c));
     }
+  for (Case& c : bias_magnitude_sweep("bwd ")) cases.push_back(c);
   for (Case& c : topk_backward_cases(make)) cases.push_back(finish(c));
   for (Case& c : deterministic_pairs(make)) cases.push_back(finish(c));
   for (Case& c : wide_head_cases(make, false)) cases.push_back(finish(c));
+  add_head_dim_64(cases);
   return cases;
 }
 

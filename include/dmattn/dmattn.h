@@ -2,7 +2,7 @@
 //
 // The public C++ API. Every entry point takes non-owning strided tensor views,
 // validates all of its arguments in one place (src/validate.cpp) and then runs
-// the backend of the tensors' device. The semantics are those of SPEC.md:
+// the backend of the tensors' device. The semantics are those of docs/spec.md:
 //
 //   s_ij = scale * <q_i, k_j>;  s_ij = softcap * tanh(s_ij / softcap) if softcap > 0
 //   l_ij = s_ij + bias_ij;      a_ij = mask & causal & window & top-k selection

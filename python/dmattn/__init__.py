@@ -16,6 +16,18 @@ __version__ = build_info()["version"]
 __all__ = ["build_info", "__version__"]
 
 if find_spec("torch") is not None:
+    import warnings
+
+    import torch
+
     from .ops import attention, varlen_attention
 
     __all__ += ["attention", "varlen_attention"]
+    if not build_info()["cuda"] and torch.cuda.is_available():
+        warnings.warn(
+            "dmattn was built without its CUDA backend (no nvcc, or DMATTN_CUDA=OFF, at install time), but a CUDA "
+            "GPU is present: CUDA tensors will be refused. Reinstall with nvcc on the PATH (DMATTN_CUDA=ON makes a "
+            "missing toolchain an install error).",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -1,5 +1,7 @@
 // The CPU backend: top-k selection once per call, then forward or backward in
 // float64 for float64 inputs and float32 for every other dtype.
+#include <cstring>
+
 #include "../backend.h"
 #include "kernels.h"
 #include "selection.h"
@@ -25,10 +27,23 @@ void run_backward(const Problem& p) {
   }
 }
 
+// Zero bits are +0 in every float dtype.
+void fill_zeros(const TensorView& t, void*) {
+  if (t.numel() == 0) return;
+  const std::size_t size = dtype_size(t.dtype);
+  std::int64_t index[kMaxRank] = {};
+  for (std::int64_t e = 0; e < t.numel(); ++e) {
+    std::int64_t offset = 0;
+    for (int d = 0; d < t.ndim; ++d) offset += index[d] * t.stride[d];
+    std::memset(static_cast<char*>(t.data) + offset * static_cast<std::int64_t>(size), 0, size);
+    for (int d = t.ndim - 1; d >= 0 && ++index[d] == t.shape[d]; --d) index[d] = 0;
+  }
+}
+
 }  // namespace
 
 const Backend& cpu_backend() {
-  static const Backend backend{run_forward, run_backward};
+  static const Backend backend{run_forward, run_backward, fill_zeros};
   return backend;
 }
 

@@ -5,9 +5,10 @@
 //             lse cannot hold them where |lse| is large (a bias of 1e30), the
 //             recomputed pair can. The dkv pass reads them from RowStats.
 //   dkv pass: one task per (batch, kv head, key block) owning dk and dv of those keys;
-//             where a dbias element sums over batches, kv heads or keys (a broadcast
-//             bias), the task widens to cover all of them, so that every dbias element
-//             is reduced by one task in a fixed order and written once.
+//             where a dbias element sums over batches or kv heads (a broadcast bias),
+//             the task widens to cover all of them, so that every dbias element is
+//             reduced by one task in a fixed order and written once. (A bias constant
+//             along keys has a zero gradient, written by the API: no dbias here.)
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -126,9 +127,9 @@ void dq_block(const Problem& p, const Selection& sel, RowStats<A>& stats, std::i
   store_rows(p.dq, b, h, p.q_start(b) + i0, nr, D, dQ.data());
 }
 
-// A dkv task: batches [b0, b1), kv heads [kvh0, kvh1), key groups [g0, g1).
+// A dkv task: batches [b0, b1), kv heads [kvh0, kvh1), key group g.
 struct DkvTask {
-  std::int64_t b0, b1, kvh0, kvh1, g0, g1;
+  std::int64_t b0, b1, kvh0, kvh1, g;
 };
 
 // Keys per group-sorting window: groups are formed inside windows of this many
@@ -159,12 +160,11 @@ void key_group(const Selection& sel, std::int64_t b, std::int64_t h, std::int64_
 }
 
 // The dbias elements one task reduces: bias heads [hb0, hb0 + nhb), every bias
-// row, and the task's keys (one column when the bias broadcasts over keys), of
-// bias batch b_bias. Summed in A in the task's fixed order, rounded once.
+// row, and the keys of one group, of bias batch b_bias. Summed in A in the
+// task's fixed order, rounded once.
 template <class A>
 struct BiasGradSlice {
   std::int64_t b_bias = 0, hb0 = 0, nhb = 0, rows = 0, cols = 0;
-  bool per_key = false;  // one column per key of the group, else one for all keys
   std::vector<A> acc;
 
   void init(const Problem& p, const DkvTask& t, std::int64_t columns) {
@@ -174,7 +174,6 @@ struct BiasGradSlice {
     nhb = bs.heads == p.heads ? p.group() : 1;
     rows = bs.rows;
     cols = columns;
-    per_key = bs.cols != 1;
     acc.assign(static_cast<std::size_t>(nhb * rows * cols), A(0));
   }
 
@@ -184,11 +183,11 @@ struct BiasGradSlice {
     const std::int64_t hb = p.operand_head(h, p.bias_shape.heads) - hb0;
     for (std::int64_t r = 0; r < nr; ++r) {
       A* dst = &acc[static_cast<std::size_t>((hb * rows + (rows == 1 ? 0 : i0 + r)) * cols)];
-      for (std::int64_t a = 0; a < na; ++a) dst[per_key ? pos[a] : 0] += dS[r * kBlockKeys + a];
+      for (std::int64_t a = 0; a < na; ++a) dst[pos[a]] += dS[r * kBlockKeys + a];
     }
   }
 
-  // Writes the slice; keys are the task's group (unused without per_key).
+  // Writes the slice; keys are the task's group.
   void store(const Problem& p, const std::vector<std::int64_t>& keys) const {
     const Operand& db = p.dbias;
     const std::int64_t ks = p.k_start(b_bias);
@@ -196,11 +195,7 @@ struct BiasGradSlice {
       for (std::int64_t i = 0; i < rows; ++i) {
         const std::int64_t base = b_bias * db.sb + (hb0 + hb) * db.sh + i * db.sr;
         const A* src = &acc[static_cast<std::size_t>((hb * rows + i) * cols)];
-        if (per_key) {
-          write(db.data, db.dtype, base + ks * db.sc, cols, Gathered{keys.data(), db.sc}, src);
-        } else {
-          write(db.data, db.dtype, base, 1, Strided{0}, src);
-        }
+        write(db.data, db.dtype, base + ks * db.sc, cols, Gathered{keys.data(), db.sc}, src);
       }
   }
 };
@@ -249,56 +244,50 @@ void dkv_task(const Problem& p, const Selection& sel, const RowStats<A>& stats, 
   GradTile<A> tile;
   std::vector<A> dK(ld * D), dV(ld * D), dK_tile(ld * D), dV_tile(ld * D);
   std::vector<std::int64_t> keys, pos, active;
-  // A bias broadcast over keys has one dbias column for all of the task's groups.
-  const bool per_group = p.dbias.present() && p.bias_shape.cols != 1;
-  if (p.dbias.present() && !per_group) dbias.init(p, t, 1);
-  for (std::int64_t g = t.g0; g < t.g1; ++g) {
-    // Every (b, kvh) of the task shares the groups of its first head, so a dbias
-    // column the task owns is the same key throughout.
-    key_group(sel, t.b0, t.kvh0 * G, p.k_len(t.b0), g, keys);
-    const std::int64_t nc = static_cast<std::int64_t>(keys.size());
-    if (per_group) dbias.init(p, t, nc);
-    for (std::int64_t b = t.b0; b < t.b1 && nc > 0; ++b) {
-      const std::int64_t ks = p.k_start(b);
-      for (std::int64_t kvh = t.kvh0; kvh < t.kvh1; ++kvh) {
-        std::fill(dK.begin(), dK.end(), A(0));
-        std::fill(dV.begin(), dV.end(), A(0));
-        for (std::int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
-          const HeadLogits<A> head(p, sel, b, h);
-          const auto [r0, r1] = row_range(sel, head, b, h, keys);
-          for (std::int64_t i0 = r0; i0 < r1; i0 += kBlockRows) {
-            const std::int64_t nr = std::min(r1, i0 + kBlockRows) - i0;
-            active_keys(sel, b, h, keys, i0, i0 + nr, pos);
-            const std::int64_t na = static_cast<std::int64_t>(pos.size());
-            if (na == 0) continue;
-            active.resize(pos.size());
-            for (std::int64_t a = 0; a < na; ++a) active[a] = keys[pos[a]];
-            kt.load(p, b, kvh, active.data(), na);
-            rows.load(p, b, h, i0, nr);
-            rows.load_stats(stats, b, h, i0, nr);
-            tile.compute(p, head, rows, kt, i0, nr, active.data(), na);
-            std::fill(dK_tile.begin(), dK_tile.begin() + na * D, A(0));
-            std::fill(dV_tile.begin(), dV_tile.begin() + na * D, A(0));
-            accumulate_wtx(nr, na, D, ld, tile.P.data(), rows.dO.data(), dV_tile.data());
-            accumulate_wtx(nr, na, D, ld, tile.dS(), rows.Q.data(), dK_tile.data());
-            for (std::int64_t a = 0; a < na; ++a) {
-              A* dk = &dK[pos[a] * D];
-              A* dv = &dV[pos[a] * D];
-              for (std::int64_t d = 0; d < D; ++d) dk[d] += dK_tile[a * D + d], dv[d] += dV_tile[a * D + d];
-            }
-            if (p.dbias.present()) dbias.add(p, h, i0, nr, pos.data(), na, tile.G.data());
+  // Every (b, kvh) of the task shares the groups of its first head, so a dbias
+  // column the task owns is the same key throughout.
+  key_group(sel, t.b0, t.kvh0 * G, p.k_len(t.b0), t.g, keys);
+  const std::int64_t nc = static_cast<std::int64_t>(keys.size());
+  if (p.dbias.present()) dbias.init(p, t, nc);
+  for (std::int64_t b = t.b0; b < t.b1 && nc > 0; ++b) {
+    const std::int64_t ks = p.k_start(b);
+    for (std::int64_t kvh = t.kvh0; kvh < t.kvh1; ++kvh) {
+      std::fill(dK.begin(), dK.end(), A(0));
+      std::fill(dV.begin(), dV.end(), A(0));
+      for (std::int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+        const HeadLogits<A> head(p, sel, b, h);
+        const auto [r0, r1] = row_range(sel, head, b, h, keys);
+        for (std::int64_t i0 = r0; i0 < r1; i0 += kBlockRows) {
+          const std::int64_t nr = std::min(r1, i0 + kBlockRows) - i0;
+          active_keys(sel, b, h, keys, i0, i0 + nr, pos);
+          const std::int64_t na = static_cast<std::int64_t>(pos.size());
+          if (na == 0) continue;
+          active.resize(pos.size());
+          for (std::int64_t a = 0; a < na; ++a) active[a] = keys[pos[a]];
+          kt.load(p, b, kvh, active.data(), na);
+          rows.load(p, b, h, i0, nr);
+          rows.load_stats(stats, b, h, i0, nr);
+          tile.compute(p, head, rows, kt, i0, nr, active.data(), na);
+          std::fill(dK_tile.begin(), dK_tile.begin() + na * D, A(0));
+          std::fill(dV_tile.begin(), dV_tile.begin() + na * D, A(0));
+          accumulate_wtx(nr, na, D, ld, tile.P.data(), rows.dO.data(), dV_tile.data());
+          accumulate_wtx(nr, na, D, ld, tile.dS(), rows.Q.data(), dK_tile.data());
+          for (std::int64_t a = 0; a < na; ++a) {
+            A* dk = &dK[pos[a] * D];
+            A* dv = &dV[pos[a] * D];
+            for (std::int64_t d = 0; d < D; ++d) dk[d] += dK_tile[a * D + d], dv[d] += dV_tile[a * D + d];
           }
-        }
-        for (std::int64_t c = 0; c < nc; ++c) {
-          for (std::int64_t d = 0; d < D; ++d) dK[c * D + d] *= scale;
-          store_rows(p.dk, b, kvh, ks + keys[c], 1, D, &dK[c * D]);
-          store_rows(p.dv, b, kvh, ks + keys[c], 1, D, &dV[c * D]);
+          if (p.dbias.present()) dbias.add(p, h, i0, nr, pos.data(), na, tile.G.data());
         }
       }
+      for (std::int64_t c = 0; c < nc; ++c) {
+        for (std::int64_t d = 0; d < D; ++d) dK[c * D + d] *= scale;
+        store_rows(p.dk, b, kvh, ks + keys[c], 1, D, &dK[c * D]);
+        store_rows(p.dv, b, kvh, ks + keys[c], 1, D, &dV[c * D]);
+      }
     }
-    if (per_group) dbias.store(p, keys);
   }
-  if (p.dbias.present() && !per_group) dbias.store(p, keys);
+  if (p.dbias.present()) dbias.store(p, keys);
 }
 
 }  // namespace
@@ -319,13 +308,11 @@ void backward(const Problem& p, const Selection& sel) {
   const std::int64_t k_groups = (p.seqlen_k + kBlockKeys - 1) / kBlockKeys;
   const std::int64_t nb = db && bs.batch == 1 ? 1 : p.batch;
   const std::int64_t nh = db && bs.heads == 1 ? 1 : p.kv_heads;
-  const std::int64_t nk = db && bs.cols == 1 ? 1 : k_groups;
-  parallel_for(nb * nh * nk, [&](std::int64_t task) {
-    const std::int64_t tk = task % nk, th = (task / nk) % nh, tb = task / (nk * nh);
-    DkvTask t{tb, tb + 1, th, th + 1, tk, tk + 1};
+  parallel_for(nb * nh * k_groups, [&](std::int64_t task) {
+    const std::int64_t tk = task % k_groups, th = (task / k_groups) % nh, tb = task / (k_groups * nh);
+    DkvTask t{tb, tb + 1, th, th + 1, tk};
     if (nb == 1) t.b0 = 0, t.b1 = p.batch;
     if (nh == 1) t.kvh0 = 0, t.kvh1 = p.kv_heads;
-    if (nk == 1) t.g0 = 0, t.g1 = k_groups;
     dkv_task<A>(p, sel, stats, t);
   });
 }

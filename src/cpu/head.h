@@ -52,8 +52,9 @@ struct Geometry {
 };
 
 // Logits of (batch b, query head h): l_ij = softcap(scale * s_ij) + bias_ij, or
-// -inf where the entry is not allowed (mask, causal, window, top-k selection).
-// Finite logits are clamped to A's range so that no sum of finite inputs overflows.
+// -inf where the entry is not allowed (mask, causal, window, top-k selection, a
+// bias of -inf). Other logits are clamped to A's range so that no sum of finite
+// inputs overflows.
 template <class A>
 class HeadLogits {
  public:
@@ -109,7 +110,7 @@ class HeadLogits {
       if (p_.bias.present()) {
         read(p_.bias.data, p_.bias.dtype, bias_base_ + (qs_ + i) * p_.bias.sr + ks_ * p_.bias.sc, ncols,
              Gathered{keys, p_.bias.sc}, row);
-        for (std::int64_t c = 0; c < ncols; ++c) l[c] = std::clamp(l[c] + row[c], -kMax, kMax);
+        for (std::int64_t c = 0; c < ncols; ++c) l[c] = row[c] == -kInf ? -kInf : std::clamp(l[c] + row[c], -kMax, kMax);
         if (sel_.mode == Selection::kThresholds) {
           const Threshold& t = sel_.threshold(b_, h_, i);
           for (std::int64_t c = 0; c < ncols; ++c)

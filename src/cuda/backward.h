@@ -20,8 +20,8 @@ enum class BiasGrad : int {
   kNone = 0,
   kPerElement,  // bias has rows and keys: dS tile elements, summed over the heads sharing a bias head
   kPerKey,      // key-only bias (rows broadcast): column sums over the query loop, in registers
-  kReduceKeys,  // bias broadcast over keys: row sums over the key tile, across warps through shared memory
 };
+// (A bias broadcast over keys has an exactly zero gradient, written by the API.)
 
 // Mask tile classes of one tiling: tile (mask batch b, mask head mh, query block
 // m, key block n) at b * sb + mh * sh + m * sm + n; sb or sm is 0 where the mask
@@ -77,14 +77,13 @@ struct BackwardParams : AttentionParams, KeyLists {
   // dbias: dense extents (batch, heads, rows, keys) of the bias before broadcasting
   // (varlen: B, Hb, 1, max_seqlen_k with local keys). Direct (scratch == nullptr):
   // each element receives one value, written in the bias dtype. Otherwise CTA
-  // (b, kv head, key block) adds into float32 slice c = (cb * contrib_h + ch) *
-  // contrib_n + cn of `scratch` (cb = b when the bias broadcasts over batches,
-  // ch = kv head when over all heads, cn = key block when over keys, else 0), and
-  // reduce_bias_grad sums the slices in order.
+  // (b, kv head, key block) adds into float32 slice c = cb * contrib_h + ch of
+  // `scratch` (cb = b when the bias broadcasts over batches, ch = kv head when
+  // over all heads, else 0), and reduce_bias_grad sums the slices in order.
   BiasGrad bias_grad = BiasGrad::kNone;
   std::int64_t db_batch = 1, db_heads = 1, db_rows = 1, db_cols = 1;
   float* scratch = nullptr;
-  int contrib_b = 1, contrib_h = 1, contrib_n = 1;
+  int contrib_b = 1, contrib_h = 1;
 
   // dq by atomics (Problem::deterministic false; head dims that are multiples of
   // 64): the dk/dv kernel adds each step's dQ = dS^T K into float32 dq_acc of

@@ -115,7 +115,7 @@ struct BackwardConfig {
   static constexpr int kAddLd =
       std::max({kMaxStep, 2 * kDkvStep, kKeepDsAt + kDkvStep}) + 4;
   static_assert(kAddLd % 32 == 4, "rows of the staged tile 4 banks apart");
-  static constexpr int kFloats = kStatFloats + kBlockRows * kAddLd + kBlockRows + kMaxStep;
+  static constexpr int kFloats = kStatFloats + kBlockRows * kAddLd + kBlockRows;
   static_assert(kFloats % 2 == 0, "the per-row words behind the floats are 8-byte aligned");
   // Behind the floats, 16 bytes a row: dq, the list bits of the rows (two
   // buffers of 64-bit words); dk/dv, the keys of the rows and their intervals.
@@ -210,17 +210,15 @@ struct BiasGradOut {
   float* slice = nullptr;
   int db_b = 0;
   std::int64_t qs = 0, ks = 0;
-  __device__ BiasGradOut(const BackwardParams& p, int b, int kvh, int key_block, const Sequence& seq)
+  __device__ BiasGradOut(const BackwardParams& p, int b, int kvh, const Sequence& seq)
       : db_b(p.db_batch == 1 ? 0 : b), qs(seq.qs), ks(seq.ks) {
     const std::int64_t elements = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
     if (p.scratch != nullptr)
-      slice = p.scratch + ((std::int64_t{p.contrib_b > 1 ? b : 0} * p.contrib_h + (p.contrib_h > 1 ? kvh : 0)) * p.contrib_n +
-                           (p.contrib_n > 1 ? key_block : 0)) * elements;
+      slice = p.scratch + (std::int64_t{p.contrib_b > 1 ? b : 0} * p.contrib_h + (p.contrib_h > 1 ? kvh : 0)) * elements;
   }
   // The element's index in the dense (db_batch, db_heads, db_rows, db_cols) slice.
   __device__ std::int64_t dense(const BackwardParams& p, int hb, std::int64_t i, std::int64_t j) const {
-    return ((std::int64_t{db_b} * p.db_heads + hb) * p.db_rows + (p.db_rows == 1 ? 0 : i)) * p.db_cols +
-           (p.db_cols == 1 ? 0 : j);
+    return ((std::int64_t{db_b} * p.db_heads + hb) * p.db_rows + (p.db_rows == 1 ? 0 : i)) * p.db_cols + j;
   }
   __device__ void add(const BackwardParams& p, int hb, std::int64_t i, std::int64_t j, float x) const {
     if (slice != nullptr)
@@ -228,7 +226,7 @@ struct BiasGradOut {
     else
       store_float<Element>(p.dbias.data, p.bias_float32,
                            db_b * p.dbias.sb + hb * p.dbias.sh + (p.db_rows == 1 ? 0 : qs + i) * p.dbias.sr +
-                               (p.db_cols == 1 ? 0 : ks + j) * p.dbias.sc,
+                               (ks + j) * p.dbias.sc,
                            x);
   }
 };
@@ -515,7 +513,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto* stats = reinterpret_cast<float*>(cols_smem + 4 * Config::kColElems);
   float* tile_add = stats + Config::kStatFloats;           // the staged bias / allowed term, then dS
   float* key_add = tile_add + kBlockRows * Config::kAddLd;  // a key-only bias of the step's keys
-  float* red = key_add + kBlockRows;                        // column sums (dbias over keys and queries)
   auto* row_bits = reinterpret_cast<std::uint64_t*>(smem + Config::kSmemBytes - kBlockRows * 16);  // dq
   auto* own_keys = reinterpret_cast<std::int32_t*>(row_bits);                                      // dk/dv
   auto* own_rows = reinterpret_cast<KeyRows*>(own_keys + kBlockRows);                             // dk/dv
@@ -669,7 +666,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   float key_sum[2 * kM];
 #pragma unroll
   for (int r = 0; r < 2 * kM; ++r) key_sum[r] = 0.0f;
-  const BiasGradOut<Element> db_out(p, b, kvh, row_block, seq);
+  const BiasGradOut<Element> db_out(p, b, kvh, seq);
   // Key-only dbias of bias head hb: the quad-reduced sums x of the thread's two
   // rows (those of bit `half` of rows).
   auto store_key_sums = [&](int hb, const float* x, unsigned rows) {
@@ -714,7 +711,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
                        (!thresholds && mask_full && q0 + kQ <= sq && k0 + kK <= sk &&
                         band_covers(p, offset, q0, q0 + kQ - 1, k0, k0 + kK - 1));
     const bool staged = !whole || (has_bias && p.bias.sr != 0) ||
-                        (kKeyRows && !stats_only && (p.bias_grad == BiasGrad::kPerElement || p.bias_grad == BiasGrad::kReduceKeys));
+                        (kKeyRows && !stats_only && p.bias_grad == BiasGrad::kPerElement);
     const bool key_bias = !staged && has_bias;
     const std::int64_t bias_rows = b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + seq.ks * p.bias.sc;
     if (staged) {
@@ -786,8 +783,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     // l = softcap(scale s) + bias (-inf where not allowed), P = exp(l - max) inv,
     // dS = P (dP - delta); dP becomes the score gradient (softcap's factor) and,
     // where dbias needs the tile, dS goes back to shared memory.
-    const bool keep_ds = kKeyRows && !stats_only && staged &&
-                         (p.bias_grad == BiasGrad::kPerElement || p.bias_grad == BiasGrad::kReduceKeys);
+    const bool keep_ds = kKeyRows && !stats_only && staged && p.bias_grad == BiasGrad::kPerElement;
     // The allowed columns of the thread's two rows (bit = column), from the list
     // bits (dq) or the interval of the row's key (dk/dv: queries [start, end)).
     // A step's columns in one word (32 bits at 32-column steps); key groups'
@@ -896,31 +892,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
 
       if (keep_ds) {  // dbias from the dS tile (rows: keys, columns: queries), each element by one thread
         __syncthreads();
-        if (p.bias_grad == BiasGrad::kPerElement) {
-          const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - k0);
+        const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - k0);
 #pragma unroll 1
-          for (int e = tid; e < kBlockRows * kStep; e += Config::kThreads) {
-            const int kj = e / kStep, qi = e % kStep;
-            if (qi >= qrows || kj >= kcols) continue;
-            const float x = tile_add[kKeepDsAt + kj * kAddLd + qi];
-            db_out.add(p, hb, q0 + qi, k0 + kj, x);
-          }
-        } else {  // kReduceKeys: sums over the tile's keys in order, then over its queries for a (.., 1, 1) bias
-          float x = 0.0f;
-          if (tid < kStep)
-#pragma unroll 1
-            for (int kj = 0; kj < kBlockRows; ++kj) x += tile_add[kKeepDsAt + kj * kAddLd + tid];
-          if (p.db_rows != 1) {
-            if (tid < kStep && q0 + tid < sq) db_out.slice[db_out.dense(p, hb, q0 + tid, 0)] += x;
-          } else {
-            if (tid < kStep) red[tid] = x;
-            __syncthreads();
-            if (tid == 0) {
-              float total_sum = 0.0f;
-              for (int qi = 0; qi < kStep; ++qi) total_sum += red[qi];
-              db_out.slice[db_out.dense(p, hb, 0, 0)] += total_sum;
-            }
-          }
+        for (int e = tid; e < kBlockRows * kStep; e += Config::kThreads) {
+          const int kj = e / kStep, qi = e % kStep;
+          if (qi >= qrows || kj >= kcols) continue;
+          const float x = tile_add[kKeepDsAt + kj * kAddLd + qi];
+          db_out.add(p, hb, q0 + qi, k0 + kj, x);
         }
       }
       // Key-only dbias: the sums of a bias head are complete when the next step
@@ -1062,7 +1040,7 @@ __global__ void __launch_bounds__(256) reduce_bias_grad(const BackwardParams p, 
     float x = 0.0f;
     for (int s = 0; s < slices; ++s) x += p.scratch[s * elements + e];
     store_float<Element>(p.dbias.data, p.bias_float32,
-                         bb * p.dbias.sb + hb * p.dbias.sh + i * p.dbias.sr + (p.db_cols == 1 ? 0 : ks + j) * p.dbias.sc, x);
+                         bb * p.dbias.sb + hb * p.dbias.sh + i * p.dbias.sr + (ks + j) * p.dbias.sc, x);
   }
 }
 
@@ -1219,11 +1197,10 @@ void launch_backward(const BackwardParams& in, int batch, cudaStream_t stream) {
   if (p.bias_grad != BiasGrad::kNone) {
     p.contrib_b = p.db_batch == 1 && batch > 1 ? batch : 1;
     p.contrib_h = p.db_heads == 1 && kv_heads > 1 ? kv_heads : 1;
-    p.contrib_n = p.bias_grad == BiasGrad::kReduceKeys ? static_cast<int>(std::max<std::int64_t>(key_blocks, 1)) : 1;
     const bool heads_summed = p.bias_group > 1 && p.group > 1;
     const bool direct = p.contrib_b * p.contrib_h == 1 &&
                         (p.bias_grad == BiasGrad::kPerKey || (p.bias_grad == BiasGrad::kPerElement && !heads_summed));
-    if (!direct) slices = p.contrib_b * p.contrib_h * p.contrib_n;
+    if (!direct) slices = p.contrib_b * p.contrib_h;
   }
   const std::int64_t db_elements = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
 

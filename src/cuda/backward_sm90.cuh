@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   };
 
   const bool has_bias = p.bias.data != nullptr, key_sums = p.bias_grad == BiasGrad::kPerKey;
-  const BiasGradOut<Element> db_out(p, b, kvh, key_block, seq);
+  const BiasGradOut<Element> db_out(p, b, kvh, seq);
   float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
   int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
   const float scale = p.scale;

@@ -74,12 +74,16 @@ struct ForwardParams : AttentionParams, KeyLists {
   bool vector_bias = false;
   // Split-KV, for grids too small to fill the GPU (decode): split s of a query
   // block takes its s-th share of the key blocks and writes float32 partials,
-  // o normalised by its own sum and lse, at partial row
-  // ((s * B + b) * H + h) * seqlen_q + i (o_partial rows of head_dim); a combine
-  // kernel merges the splits into out and lse. num_splits = 1: no split.
+  // o normalised by its own sum, and that row max (in logit units) and sum, at
+  // partial row ((s * B + b) * H + h) * seqlen_q + i (o_partial rows of
+  // head_dim, stat_partial a (max, sum) pair a row); a combine kernel merges the
+  // splits into out and lse. The max and the sum stay apart: a split's
+  // max + log(sum) in float32 loses log(sum) where |max| is huge (a bias of
+  // -1e30), which would weigh splits of tied keys alike whatever their counts.
+  // num_splits = 1: no split.
   int num_splits = 1;
   float* o_partial = nullptr;
-  float* lse_partial = nullptr;
+  float2* stat_partial = nullptr;
   // The launch's batches and heads (query heads, or kv heads when decode folds
   // them into rows): the kernel's one-dimensional grid enumerates
   // (query block, split, batch, head), head fastest.

@@ -1045,7 +1045,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       const int row = row_of(m, half);
       if (row0 + row >= sq) continue;
-      const float row_lse = sum > 0.0f ? row_max[r] * unit + logf(sum) : -kInf;
       if (p.num_splits > 1) {
         const std::int64_t partial_row =
             ((std::int64_t{blk.split} * p.batch + b) * p.heads + h) * p.seqlen_q + row0 + row;
@@ -1056,7 +1055,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
             const int col = 8 * dd + col_base + c;
             if (col < d) p.o_partial[partial_row * d + col] = acc_o(make_coord(c, half), m, dd) * inv;
           }
-        if (lane % 4 == 0) p.lse_partial[partial_row] = row_lse;
+        if (lane % 4 == 0) p.stat_partial[partial_row] = make_float2(sum > 0.0f ? row_max[r] * unit : -kInf, sum);
         continue;
       }
 #pragma unroll
@@ -1067,17 +1066,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
           if (col < d) out[row * p.out.sr + col] = static_cast<Element>(acc_o(make_coord(c, half), m, dd) * inv);
         }
       if (lse != nullptr && lane % 4 == 0)
-        lse[b * p.lse.sb + h * p.lse.sh + (qs + row0 + row) * p.lse.sr] = row_lse;
+        lse[b * p.lse.sb + h * p.lse.sh + (qs + row0 + row) * p.lse.sr] = sum > 0.0f ? row_max[r] * unit + logf(sum) : -kInf;
     }
   }
 }
 
 // Merges the split-KV partials: one warp per (b, h, query row) of the grid
-// (B * H * seqlen_q rows), o = sum_s exp(lse_s - lse) o_s, lse = log sum_s exp(lse_s).
-// Lane t holds the weights of splits t, t + 32, ..., and the lanes sum four
-// neighbouring columns each over the splits, eight splits' loads in flight (a
-// loop over the splits one load at a time is a chain of memory latencies that
-// a decode call would wait on).
+// (B * H * seqlen_q rows). With split s's max m_s and sum z_s, its weight is
+// w_s = exp(m_s - top) z_s (top = max_s m_s), o = sum_s w_s o_s / sum_s w_s and
+// lse = top + log(sum_s w_s). Lane t holds the weights of splits t, t + 32, ...,
+// and the lanes sum four neighbouring columns each over the splits, eight
+// splits' loads in flight (a loop over the splits one load at a time is a chain
+// of memory latencies that a decode call would wait on).
 template <class Element>
 __global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int batch, int heads) {
   constexpr float kInf = INFINITY;
@@ -1090,19 +1090,24 @@ __global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int
   if (p.cu_seqlens_q != nullptr) qs = p.cu_seqlens_q[b], sq = p.cu_seqlens_q[b + 1] - qs;
   if (i >= sq) return;  // the warp's row: the whole warp returns
   const int lane = threadIdx.x % 32, d = p.head_dim, splits = p.num_splits;
-  auto lse_of = [&](int s) { return s < splits ? p.lse_partial[s * rows + row] : -kInf; };
+  auto stat_of = [&](int s) { return s < splits ? p.stat_partial[s * rows + row] : make_float2(-kInf, 0.0f); };
   float top = -kInf;
-  for (int s = lane; s < splits; s += 32) top = fmaxf(top, lse_of(s));
+  for (int s = lane; s < splits; s += 32) top = fmaxf(top, stat_of(s).x);
   for (int w = 16; w >= 1; w /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, w));
+  // exp(m_s - top) before the sum: both near the float32 limit (a bias of its lowest) would overflow otherwise.
+  auto weight_of = [&](int s) {
+    const float2 st = stat_of(s);
+    return st.y > 0.0f ? expf(st.x - top) * st.y : 0.0f;
+  };
   float sum = 0.0f;
   if (top != -kInf)
-    for (int s = lane; s < splits; s += 32) sum += expf(lse_of(s) - top);
+    for (int s = lane; s < splits; s += 32) sum += weight_of(s);
   for (int w = 16; w >= 1; w /= 2) sum += __shfl_xor_sync(0xffffffff, sum, w);
   auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (qs + i) * p.out.sr;
   for (int c0 = 0; c0 < d; c0 += 128) {
     float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int s0 = 0; s0 < splits && top != -kInf; s0 += 32) {
-      const float weight = expf(lse_of(s0 + lane) - top) / sum;  // 0 past the splits
+      const float weight = weight_of(s0 + lane) / sum;  // 0 past the splits
       const int n = min(32, splits - s0);
 #pragma unroll 8
       for (int j = 0; j < n; ++j) {
@@ -1248,8 +1253,8 @@ void launch_config(const ForwardParams& in, int batch, int heads, cudaStream_t s
   const std::int64_t partial_rows = std::int64_t{params.num_splits} * batch * heads * params.seqlen_q;
   if (err == cudaSuccess && params.num_splits > 1) {
     err = cudaMallocAsync(reinterpret_cast<void**>(&params.o_partial),
-                          static_cast<std::size_t>(partial_rows * (params.head_dim + 1)) * sizeof(float), stream);
-    params.lse_partial = params.o_partial + partial_rows * params.head_dim;
+                          static_cast<std::size_t>(partial_rows * (params.head_dim + 2)) * sizeof(float), stream);
+    params.stat_partial = reinterpret_cast<float2*>(params.o_partial + partial_rows * params.head_dim);
   }
   if (err == cudaSuccess) {
     params.batch = batch, params.heads = heads;
