@@ -26,10 +26,10 @@ included). The max |difference| of each peer's output from dmattn's is recorded
 as a check.
 
     python3 bench/bench_gpu.py run --out DIR [--deadline EPOCH] [--commit SHA] [--only TEXT]
-    python3 bench/bench_gpu.py report DIR/benchmarks-gpu.json --out docs
+    python3 bench/bench_gpu.py report DIR/performance.json --out docs
 
-`run` writes DIR/benchmarks-gpu.json after every case, then the markdown table
-DIR/benchmarks-gpu.md and the plot DIR/benchmarks-gpu.png; `report` rewrites
+`run` writes DIR/performance.json after every case, then the markdown table
+DIR/performance.md and the plot DIR/performance.png; `report` rewrites
 the last two from a JSON. Past --deadline, what is left is recorded as not run;
 --only runs the cases whose name contains TEXT (e.g. "keep": the top-k cases).
 """
@@ -360,7 +360,7 @@ def run(args):
         del case, reference
         free(torch)
         print(f"case {kind} S={sq}/{sk}: {time.time() - started:.1f} s", flush=True)
-        (out_dir / "benchmarks-gpu.json").write_text(json.dumps(results, indent=1))
+        (out_dir / "performance.json").write_text(json.dumps(results, indent=1))
     report(results, out_dir)
 
 
@@ -440,10 +440,10 @@ def report(results, out_dir):
               "| case | system | fwd ms / fwd+bwd ms |", "|---|---|---|"]
     for kind, entries in SEED_REFERENCE.items():
         lines += [f"| {kind} | {label} | {value} |" for label, value, _ in entries]
-    lines += ["", "![fwd TFLOP/s and decode GB/s](benchmarks-gpu.png)", ""]
+    lines += ["", "![fwd TFLOP/s and decode GB/s](performance.png)", ""]
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "benchmarks-gpu.md").write_text("\n".join(lines))
-    plot(results, Path(out_dir) / "benchmarks-gpu.png")
+    (Path(out_dir) / "performance.md").write_text("\n".join(lines))
+    plot(results, Path(out_dir) / "performance.png")
 
 
 def topk_report(rows):

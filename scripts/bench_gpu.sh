@@ -2,7 +2,7 @@
 # On a machine with a GPU: builds and installs the Python package with the CUDA
 # backend into the current python3 (no downloads: --no-build-isolation --no-deps,
 # the build tools of that environment), then runs bench/bench_gpu.py, which
-# writes benchmarks-gpu.{json,md,png} into $OUT (default docs/).
+# writes performance.{json,md,png} into $OUT (default docs/).
 #
 #   scripts/bench_gpu.sh [bench_gpu.py run options: --deadline EPOCH, --commit SHA]
 #   env: DMATTN_CUDA_ARCHS (default 90a), DMATTN_HEAD_DIMS (default 128),

@@ -71,7 +71,7 @@ for s in "${stages[@]}"; do
             tail -1 "$logs/pytest.log" >>"$summary" ;;
     bench) OUT=$logs stage bench bash scripts/bench_gpu.sh ${BENCH_DEADLINE:+--deadline "$BENCH_DEADLINE"} \
              ${BENCH_ONLY:+--only "$BENCH_ONLY"}
-           sed -n '/^## Where dmattn stands/,/^## Reference/p' "$logs/benchmarks-gpu.md" >>"$summary" 2>/dev/null ;;
+           sed -n '/^## Where dmattn stands/,/^## Reference/p' "$logs/performance.md" >>"$summary" 2>/dev/null ;;
     doge) stage doge doge
           grep -E "^(eager|dmattn|max)" "$logs/doge.log" >>"$summary" ;;
     *) echo "unknown stage $s (check selection pytest bench doge)"; exit 2 ;;
