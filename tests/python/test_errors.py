@@ -3,6 +3,7 @@ Python layer's own checks (argument types) use the same format, and the fake ker
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -107,6 +108,13 @@ def test_varlen_errors(case, fake):
             dmattn.varlen_attention(q, k, v, cu_q, cu_k, args.get("max_q", 3), 3, bias)
 
 
+def _hf_attention(attention_mask):
+    from dmattn.integrations.transformers import dmattn_attention_forward
+
+    q, k, v = (t.transpose(1, 2) for t in _qkv())
+    return dmattn_attention_forward(torch.nn.Module(), q, k, v, attention_mask)
+
+
 # The Python layer's checks: what is not a tensor, a bool or an int where one is expected, named as the core names
 # its arguments. (Before: AttributeError, IndexError, RuntimeError from the op schema, or a silent conversion.)
 PYTHON_CASES = {
@@ -151,6 +159,12 @@ PYTHON_CASES = {
         lambda: flash_dmattn_varlen_func(*(t[0] for t in _qkv(sq=6)), None, None,
                                          *[torch.tensor([0, 6], dtype=torch.int32)] * 2, 6.0, 6),
         TypeError, "dmattn: max_seqlen_q: expected an int, got float"),
+    "hf_mask_int": (lambda: _hf_attention(torch.zeros(2, 1, 5, 6, dtype=torch.int64)), TypeError,
+                    "dmattn: attention_mask.dtype: expected bool or a float dtype for a 4-D mask, got int64"),
+    "hf_mask_rank_3": (lambda: _hf_attention(torch.zeros(2, 5, 6, dtype=torch.bool)), ValueError,
+                       "dmattn: attention_mask: expected rank 2 (B, Sk) or 4 (B, H, Sq, Sk), got rank 3"),
+    "hf_mask_numpy": (lambda: _hf_attention(np.ones((2, 6), dtype=bool)), TypeError,
+                      "dmattn: attention_mask: expected a torch.Tensor or None, got numpy.ndarray"),
 }
 
 
