@@ -120,6 +120,16 @@ void varlen_backward(const Inputs& in, const VarlenLayout& layout, const TensorV
   run_backward(make_backward_problem(in, &layout, out, dout, lse, grads, options), grads.dbias);
 }
 
+void check_forward(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
+                   const std::optional<TensorView>& lse, const Options& options) {
+  backend_for(make_forward_problem(in, layout, out, lse, options, Reads::kMetadata));
+}
+
+void check_backward(const Inputs& in, const VarlenLayout* layout, const TensorView& out, const TensorView& dout,
+                    const TensorView& lse, const Gradients& grads, const Options& options) {
+  backend_for(make_backward_problem(in, layout, out, dout, lse, grads, options, Reads::kMetadata));
+}
+
 BuildInfo build_info() {
   BuildInfo info;
   info.cuda = cuda_backend() != nullptr;

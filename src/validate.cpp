@@ -56,8 +56,6 @@ class Arg {
         throw Error(Kind::kValue, name_ + ".stride[" + std::to_string(d) + "]", "a stride >= 0",
                     std::to_string(t_.stride[d]));
     }
-    if (t_.data == nullptr && t_.numel() > 0)
-      throw Error(Kind::kValue, name_ + ".data", "a non-null pointer", "nullptr");
     return *this;
   }
 
@@ -127,6 +125,17 @@ class Arg {
   std::string name_;
 };
 
+// A call that runs reads or writes every non-empty tensor it is given (absent ones: nullptr).
+// (A rank beyond kMaxRank is left to the rank checks.)
+void check_data(Reads reads, std::initializer_list<std::pair<const TensorView*, const char*>> tensors) {
+  if (reads == Reads::kMetadata) return;
+  for (const auto& [t, name] : tensors)
+    if (t != nullptr && t->data == nullptr && t->ndim <= kMaxRank && t->numel() > 0)
+      throw Error(Kind::kValue, std::string(name) + ".data", "a non-null pointer", "nullptr");
+}
+
+const TensorView* present(const std::optional<TensorView>& t) { return t ? &*t : nullptr; }
+
 // Stride of a possibly broadcast dim: 0 when its size is 1.
 std::int64_t bstride(const TensorView& t, int d) { return t.shape[d] == 1 ? 0 : t.stride[d]; }
 
@@ -166,15 +175,16 @@ void check_options(const Options& o, const Inputs& in) {
   }
 }
 
-// Reads and checks cu_seqlens on the host; returns the number of sequences.
+// Checks cu_seqlens, and its values when they are on the host and may be read; returns
+// the number of sequences.
 std::int64_t check_cu_seqlens(const TensorView& cu, const char* name, std::int64_t total,
                               const char* total_name, std::int64_t max_seqlen,
-                              const char* max_name, const Device& device) {
+                              const char* max_name, const Device& device, Reads reads) {
   Arg(cu, name).rank(1, "(B + 1,)").dtype(DType::kInt32, "(cumulative sequence lengths)").device(device);
   if (cu.shape[0] < 1) throw Error(Kind::kValue, std::string(name) + ".shape[0]", "B + 1 >= 1", "0");
   if (max_seqlen < 0)
     throw Error(Kind::kValue, max_name, "a length >= 0", std::to_string(max_seqlen));
-  if (device.type != DeviceType::kCPU) return cu.shape[0] - 1;  // values live on the GPU
+  if (device.type != DeviceType::kCPU || reads == Reads::kMetadata) return cu.shape[0] - 1;
   const auto* p = static_cast<const std::int32_t*>(cu.data);
   const std::int64_t s = cu.stride[0];
   if (p[0] != 0)
@@ -199,8 +209,11 @@ std::int64_t check_cu_seqlens(const TensorView& cu, const char* name, std::int64
 }
 
 // Everything about q, k, v, mask, bias and the options; fills the shared part of a Problem.
-Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options& options) {
+Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options& options, Reads reads) {
   const bool varlen = layout != nullptr;
+  check_data(reads, {{&in.q, "q"}, {&in.k, "k"}, {&in.v, "v"}, {present(in.mask), "mask"},
+                     {present(in.bias), "bias"}, {varlen ? &layout->cu_seqlens_q : nullptr, "cu_seqlens_q"},
+                     {varlen ? &layout->cu_seqlens_k : nullptr, "cu_seqlens_k"}});
   const TensorView& q = in.q;
   const Device device = q.device;
   const int rank = varlen ? 3 : 4;
@@ -235,9 +248,9 @@ Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options
     const std::int64_t total_q = q.shape[0], total_k = in.k.shape[0];
     Arg(in.v, "v").dim(0, {total_k, "total_k"});
     s.B = check_cu_seqlens(layout->cu_seqlens_q, "cu_seqlens_q", total_q, "total_q",
-                           layout->max_seqlen_q, "max_seqlen_q", device);
+                           layout->max_seqlen_q, "max_seqlen_q", device, reads);
     const std::int64_t bk = check_cu_seqlens(layout->cu_seqlens_k, "cu_seqlens_k", total_k, "total_k",
-                                             layout->max_seqlen_k, "max_seqlen_k", device);
+                                             layout->max_seqlen_k, "max_seqlen_k", device, reads);
     if (bk != s.B)
       throw Error(Kind::kValue, "cu_seqlens_k.shape[0]", std::to_string(s.B + 1) + " (the length of cu_seqlens_q)",
                   std::to_string(bk + 1));
@@ -338,8 +351,9 @@ Operand lse_operand(const TensorView& lse, const std::string& name, const Proble
 }  // namespace
 
 Problem make_forward_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
-                             const std::optional<TensorView>& lse, const Options& options) {
-  Problem p = make_problem(in, layout, options);
+                             const std::optional<TensorView>& lse, const Options& options, Reads reads) {
+  Problem p = make_problem(in, layout, options, reads);
+  check_data(reads, {{&out, "out"}, {present(lse), "lse"}});
   const bool varlen = layout != nullptr;
   check_like(out, "out", in.q, "q");
   p.out = token_operand(out, varlen);
@@ -353,8 +367,10 @@ Problem make_forward_problem(const Inputs& in, const VarlenLayout* layout, const
 
 Problem make_backward_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
                               const TensorView& dout, const TensorView& lse, const Gradients& grads,
-                              const Options& options) {
-  Problem p = make_problem(in, layout, options);
+                              const Options& options, Reads reads) {
+  Problem p = make_problem(in, layout, options, reads);
+  check_data(reads, {{&out, "out"}, {&dout, "dout"}, {&lse, "lse"}, {&grads.dq, "dq"}, {&grads.dk, "dk"},
+                     {&grads.dv, "dv"}, {present(grads.dbias), "dbias"}});
   const bool varlen = layout != nullptr;
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{out, "out"}, {dout, "dout"}}) {
     Arg(t, name).rank(in.q.ndim, "(the rank of q)").same_shape_as(in.q, "q").device(in.q.device).last_dim_contiguous();

@@ -3,6 +3,7 @@
 // runs or any output is written.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 
 #include "dmattn/dmattn.h"
@@ -10,11 +11,18 @@
 
 namespace dmattn {
 
+// What validation reads. kData (a call that runs): shapes, strides, dtypes, devices,
+// options, the data pointers (non-null unless empty) and the cu_seqlens values (on
+// the CPU). kMetadata (dmattn::check_*): the same but for the data pointers and the
+// cu_seqlens values; nothing is read through a pointer.
+enum class Reads : std::uint8_t { kData, kMetadata };
+
 // layout == nullptr: batched (B, S, H, D) tensors; otherwise varlen.
 Problem make_forward_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
-                             const std::optional<TensorView>& lse, const Options& options);
+                             const std::optional<TensorView>& lse, const Options& options,
+                             Reads reads = Reads::kData);
 Problem make_backward_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
                               const TensorView& dout, const TensorView& lse, const Gradients& grads,
-                              const Options& options);
+                              const Options& options, Reads reads = Reads::kData);
 
 }  // namespace dmattn

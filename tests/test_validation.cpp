@@ -5,6 +5,7 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <set>
 
 #include "harness.h"
 
@@ -370,6 +371,58 @@ TEST_P(Validation, RejectsWithoutTouchingTensors) {
 INSTANTIATE_TEST_SUITE_P(All, Validation, ::testing::ValuesIn(bad_cases()),
                          [](const ::testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
 
+// dmattn::check_forward / check_backward on the same calls with every data pointer
+// null: the same error, but for the cases that only the data shows (cu_seqlens values).
+void check_only(const Call& c) {
+  const dmattn::VarlenLayout* layout = c.entry == Entry::kVarlenForward || c.entry == Entry::kVarlenBackward
+                                           ? &c.layout : nullptr;
+  if (c.entry == Entry::kForward || c.entry == Entry::kVarlenForward)
+    dmattn::check_forward(c.in, layout, c.out, c.lse, c.options);
+  else
+    dmattn::check_backward(c.in, layout, c.out, c.dout, *c.lse, c.grads, c.options);
+}
+
+void drop_data(Call& c) {
+  for (TensorView* t : {&c.in.q, &c.in.k, &c.in.v, &c.out, &c.dout, &c.grads.dq, &c.grads.dk, &c.grads.dv,
+                        &c.layout.cu_seqlens_q, &c.layout.cu_seqlens_k})
+    t->data = nullptr;
+  for (auto* t : {&c.in.mask, &c.in.bias, &c.lse, &c.grads.dbias})
+    if (*t) (*t)->data = nullptr;
+}
+
+class CheckOnly : public Validation {};
+
+TEST_P(CheckOnly, ThrowsWhatTheCallThrowsWithoutData) {
+  const BadCase& bad = GetParam();
+  const std::set<std::string> data_cases{"null_data",      "cu_seqlens_first",       "cu_seqlens_decreasing",
+                                         "cu_seqlens_last", "max_seqlen_q_too_small", "max_seqlen_k_too_small"};
+  const bool data_only = data_cases.count(bad.name) > 0;
+  Tensors tensors;
+  Call call = valid_call(bad.entry, tensors, rng);
+  bad.mutate(call);
+  std::string expected;
+  try {
+    invoke(call);
+  } catch (const dmattn::Error& e) {
+    expected = e.what();
+  }
+  drop_data(call);
+  if (data_only) {
+    EXPECT_NO_THROW(check_only(call));
+    return;
+  }
+  try {
+    check_only(call);
+    FAIL() << "no error thrown; the call threw " << expected;
+  } catch (const dmattn::Error& e) {
+    EXPECT_EQ(e.kind(), bad.kind) << e.what();
+    EXPECT_EQ(std::string(e.what()), expected);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, CheckOnly, ::testing::ValuesIn(bad_cases()),
+                         [](const ::testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
+
 class ValidCalls : public SeededFixture {};
 
 bool has_nan(const TensorView& t) {  // t: float32, contiguous
@@ -398,18 +451,33 @@ TEST_F(ValidCalls, BaselinesRun) {
 }
 
 // A valid problem on a CUDA device reaches the backend: a build without CUDA
-// refuses it as unsupported after validation.
+// refuses it as unsupported after validation, and so does its check alone.
 TEST_F(ValidCalls, CudaTensorsWithoutCudaBackend) {
   if (dmattn::build_info().cuda) GTEST_SKIP() << "this build has a CUDA backend; host pointers cannot be used";
   Tensors tensors;
   Call call = valid_call(Entry::kForward, tensors, rng);
   move_to(call, kCuda0);
-  try {
-    invoke(call);
-    FAIL() << "no error thrown";
-  } catch (const dmattn::Error& e) {
-    EXPECT_EQ(e.kind(), Kind::kUnsupported) << e.what();
-    EXPECT_EQ(e.argument(), "q.device") << e.what();
+  for (const auto& run : {std::function<void()>([&] { invoke(call); }), std::function<void()>([&] {
+                            drop_data(call);
+                            check_only(call);
+                          })}) {
+    try {
+      run();
+      FAIL() << "no error thrown";
+    } catch (const dmattn::Error& e) {
+      EXPECT_EQ(e.kind(), Kind::kUnsupported) << e.what();
+      EXPECT_EQ(e.argument(), "q.device") << e.what();
+    }
+  }
+}
+
+// The valid calls pass their checks, without data.
+TEST_F(ValidCalls, CheckOnlyPasses) {
+  for (Entry entry : {Entry::kForward, Entry::kBackward, Entry::kVarlenForward, Entry::kVarlenBackward}) {
+    Tensors tensors;
+    Call call = valid_call(entry, tensors, rng);
+    drop_data(call);
+    EXPECT_NO_THROW(check_only(call));
   }
 }
 

@@ -126,6 +126,18 @@ void varlen_backward(const Inputs& in, const VarlenLayout& layout, const TensorV
                      const TensorView& dout, const TensorView& lse, const Gradients& grads,
                      const Options& options);
 
+// The validation of forward / backward alone (of varlen_forward / varlen_backward when
+// a layout is given; nullptr: batched): throws the Error the call's validation would
+// throw, and runs nothing. Only metadata is read (shapes, strides, dtypes, devices,
+// options): data pointers may be null, and the cu_seqlens values, which the call
+// reads, are not checked; nor are the refusals of a backend that lacks a kernel for
+// valid input (the CUDA head dims it was not built for). For shape inference, e.g.
+// fake tensors in torch.compile.
+void check_forward(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
+                   const std::optional<TensorView>& lse, const Options& options);
+void check_backward(const Inputs& in, const VarlenLayout* layout, const TensorView& out, const TensorView& dout,
+                    const TensorView& lse, const Gradients& grads, const Options& options);
+
 // Which backends and kernels this build holds.
 struct BuildInfo {
   bool cuda = false;

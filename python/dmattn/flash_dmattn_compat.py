@@ -15,7 +15,8 @@ argument names, defaults and return values:
   does; masks and biases of any strides are used in place.
 
 Errors are those of `dmattn.attention` (ValueError / TypeError with the core's
-message, NotImplementedError for what this build cannot run).
+message, NotImplementedError for what this build cannot run); an argument of the
+wrong Python type is named as flash-dmattn names it (`query`, `is_causal`, ...).
 """
 
 from typing import Optional
@@ -23,13 +24,30 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .ops import attention, varlen_attention
+from .ops import attention, checked, varlen_attention
 
 __all__ = ["flash_dmattn_func", "flash_dmattn_varlen_func"]
 
 
 def _contiguous_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _inputs_and_options(query, key, value, attn_bias, softmax_scale, is_causal, softcap, deterministic,
+                        return_attn_probs):
+    """query, key and value with a contiguous last dimension, and dmattn's options, after checking the
+    types of the arguments both functions share."""
+    tensors = [_contiguous_last(checked(name, t, Tensor))
+               for name, t in (("query", query), ("key", key), ("value", value))]
+    checked("attn_bias", attn_bias, Tensor, optional=True)
+    checked("return_attn_probs", return_attn_probs, bool, optional=True)
+    is_causal = checked("is_causal", is_causal, bool, optional=True)
+    deterministic = checked("deterministic", deterministic, bool, optional=True)
+    options = dict(scale=checked("softmax_scale", softmax_scale, float, optional=True),
+                   softcap=checked("softcap", softcap, float, optional=True) or 0.0,
+                   causal=False if is_causal is None else is_causal,
+                   deterministic=True if deterministic is None else deterministic, return_lse=True)
+    return tensors, options
 
 
 def _result(out: Tensor, lse: Tensor, return_attn_probs: Optional[bool]):
@@ -54,13 +72,11 @@ def flash_dmattn_func(
     attn_bias broadcastable to (B, H, Sq, Sk). Returns out (B, Sq, H, D), or
     (out, softmax_lse (B, H, Sq), None) with return_attn_probs.
     """
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
+    tensors, options = _inputs_and_options(query, key, value, attn_bias, softmax_scale, is_causal, softcap,
+                                           deterministic, return_attn_probs)
+    if checked("attn_mask", attn_mask, Tensor, optional=True) is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask != 0
-    out, lse = attention(
-        _contiguous_last(query), _contiguous_last(key), _contiguous_last(value), attn_mask, attn_bias,
-        scale=softmax_scale, softcap=softcap or 0.0, causal=bool(is_causal),
-        deterministic=True if deterministic is None else deterministic, return_lse=True,
-    )
+    out, lse = attention(*tensors, attn_mask, attn_bias, **options)
     return _result(out, lse, return_attn_probs)
 
 
@@ -100,10 +116,8 @@ def flash_dmattn_varlen_func(
                          ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value_ is None:
             raise ValueError(f"dmattn: {name}: expected a value for varlen attention, got None")
-    out, lse = varlen_attention(
-        _contiguous_last(query), _contiguous_last(key), _contiguous_last(value), cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, attn_bias,
-        scale=softmax_scale, softcap=softcap or 0.0, causal=bool(is_causal),
-        deterministic=True if deterministic is None else deterministic, return_lse=True,
-    )
+    tensors, options = _inputs_and_options(query, key, value, attn_bias, softmax_scale, is_causal, softcap,
+                                           deterministic, return_attn_probs)
+    out, lse = varlen_attention(*tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_bias,
+                                **options)
     return _result(out, lse, return_attn_probs)

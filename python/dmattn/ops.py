@@ -9,7 +9,14 @@ way, with no graph break and no host synchronisation.
 Outputs are allocated here (so the fake kernels can describe them) and written
 by the core in place; every tensor is passed as a zero-copy DLPack capsule. On
 CUDA the core runs on the caller's current stream (and makes q's device current
-itself).
+itself). The fake kernels allocate the same outputs and run the core's own
+validation on the tensors' metadata (`dmattn._C.check_*`), so that tracing
+(torch.compile, FakeTensorMode) raises what the call would raise.
+
+Errors: the core's ValueError / TypeError / NotImplementedError; before it, the
+public functions check what only Python can get wrong (a tensor, bool or int
+argument of another type) with one helper, in the core's message format
+"dmattn: <argument>: expected <expected>, got <actual>".
 
 Broadcasting: a mask or bias dimension of stride 0 (an `expand`ed view) is read
 as a broadcast dimension of size 1, so an expanded key-only bias
@@ -21,15 +28,52 @@ tensor it was expanded from is exact). The mask gets no gradient; the lse output
 is not differentiable.
 """
 
+import numbers
+import operator
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import has_hint, size_hint
 from torch.utils.dlpack import to_dlpack
 
 from . import _C
 
 __all__ = ["attention", "varlen_attention"]
+
+# What each argument type of `checked` takes besides its own instances (symbolic values from torch.compile,
+# NumPy scalars), and its words.
+_ARGUMENT_TYPES = {
+    Tensor: ((Tensor,), "a torch.Tensor"),
+    bool: ((bool, torch.SymBool), "a bool"),
+    int: ((numbers.Integral, torch.SymInt), "an int"),
+    float: ((numbers.Real, torch.SymFloat, torch.SymInt), "a float"),
+}
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def checked(name: str, value, expected: type, optional: bool = False):
+    """`value` as an argument `name` of type `expected` (Tensor, bool, int or float; None too if `optional`).
+
+    The Python layer's one type check, used by every entry point (attention, varlen_attention, the
+    flash-dmattn compatible functions and the transformers integration): a value of another type raises
+    TypeError, an int outside int64 ValueError, in the core's format. Bools are not ints or floats here.
+    Returns other integers as int and reals as float (symbolic values as they are).
+    """
+    if value is None and optional:
+        return None
+    if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+        types, words = _ARGUMENT_TYPES[expected]
+        if not isinstance(value, types) or isinstance(value, bool):
+            kind = type(value)
+            kind = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+            raise TypeError(f"dmattn: {name}: expected {words}{' or None' if optional else ''}, got {kind}")
+        if isinstance(value, _SYMBOLIC):
+            return value
+        value = float(value) if expected is float else operator.index(value)
+    if expected is int and not -2 ** 63 <= value < 2 ** 63:
+        raise ValueError(f"dmattn: {name}: expected an int in [-2^63, 2^63), got {value}")
+    return value
 
 
 def _broadcast_shape(t: Optional[Tensor]) -> Optional[List[int]]:
@@ -54,22 +98,56 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _new_lse(q: Tensor, varlen: bool) -> Tensor:
+    """The lse output for q: (B, H, Sq), or (H, total_q) varlen. A q of another rank gets an empty
+    placeholder: the core rejects q (naming it) before it looks at lse."""
+    if q.dim() != (3 if varlen else 4):
+        return q.new_empty(0, dtype=_lse_dtype(q))
+    return q.new_empty((q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1]),
+                       dtype=_lse_dtype(q))
+
+
 def _stream(q: Tensor) -> int:
     """The caller's current stream on q's device (0 on the CPU)."""
     return torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else 0
 
 
-def _dl(t: Optional[Tensor]):
-    """A DLPack capsule of t (None stays None), from torch's C exporter. Handed the
-    tensor itself, nanobind calls Tensor.__dlpack__, whose stream handshake (Python:
-    3 to 5 us a tensor on an H100 host, docs/topk-gpu.md) the core does not need:
-    it runs on the stream it is given."""
-    return None if t is None else to_dlpack(t.detach())
+def _dl(t):
+    """A DLPack capsule of tensor t (anything else, e.g. None, as it is), from torch's C exporter. Handed
+    the tensor itself, nanobind calls Tensor.__dlpack__, whose stream handshake (Python: 3 to 5 us a
+    tensor on an H100 host, docs/topk-gpu.md) the core does not need: it runs on the stream it is given."""
+    return to_dlpack(t.detach()) if isinstance(t, Tensor) else t
 
 
 def _options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic):
     return dict(scale=scale, softcap=softcap, causal=causal, window_left=window_left,
                 window_right=window_right, keep_window_size=keep_window_size, deterministic=deterministic)
+
+
+def _run(entry: str, q: Tensor, args, options) -> None:
+    """A real kernel: the core's `entry` (dmattn._C.forward, ...) on args, on the caller's stream."""
+    getattr(_C, entry)(*map(_dl, args), stream=_stream(q), **options)
+
+
+def _meta(t):
+    """What the core's check_* take for a tensor: dtype name, device type and index, shape, strides;
+    anything else as it is. Symbolic sizes are read as their example values, without adding a guard. A
+    meta-device tensor is checked as a CPU one, the backend that takes every valid input."""
+    if not isinstance(t, Tensor):
+        return size_hint(t) if isinstance(t, torch.SymInt) else t
+    device = "cpu" if t.device.type == "meta" else t.device.type
+    return (str(t.dtype).removeprefix("torch."), device, t.device.index or 0, [size_hint(n) for n in t.shape],
+            [size_hint(n) for n in t.stride()])
+
+
+def _check(entry: str, args, options) -> None:
+    """A fake kernel's validation: the core's check_<entry> on the metadata of args, which raises what
+    the real kernel would (but for the cu_seqlens values, which only the real one reads). Sizes without
+    an example value (data-dependent ones) leave the check to the real kernel."""
+    sizes = [n for t in args if isinstance(t, Tensor) for n in (*t.shape, *t.stride())]
+    sizes += [n for n in (*args, *options.values()) if isinstance(n, torch.SymInt)]
+    if all(has_hint(n) for n in sizes):
+        getattr(_C, "check_" + entry)(*map(_meta, args), **{key: _meta(n) for key, n in options.items()})
 
 
 def _last_dim_contiguous(t: Tensor) -> Tensor:
@@ -102,18 +180,23 @@ def _fwd(
     scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
     keep_window_size: Optional[int], deterministic: bool,
 ) -> Tuple[Tensor, Tensor]:
-    out = q.new_empty(q.shape)
-    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
-    _C.forward(_dl(q), _dl(k), _dl(v), _dl(_reduce(mask, mask_shape)), _dl(_reduce(bias, bias_shape)),
-               _dl(out), _dl(lse), stream=_stream(q),
-               **_options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic))
-    return out, lse
+    outputs, args, options = _fwd_call(q, k, v, mask, mask_shape, bias, bias_shape, scale, softcap, causal,
+                                       window_left, window_right, keep_window_size, deterministic)
+    _run("forward", q, args, options)
+    return outputs
+
+
+def _fwd_call(q, k, v, mask, mask_shape, bias, bias_shape, *options):
+    """dmattn::fwd's new outputs, and the arguments and options of its core call."""
+    out, lse = q.new_empty(q.shape), _new_lse(q, varlen=False)
+    return (out, lse), (q, k, v, _reduce(mask, mask_shape), _reduce(bias, bias_shape), out, lse), _options(*options)
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, mask, mask_shape, bias, bias_shape, scale, softcap, causal, window_left, window_right,
-              keep_window_size, deterministic):
-    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
+def _fwd_fake(*inputs):
+    outputs, args, options = _fwd_call(*inputs)
+    _check("forward", args, options)
+    return outputs
 
 
 @torch.library.custom_op("dmattn::bwd", mutates_args=())
@@ -125,20 +208,33 @@ def _bwd(
     scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
     keep_window_size: Optional[int], deterministic: bool, bias_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    outputs, args, options = _bwd_call(dout, q, k, v, mask, mask_shape, bias, bias_shape, out, lse, scale,
+                                       softcap, causal, window_left, window_right, keep_window_size,
+                                       deterministic, bias_grad)
+    _run("backward", q, args, options)
+    return outputs
+
+
+def _new_grads(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], bias_shape, bias_grad: bool):
+    """dq, dk, dv, and dbias in the bias's broadcast shape (an empty tensor without bias_grad)."""
     dbias = bias.new_empty(bias_shape) if bias_grad else q.new_empty(0)
-    _C.backward(_dl(q), _dl(k), _dl(v), _dl(_reduce(mask, mask_shape)), _dl(_reduce(bias, bias_shape)),
-                _dl(out), _dl(_last_dim_contiguous(dout.detach())), _dl(lse), _dl(dq), _dl(dk), _dl(dv),
-                _dl(dbias) if bias_grad else None, stream=_stream(q),
-                **_options(scale, softcap, causal, window_left, window_right, keep_window_size, deterministic))
-    return dq, dk, dv, dbias
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _bwd_call(dout, q, k, v, mask, mask_shape, bias, bias_shape, out, lse, *options_and_bias_grad):
+    """dmattn::bwd's new outputs, and the arguments and options of its core call."""
+    *options, bias_grad = options_and_bias_grad
+    dq, dk, dv, dbias = grads = _new_grads(q, k, v, bias, bias_shape, bias_grad)
+    args = (q, k, v, _reduce(mask, mask_shape), _reduce(bias, bias_shape), out, _last_dim_contiguous(dout), lse,
+            dq, dk, dv, dbias if bias_grad else None)
+    return grads, args, _options(*options)
 
 
 @_bwd.register_fake
-def _bwd_fake(dout, q, k, v, mask, mask_shape, bias, bias_shape, out, lse, scale, softcap, causal, window_left,
-              window_right, keep_window_size, deterministic, bias_grad):
-    dbias = bias.new_empty(bias_shape) if bias_grad else q.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+def _bwd_fake(*inputs):
+    outputs, args, options = _bwd_call(*inputs)
+    _check("backward", args, options)
+    return outputs
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -172,19 +268,25 @@ def _varlen_fwd(
     scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
     keep_window_size: Optional[int], deterministic: bool,
 ) -> Tuple[Tensor, Tensor]:
-    out = q.new_empty(q.shape)
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
-    _C.varlen_forward(_dl(q), _dl(k), _dl(v), _dl(_reduce(bias, bias_shape)), _dl(cu_seqlens_q),
-                      _dl(cu_seqlens_k), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse), stream=_stream(q),
-                      **_options(scale, softcap, causal, window_left, window_right, keep_window_size,
-                                 deterministic))
-    return out, lse
+    outputs, args, options = _varlen_fwd_call(q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k,
+                                              max_seqlen_q, max_seqlen_k, scale, softcap, causal, window_left,
+                                              window_right, keep_window_size, deterministic)
+    _run("varlen_forward", q, args, options)
+    return outputs
+
+
+def _varlen_fwd_call(q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
+    """dmattn::varlen_fwd's new outputs, and the arguments and options of its core call."""
+    out, lse = q.new_empty(q.shape), _new_lse(q, varlen=True)
+    args = (q, k, v, _reduce(bias, bias_shape), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse)
+    return (out, lse), args, _options(*options)
 
 
 @_varlen_fwd.register_fake
-def _varlen_fwd_fake(q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                     softcap, causal, window_left, window_right, keep_window_size, deterministic):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+def _varlen_fwd_fake(*inputs):
+    outputs, args, options = _varlen_fwd_call(*inputs)
+    _check("varlen_forward", args, options)
+    return outputs
 
 
 @torch.library.custom_op("dmattn::varlen_bwd", mutates_args=())
@@ -196,23 +298,28 @@ def _varlen_bwd(
     scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
     keep_window_size: Optional[int], deterministic: bool, bias_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    dbias = bias.new_empty(bias_shape) if bias_grad else q.new_empty(0)
-    _C.varlen_backward(_dl(q), _dl(k), _dl(v), _dl(_reduce(bias, bias_shape)), _dl(cu_seqlens_q),
-                       _dl(cu_seqlens_k), max_seqlen_q, max_seqlen_k, _dl(out),
-                       _dl(_last_dim_contiguous(dout.detach())), _dl(lse), _dl(dq), _dl(dk), _dl(dv),
-                       _dl(dbias) if bias_grad else None, stream=_stream(q),
-                       **_options(scale, softcap, causal, window_left, window_right, keep_window_size,
-                                  deterministic))
-    return dq, dk, dv, dbias
+    outputs, args, options = _varlen_bwd_call(dout, q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k,
+                                              max_seqlen_q, max_seqlen_k, out, lse, scale, softcap, causal,
+                                              window_left, window_right, keep_window_size, deterministic, bias_grad)
+    _run("varlen_backward", q, args, options)
+    return outputs
+
+
+def _varlen_bwd_call(dout, q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+                     lse, *options_and_bias_grad):
+    """dmattn::varlen_bwd's new outputs, and the arguments and options of its core call."""
+    *options, bias_grad = options_and_bias_grad
+    dq, dk, dv, dbias = grads = _new_grads(q, k, v, bias, bias_shape, bias_grad)
+    args = (q, k, v, _reduce(bias, bias_shape), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+            _last_dim_contiguous(dout), lse, dq, dk, dv, dbias if bias_grad else None)
+    return grads, args, _options(*options)
 
 
 @_varlen_bwd.register_fake
-def _varlen_bwd_fake(dout, q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
-                     lse, scale, softcap, causal, window_left, window_right, keep_window_size, deterministic,
-                     bias_grad):
-    dbias = bias.new_empty(bias_shape) if bias_grad else q.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+def _varlen_bwd_fake(*inputs):
+    outputs, args, options = _varlen_bwd_call(*inputs)
+    _check("varlen_backward", args, options)
+    return outputs
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -247,17 +354,20 @@ def _window(sliding_window) -> Tuple[int, int]:
         raise ValueError(
             f"dmattn: sliding_window: expected a pair (left, right) (-1 = unbounded), got {sliding_window!r}"
         ) from None
-    return int(left), int(right)
+    return checked("sliding_window.left", left, int), checked("sliding_window.right", right, int)
 
 
-def _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic):
+def _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic, return_lse):
+    """The options of the ops, checked (return_lse is checked only)."""
+    checked("return_lse", return_lse, bool)
+    softcap = checked("softcap", softcap, float, optional=True)
     return (
-        None if scale is None else float(scale),
-        0.0 if softcap is None else float(softcap),
-        bool(causal),
+        checked("scale", scale, float, optional=True),
+        0.0 if softcap is None else softcap,
+        checked("causal", causal, bool),
         *_window(sliding_window),
-        None if keep_window_size is None else int(keep_window_size),
-        bool(deterministic),
+        checked("keep_window_size", keep_window_size, int, optional=True),
+        checked("deterministic", deterministic, bool),
     )
 
 
@@ -298,8 +408,12 @@ def attention(
     Returns:
         out (B, Sq, H, D), or (out, lse) with return_lse.
     """
-    out, lse = _fwd(q, k, v, mask, _broadcast_shape(mask), bias, _broadcast_shape(bias),
-                    *_common(scale, softcap, causal, sliding_window, keep_window_size, deterministic))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checked(name, t, Tensor)
+    checked("mask", mask, Tensor, optional=True)
+    checked("bias", bias, Tensor, optional=True)
+    options = _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic, return_lse)
+    out, lse = _fwd(q, k, v, mask, _broadcast_shape(mask), bias, _broadcast_shape(bias), *options)
     return (out, lse) if return_lse else out
 
 
@@ -334,7 +448,11 @@ def varlen_attention(
     Returns:
         out (total_q, H, D), or (out, lse) with lse (H, total_q).
     """
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        checked(name, t, Tensor)
+    checked("bias", bias, Tensor, optional=True)
+    options = _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic, return_lse)
     out, lse = _varlen_fwd(q, k, v, bias, _broadcast_shape(bias), cu_seqlens_q, cu_seqlens_k,
-                           int(max_seqlen_q), int(max_seqlen_k),
-                           *_common(scale, softcap, causal, sliding_window, keep_window_size, deterministic))
+                           checked("max_seqlen_q", max_seqlen_q, int), checked("max_seqlen_k", max_seqlen_k, int),
+                           *options)
     return (out, lse) if return_lse else out
