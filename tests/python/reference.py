@@ -1,4 +1,4 @@
-"""The test oracle: SPEC.md §2-§4 written out in plain torch, independent of dmattn.
+"""The test oracle: the spec (docs/spec.md) §2-§4 written out in plain torch, independent of dmattn.
 
 Every (B, H, Sq, Sk) quantity is materialised; that is fine at test sizes.
 """

@@ -3,7 +3,7 @@ way of switching it: `attn_implementation="dmattn"` when built or loaded, and `u
 "dmattn" attention implementation on Llama (padding masks and 4-D float masks), and the O(Sq * Sk) memory check
 of the Doge top-k path.
 
-Where the stock Doge code and SPEC.md differ, the tests stay where they agree:
+Where the stock Doge code and the spec (docs/spec.md) differ, the tests stay where they agree:
 - Ties: stock Doge selects keys with torch.topk, which breaks ties arbitrarily; SPEC §3 breaks them
   towards the larger key index. In layer 0 the bias depends on the token alone (dt_proj of the value
   projection of the embedding, no position), so a repeated token gives exactly tied biases. The
