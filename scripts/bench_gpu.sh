@@ -5,7 +5,7 @@
 # writes performance.{json,md,png} into $OUT (default docs/).
 #
 #   scripts/bench_gpu.sh [bench_gpu.py run options: --deadline EPOCH, --commit SHA]
-#   env: DMATTN_CUDA_ARCHS (default 90a), DMATTN_HEAD_DIMS (default 128),
+#   env: DMATTN_CUDA_ARCHS (default 90a), DMATTN_HEAD_DIMS (default 64;128),
 #        DMATTN_CUTLASS_DIR (default .device/cutlass/include when present, else
 #        the nvidia-cutlass pip package's headers), PYTHON (default python3)
 #
@@ -22,7 +22,7 @@ cutlass=${DMATTN_CUTLASS_DIR:-}
 export DMATTN_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_NO_INDEX=1
 settings=(-C "cmake.define.DMATTN_CUDA_ARCHS=${DMATTN_CUDA_ARCHS:-90a}"
-          -C "cmake.define.DMATTN_HEAD_DIMS=${DMATTN_HEAD_DIMS:-128}")
+          -C "cmake.define.DMATTN_HEAD_DIMS=${DMATTN_HEAD_DIMS:-64;128}")
 [ -n "$cutlass" ] && settings+=(-C "cmake.define.DMATTN_CUTLASS_DIR=$cutlass")
 start=$(date +%s)
 "$python" -m pip install -q --no-build-isolation --no-deps "${settings[@]}" .

@@ -6,7 +6,7 @@
 # Downloads nothing.
 #
 #   scripts/gpu_check.sh [build-dir]          (default: build-gpu)
-#   env: DMATTN_CUDA_ARCHS (default "80;90a"), DMATTN_HEAD_DIMS (default "128"),
+#   env: DMATTN_CUDA_ARCHS (default "80;90a"), DMATTN_HEAD_DIMS (default "64;128"),
 #        DMATTN_CUTLASS_DIR (default: the nvidia-cutlass pip package's headers),
 #        OUT (where the logs go; default <build-dir>/gpu_check), CHECK_ONLY (only
 #        the cases whose name contains it, sanitizers included), BENCH (0: no timing),
@@ -18,7 +18,7 @@ logs=${OUT:-$build/gpu_check}
 mkdir -p "$logs"
 
 config=(-DCMAKE_BUILD_TYPE=Release -DDMATTN_CUDA=ON -DDMATTN_BUILD_TESTS=OFF -DDMATTN_BUILD_TOOLS=ON
-        "-DDMATTN_CUDA_ARCHS=${DMATTN_CUDA_ARCHS:-80;90a}" "-DDMATTN_HEAD_DIMS=${DMATTN_HEAD_DIMS:-128}")
+        "-DDMATTN_CUDA_ARCHS=${DMATTN_CUDA_ARCHS:-80;90a}" "-DDMATTN_HEAD_DIMS=${DMATTN_HEAD_DIMS:-64;128}")
 [ -n "${DMATTN_CUTLASS_DIR:-}" ] && config+=("-DDMATTN_CUTLASS_DIR=$DMATTN_CUTLASS_DIR")
 command -v ninja >/dev/null && config+=(-G Ninja)
 start=$(date +%s)
