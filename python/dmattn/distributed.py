@@ -2,7 +2,7 @@
 
 Every rank of a process group holds one shard of the sequence: q (B, S_local, H, D),
 k and v (B, S_local, Hk, D), and optionally a key-only bool mask and a key-only bias
-(B or 1, H, Hk or 1, 1, S_local). `attention` returns this rank's rows of the output
+(B or 1, H or Hk or 1, 1, S_local). `attention` returns this rank's rows of the output
 (and of lse), and its backward gives every rank the gradients of its own shards,
 exactly as one process computing `dmattn.attention` on the whole sequence would
 (SPEC.md), up to rounding.
@@ -26,8 +26,10 @@ Ring: the k, v, mask and bias shards travel around the ring (P - 1 hops, each
 overlapped with the attention of the block at hand); each block's (out, lse) is
 merged into the running output with its log-sum-exp. The backward passes the shards
 around again; each block's gradients come from dmattn's backward op given the
-block's rows of the merged output and of the global lse, which makes the backend's
-softmax the global one restricted to the block. The dk, dv and dbias accumulators
+block's rows of the merged output, the block's own lse and dout scaled by
+exp(lse_block - lse) (`_block_dout`). The block's own lse, not the global one: a
+backend may recompute the block's softmax statistics from its keys (the CPU backend
+does), which then agree with it. The dk, dv and dbias accumulators
 (float32, float64 for float64 inputs) travel with their shard and arrive at their
 owner after P hops. The ring cannot run a top-k keep window below the global
 sequence length (the selection of row i is a top-w over every key, which no block
@@ -387,7 +389,7 @@ def attention(
 
     Args:
         q: (B, S_local, H, D). k, v: (B, Sk_local, Hk, D), H % Hk == 0.
-        mask: None or a key-only bool shard, (B or 1, H, Hk or 1, 1, Sk_local) (an
+        mask: None or a key-only bool shard, (B or 1, H or Hk or 1, 1, Sk_local) (an
             expanded view with a stride-0 query dim counts as one), e.g. the padding mask.
         bias: None or a key-only float shard shaped like the mask. Differentiable.
         group: the torch.distributed process group (default: the world). NCCL groups

@@ -237,3 +237,10 @@ def test_case(outcomes, case):
         pytest.skip(results[0][len("skip: "):])
     failures = [f"rank {rank}:\n{o}" for rank, o in enumerate(results) if o != "ok"]
     assert not failures, "\n".join(failures)
+
+
+def test_refuses_without_a_process_group():
+    assert not dist.is_initialized()
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="^dmattn: group: expected an initialized torch.distributed process group"):
+        sp.attention(q, q, q)
