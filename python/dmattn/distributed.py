@@ -445,6 +445,7 @@ def use_sequence_parallel_for_doge(model, *, group=None, mode: str = "ulysses"):
     names = {**vars(adapter), "attention": functools.partial(attention, group=group, mode=mode)}
     parallel_forward = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__,
                                           forward.__closure__)
+    parallel_forward.__kwdefaults__ = forward.__kwdefaults__
 
     def layer_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         if past_key_values is not None:
