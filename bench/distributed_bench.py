@@ -1,0 +1,337 @@
+#!/usr/bin/env python3
+"""Sequence-parallel dmattn (dmattn.distributed) on the GPUs of one host, under torchrun.
+
+    torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py check [--seq 2048]
+    torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py time [--seq 131072] [--reps 3]
+    python3 bench/distributed_bench.py report DIR
+
+Shapes: B=1, 32 query heads, 8 kv heads, D=128, bf16, causal, a key-only bias
+(1, 8, 1, S) in bf16 with a gradient; dense, and with keep_window_size (256 in the
+check, 2048 in the timing). Modes: Ulysses and ring (the ring refuses a keep window
+below the sequence length: that row is recorded as refused).
+
+check: every rank draws the same whole-sequence inputs, runs its shard, and rank 0
+gathers the output and every gradient (dq, dk, dv, dbias) and compares them with a
+float64 reference (tests/python/reference.py on the GPU) under SPEC 5's rule: max
+abs error <= 2 x the error of the same computation done naively in bf16 + 1e-5. The
+single-GPU dmattn error is printed beside it.
+
+time: fwd+bwd of one step, the median of --reps after a warm-up; "one GPU" is the
+whole sequence on rank 0 alone (the other ranks wait), Ulysses and ring the shards on
+every rank (a step ends when the slowest rank ends). Per mode: the peak memory of
+each GPU and the bytes each rank sends per step (forward, backward; formulas in
+`volume`). If the one-GPU run at --seq runs out of memory, S is halved (with a
+message) until it fits, and every mode runs at that S.
+
+Each command writes DIR/distributed-{check,time}.json when OUT (= DIR) is set;
+`report DIR` prints the short table of both.
+"""
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+B, HEADS, KV_HEADS, HEAD_DIM = 1, 32, 8, 128
+DEVICE = "cuda"
+MODES = ("ulysses", "ring")
+
+
+def volume(mode, P, S, H=HEADS, Hk=KV_HEADS, D=HEAD_DIM, element=2, bias_heads=KV_HEADS, bias_batch=1,
+           bias_element=2, accumulator=4):
+    """Bytes each rank sends in one step, (forward, backward), for B=1 q/k/v of `element`
+    bytes and a key-only bias (bias_batch, bias_heads, 1, S) with a gradient, no mask.
+
+    Ulysses: every all-to-all sends (P-1)/P of the local tensor; kv and bias heads are
+    replicated to lcm(heads, P) first. Forward q, k, v, bias in and out back; backward
+    dout in and dq, dk, dv, dbias back: the same bytes.
+    Ring: forward P-1 hops of the k, v, bias shard; backward the same P-1 hops plus P
+    hops of the float32 dk, dv and dbias accumulators.
+    """
+    tokens = B * S // P
+    if mode == "ulysses":
+        kv, bias = math.lcm(Hk, P), math.lcm(bias_heads, P)
+        one_way = (P - 1) / P * (tokens * (2 * H + 2 * kv) * D * element + bias_batch * bias * S // P * bias_element)
+        return int(one_way), int(one_way)
+    shard = tokens * 2 * Hk * D * element + bias_batch * bias_heads * S // P * bias_element
+    grads = tokens * 2 * Hk * D * accumulator + bias_batch * bias_heads * S // P * accumulator
+    return (P - 1) * shard, (P - 1) * shard + P * grads
+
+
+def _setup():
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    return torch, dist
+
+
+def _inputs(torch, S, seed=0):
+    """Whole-sequence leaves (the same on every rank) and a dout."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    randn = functools.partial(torch.randn, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    return dict(q=randn(B, S, HEADS, HEAD_DIM), k=randn(B, S, KV_HEADS, HEAD_DIM), v=randn(B, S, KV_HEADS, HEAD_DIM),
+                bias=randn(B, KV_HEADS, 1, S), dout=randn(B, S, HEADS, HEAD_DIM))
+
+
+def _write(name, result):
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / f"distributed-{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}")
+
+
+def _device_info(torch, dist):
+    return dict(device=torch.cuda.get_device_name(), gpus=dist.get_world_size(), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M"))
+
+
+# --------------------------------------------------------------------------- check
+
+
+def check(args):
+    torch, dist = _setup()
+    import dmattn
+    from dmattn import distributed as sp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
+    import reference
+
+    rank, P, S = dist.get_rank(), dist.get_world_size(), args.seq
+    rows = []
+    cases = [(mode, w) for mode in MODES for w in (None, args.keep_window)]
+    for seed, (mode, w) in enumerate(cases):
+        name = f"{mode} {'dense' if w is None else f'w={w}'}"
+        whole = _inputs(torch, S, seed=seed)
+        names = ("q", "k", "v", "bias")
+        local = {n: sp.shard_sequence(whole[n], 3 if n == "bias" else 1, mode=mode).detach().requires_grad_()
+                 for n in names}
+        try:
+            out = sp.attention(local["q"], local["k"], local["v"], bias=local["bias"], causal=True,
+                               keep_window_size=w, mode=mode)
+        except NotImplementedError as err:
+            rows.append(dict(case=name, refused=str(err)))
+            continue
+        out.backward(sp.shard_sequence(whole["dout"], mode=mode))
+        gathered = dict(out=sp.gather_sequence(out, mode=mode))
+        gathered.update({f"d{n}": sp.gather_sequence(local[n].grad, 3 if n == "bias" else 1, mode=mode)
+                         for n in names})
+        if rank == 0:
+            errors = _errors(torch, dmattn, reference, whole, w, gathered)
+            rows.append(dict(case=name, **errors, ok=all(e["ok"] for e in errors.values())))
+            print(_check_line(rows[-1]), flush=True)
+        dist.barrier()
+    passed = all(r.get("ok", True) for r in rows)
+    if rank == 0:
+        _write("check", dict(kind="check", seq=S, **_device_info(torch, dist), rows=rows))
+        print(f"check: {'PASS' if passed else 'FAIL'} ({sum('ok' in r for r in rows)} cases, S={S}, P={P})")
+    dist.destroy_process_group()
+    if not passed:
+        sys.exit(1)
+
+
+def _errors(torch, dmattn, reference, whole, w, gathered):
+    """Max abs errors against the float64 reference: sequence-parallel, one-GPU dmattn, naive bf16."""
+    names = ("q", "k", "v", "bias")
+
+    def run(fn, **options):
+        leaves = {n: whole[n].detach().clone().requires_grad_() for n in names}
+        out = fn(leaves["q"], leaves["k"], leaves["v"], bias=leaves["bias"], causal=True, keep_window_size=w,
+                 **options)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(whole["dout"].to(out.dtype))
+        return dict(out=out.detach(), **{f"d{n}": leaves[n].grad for n in names})
+
+    exact = run(reference.attention, dtype=torch.float64)
+    naive = run(reference.attention, dtype=torch.bfloat16)
+    single = run(dmattn.attention)
+    result = {}
+    for key, want in exact.items():
+        err = lambda x: (x.double() - want).abs().max().item()  # noqa: E731
+        parallel, bound = err(gathered[key]), 2 * err(naive[key]) + 1e-5
+        result[key] = dict(parallel=parallel, single=err(single[key]), naive=err(naive[key]), bound=bound,
+                           ok=bool(parallel <= bound))
+    return result
+
+
+def _check_line(row):
+    parts = [f"{k} {v['parallel']:.2e} (1 GPU {v['single']:.2e}, naive {v['naive']:.2e}){'' if v['ok'] else ' FAIL'}"
+             for k, v in row.items() if isinstance(v, dict)]
+    return f"{row['case']}: " + "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- time
+
+
+def time_steps(args):
+    torch, dist = _setup()
+    import dmattn
+    from dmattn import distributed as sp
+
+    rank = dist.get_rank()
+    S = torch.tensor([args.seq], device=DEVICE)
+    singles = {}
+    if rank == 0:
+        S[0], singles = _fit_single(torch, dmattn, args)
+    dist.broadcast(S, 0)
+    S = int(S.item())
+    rows = []
+    for w in (None, args.keep_window):
+        label = "dense" if w is None else f"w={w}"
+        if rank == 0:
+            rows.append(dict(case=f"1 GPU {label}", window=w, seq=S, **singles[w], sent_fwd=0, sent_bwd=0))
+        for mode in MODES:
+            rows.append(_time_parallel(torch, dist, sp, mode, S, w, args.reps) |
+                        dict(case=f"{mode} {label}", window=w, seq=S))
+            if rank == 0:
+                print(_time_line(rows[-1]), flush=True)
+    if rank == 0:
+        _write("time", dict(kind="time", seq=S, reps=args.reps, **_device_info(torch, dist), rows=rows))
+    dist.destroy_process_group()
+
+
+def _step(attention, leaves, dout):
+    for t in leaves.values():
+        t.grad = None
+    attention(leaves["q"], leaves["k"], leaves["v"], bias=leaves["bias"]).backward(dout)
+
+
+def _measure(torch, step, reps, sync=lambda: None):
+    """Median seconds of `step` over reps after one warm-up, and the peak memory (GiB)."""
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    times = []
+    for _ in range(reps):
+        sync()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times, torch.cuda.max_memory_allocated() / 2**30
+
+
+def _fit_single(torch, dmattn, args):
+    """Rank 0 alone: S and the one-GPU results, S halved after out-of-memory errors."""
+    S = args.seq
+    while True:
+        try:
+            return S, _single(torch, dmattn, S, args)
+        except torch.cuda.OutOfMemoryError:
+            print(f"out of memory at S={S} on one GPU: every mode runs at S={S // 2} instead", flush=True)
+        torch.cuda.empty_cache()  # the failed run's tensors went with its frame
+        S //= 2
+        if S < 4096:
+            raise RuntimeError("out of memory at every S down to 4096")
+
+
+def _single(torch, dmattn, S, args):
+    singles = {}
+    for w in (None, args.keep_window):
+        whole = _inputs(torch, S)
+        dout = whole.pop("dout")
+        leaves = {n: t.requires_grad_() for n, t in whole.items()}
+        attention = functools.partial(dmattn.attention, causal=True, keep_window_size=w)
+        times, peak = _measure(torch, functools.partial(_step, attention, leaves, dout), args.reps)
+        singles[w] = dict(ms=1e3 * statistics.median(times), peak_gib=[peak])
+        print(_time_line(dict(case=f"1 GPU {'dense' if w is None else f'w={w}'}", seq=S, **singles[w], sent_fwd=0,
+                              sent_bwd=0)), flush=True)
+        del whole, leaves, dout
+        torch.cuda.empty_cache()
+    return singles
+
+
+def _time_parallel(torch, dist, sp, mode, S, w, reps):
+    P = dist.get_world_size()
+    whole = _inputs(torch, S)
+    local = {n: sp.shard_sequence(t, 3 if n == "bias" else 1, mode=mode).detach().clone() for n, t in whole.items()}
+    del whole
+    torch.cuda.empty_cache()
+    dout = local.pop("dout")
+    leaves = {n: t.requires_grad_() for n, t in local.items()}
+    attention = functools.partial(sp.attention, causal=True, keep_window_size=w, mode=mode)
+    sent_fwd, sent_bwd = volume(mode, P, S)
+    try:
+        _step(attention, leaves, dout)
+    except NotImplementedError as err:
+        return dict(refused=str(err))
+    times, peak = _measure(torch, functools.partial(_step, attention, leaves, dout), reps, sync=dist.barrier)
+    slowest = torch.tensor(times, device=DEVICE)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    peaks = [None] * P
+    dist.all_gather_object(peaks, peak)
+    return dict(ms=1e3 * statistics.median(slowest.tolist()), peak_gib=peaks, sent_fwd=sent_fwd, sent_bwd=sent_bwd)
+
+
+def _time_line(row):
+    if "refused" in row:
+        return f"{row['case']}: refused ({row['refused'].split(' (')[0]})"
+    peaks = "/".join(f"{p:.1f}" for p in row["peak_gib"])
+    return (f"{row['case']} S={row['seq']}: {row['ms']:.1f} ms fwd+bwd, peak {peaks} GiB, sent per rank "
+            f"{row['sent_fwd'] / 2**20:.0f} + {row['sent_bwd'] / 2**20:.0f} MiB (fwd + bwd)")
+
+
+def _check_table(result):
+    lines = [f"| check, S={result['seq']}, {result['gpus']} GPUs: max abs error / bound | out | dq | dk | dv | dbias |",
+             "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        if "refused" in row:
+            lines.append(f"| {row['case']}: refused (keep window needs mode='ulysses') | | | | | |")
+            continue
+        cells = [f"{row[k]['parallel']:.1e} / {row[k]['bound']:.1e}" + ("" if row[k]["ok"] else " FAIL")
+                 for k in ("out", "dq", "dk", "dv", "dbias")]
+        lines.append(f"| {row['case']}: {'PASS' if row['ok'] else 'FAIL'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _time_table(result):
+    lines = [f"| fwd+bwd, {result['gpus']} x {result['device']} | S | ms | x one GPU | peak GiB per GPU | MiB sent "
+             "per rank fwd / bwd |", "|---|---|---|---|---|---|"]
+    one_gpu = {row["window"]: row["ms"] for row in result["rows"] if row["case"].startswith("1 GPU")}
+    for row in result["rows"]:
+        if "refused" in row:
+            lines.append(f"| {row['case']} | {row['seq']} | refused (keep window needs mode='ulysses') | | | |")
+            continue
+        peaks = " / ".join(f"{p:.1f}" for p in row["peak_gib"])
+        lines.append(f"| {row['case']} | {row['seq']} | {row['ms']:.1f} | {one_gpu[row['window']] / row['ms']:.2f} | "
+                     f"{peaks} | {row['sent_fwd'] / 2**20:.0f} / {row['sent_bwd'] / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def report(args):
+    """Prints the tables of DIR/distributed-{check,time}.json (those that exist)."""
+    for name, table in (("check", _check_table), ("time", _time_table)):
+        path = Path(args.dir) / f"distributed-{name}.json"
+        if path.exists():
+            print("\n" + table(json.loads(path.read_text())))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    c = commands.add_parser("check")
+    c.add_argument("--seq", type=int, default=2048)
+    c.add_argument("--keep-window", type=int, default=256)
+    t = commands.add_parser("time")
+    t.add_argument("--seq", type=int, default=131072)
+    t.add_argument("--keep-window", type=int, default=2048)
+    t.add_argument("--reps", type=int, default=3)
+    r = commands.add_parser("report")
+    r.add_argument("dir")
+    args = parser.parse_args()
+    dict(check=check, time=time_steps, report=report)[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,462 @@
+"""Sequence-parallel attention over torch.distributed: Ulysses and ring.
+
+Every rank of a process group holds one shard of the sequence: q (B, S_local, H, D),
+k and v (B, S_local, Hk, D), and optionally a key-only bool mask and a key-only bias
+(B or 1, H or Hk or 1, 1, S_local). `attention` returns this rank's rows of the output
+(and of lse), and its backward gives every rank the gradients of its own shards,
+exactly as one process computing `dmattn.attention` on the whole sequence would
+(SPEC.md), up to rounding.
+
+Layouts (`shard_sequence` and `gather_sequence` convert):
+- "ulysses": rank r holds the r-th of P contiguous pieces.
+- "ring": zigzag. The sequence is cut into 2P chunks and rank r holds chunks r and
+  2P - 1 - r, concatenated. Under causal masking every (query chunk, key chunk)
+  pair is then full, causal-diagonal with equal lengths, or empty, and every rank
+  does the same work.
+
+Ulysses (DeepSpeed-Ulysses): all-to-alls turn the sequence shards of q, k, v, mask
+and bias into head shards of the whole sequence, one local `dmattn.attention` runs
+on H / P heads with every option (top-k included: each rank sees whole rows), and an
+all-to-all turns the output back. H must be divisible by P. When Hk (or the bias's or
+mask's head count) is not, its heads are replicated to lcm(Hk, P) before the
+all-to-all (each kv head is then sent to every rank whose query heads read it) and
+the gradients of the replicas are summed.
+
+Ring: the k, v, mask and bias shards travel around the ring (P - 1 hops, each
+overlapped with the attention of the block at hand); each block's (out, lse) is
+merged into the running output with its log-sum-exp. The backward passes the shards
+around again; each block's gradients come from dmattn's backward op given the
+block's rows of the merged output, the block's own lse and dout scaled by
+exp(lse_block - lse) (`_block_dout`). The block's own lse, not the global one: a
+backend may recompute the block's softmax statistics from its keys (the CPU backend
+does), which then agree with it. The dk, dv and dbias accumulators
+(float32, float64 for float64 inputs) travel with their shard and arrive at their
+owner after P hops. The ring cannot run a top-k keep window below the global
+sequence length (the selection of row i is a top-w over every key, which no block
+call can express): it raises NotImplementedError and recommends mode="ulysses".
+Nor does it take a sliding window.
+
+Packed (varlen) sequences are not split across shards: 3-D q is refused.
+"""
+
+import functools
+import math
+import types
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .ops import _broadcast_shape, _common, _reduce
+from .ops import attention as _local_attention
+
+__all__ = ["MODES", "attention", "gather_sequence", "shard_sequence", "use_sequence_parallel_for_doge"]
+
+MODES = ("ulysses", "ring")
+
+
+def _error(argument: str, expected: str, actual) -> ValueError:
+    return ValueError(f"dmattn: {argument}: expected {expected}, got {actual}")
+
+
+def _process_group(group):
+    """(group, rank in it, its size); the default group when `group` is None."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise _error("group", "an initialized torch.distributed process group", "torch.distributed not initialized")
+    group = dist.group.WORLD if group is None else group
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise _error("group", "a process group that holds this rank", f"one without global rank {dist.get_rank()}")
+    return group, rank, dist.get_world_size(group)
+
+
+def _check_mode(mode):
+    if mode not in MODES:
+        raise _error("mode", " or ".join(repr(m) for m in MODES), repr(mode))
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _chunks(rank: int, size: int, mode: str) -> Tuple[int, List[int]]:
+    """(number of equal chunks of the sequence, the chunks rank `rank` holds in order)."""
+    return (size, [rank]) if mode == "ulysses" else (2 * size, [rank, 2 * size - 1 - rank])
+
+
+def shard_sequence(x: Tensor, dim: int = 1, *, group=None, mode: str = "ulysses") -> Tensor:
+    """This rank's shard of `x`, a tensor of the whole sequence along `dim`, in `mode`'s
+    layout (a view for "ulysses", a copy for "ring"). No communication.
+
+    E.g. input ids (B, S) with dim=1, position ids, or a key-only bias (B, Hk, 1, S)
+    with dim=3. S must split into P ("ulysses") or 2P ("ring") equal chunks.
+    """
+    _check_mode(mode)
+    _, rank, size = _process_group(group)
+    count, mine = _chunks(rank, size, mode)
+    if x.shape[dim] % count:
+        raise _error(f"x.shape[{dim}]", f"a sequence length divisible by {count} ({mode} over {size} ranks)",
+                     x.shape[dim])
+    pieces = x.chunk(count, dim)
+    return pieces[mine[0]] if len(mine) == 1 else torch.cat([pieces[c] for c in mine], dim)
+
+
+def gather_sequence(x: Tensor, dim: int = 1, *, group=None, mode: str = "ulysses") -> Tensor:
+    """The whole sequence from every rank's shard `x` (in `mode`'s layout) along `dim`,
+    on every rank: the inverse of `shard_sequence`. An all-gather; not differentiable."""
+    _check_mode(mode)
+    group, rank, size = _process_group(group)
+    x = x.detach().contiguous()
+    shards = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(shards, x, group=group)
+    count, _ = _chunks(rank, size, mode)
+    pieces: List[Optional[Tensor]] = [None] * count
+    for r, shard in enumerate(shards):
+        held = _chunks(r, size, mode)[1]
+        for c, piece in zip(held, shard.chunk(len(held), dim)):
+            pieces[c] = piece
+    return torch.cat(pieces, dim)
+
+
+# --------------------------------------------------------------------------- Ulysses
+
+
+def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> Tensor:
+    """Splits `x` into `size` pieces along scatter_dim, sends piece i to rank i, and
+    concatenates the pieces received along gather_dim in rank order."""
+    pieces = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()
+    received = torch.empty_like(pieces)
+    dist.all_to_all_single(received, pieces, group=group)
+    # received[i] is rank i's piece; every original dim d sits at d + 1.
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`_all_to_all` with autograd: its adjoint is the all-to-all the other way."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group, size):
+        ctx.dims, ctx.group, ctx.size = (scatter_dim, gather_dim), group, size
+        return _all_to_all(x, scatter_dim, gather_dim, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group, ctx.size), None, None, None, None
+
+
+def _heads_to_split(t: Tensor, dim: int, size: int) -> Tensor:
+    """Replicates the heads (dim `dim`) of `t` to lcm(heads, size), each head h
+    becoming heads h * r ... h * r + r - 1: query head i still reads head
+    i // (H / heads), and every rank's share of the heads is whole."""
+    heads = t.shape[dim]
+    repeat = size // math.gcd(heads, size)
+    return t.repeat_interleave(repeat, dim=dim) if repeat > 1 else t
+
+
+def _ulysses(q, k, v, mask, bias, group, size, options, return_lse):
+    if q.shape[2] % size:
+        raise _error("q.shape[2]", f"a head count divisible by the group size {size} (ulysses splits the heads)",
+                     q.shape[2])
+
+    def seq_to_heads(t, scatter_dim, gather_dim):
+        return _AllToAll.apply(t, scatter_dim, gather_dim, group, size)
+
+    q_h = seq_to_heads(q, 2, 1)
+    k_h, v_h = (seq_to_heads(_heads_to_split(t, 2, size), 2, 1) for t in (k, v))
+    if mask is not None:
+        mask = seq_to_heads(_heads_to_split(mask, 1, size).view(torch.uint8), 1, 3).view(torch.bool)
+    if bias is not None:
+        bias = seq_to_heads(_heads_to_split(bias, 1, size), 1, 3)
+    out, lse = _local_attention(q_h, k_h, v_h, mask, bias, return_lse=True, **options)
+    out = seq_to_heads(out, 1, 2)
+    return (out, seq_to_heads(lse, 2, 1)) if return_lse else out
+
+
+# --------------------------------------------------------------------------- ring
+
+
+class _Ring:
+    """Point-to-point exchange with the ring neighbours of this rank in `group`."""
+
+    def __init__(self, group, rank, size):
+        self.group, self.rank, self.size = group, rank, size
+        self.next = dist.get_global_rank(group, (rank + 1) % size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % size)
+
+    def shift(self, tensors: List[Tensor]) -> Tuple[List[Tensor], list]:
+        """Starts sending `tensors` (contiguous) to the next rank and receiving the
+        previous rank's into new buffers; returns the buffers and the requests to wait on."""
+        if self.size == 1:
+            return tensors, []
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for tag, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for tag, t in enumerate(received)]
+        return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests):
+    for request in requests:
+        request.wait()
+
+
+def _ring_block(rank: int, src: int, chunk: int, causal: bool):
+    """(query rows, key columns, causal) of rank `rank`'s block against the kv shard of
+    rank `src`, on zigzag shards of 2 * chunk tokens (chunks rank, 2P-1-rank)."""
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    if src == rank:
+        return everything, everything, True  # both chunks in order: causal over the shard
+    if src < rank:
+        return everything, slice(0, chunk), False  # only chunk src precedes our rows (all of it)
+    return slice(chunk, None), everything, False  # only our chunk 2P-1-rank sees chunks src, 2P-1-src
+
+
+def _accumulator_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention on zigzag shards. `options` is dmattn::fwd's option tuple; mask
+    and bias are key-only and in their reduced shape (no stride-0 dims)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, bias, ring, options):
+        chunk, causal = q.shape[1] // 2, options[2]
+        travelling = _travelling(k, v, mask, bias)
+        out = lse = None
+        block_lse = []
+        for step in range(ring.size):
+            if step + 1 < ring.size:
+                received, requests = ring.shift(travelling)
+            rows, cols, block_causal = _ring_block(ring.rank, (ring.rank - step) % ring.size, chunk, causal)
+            k_b, v_b, mask_b, bias_b = _ring_operands(travelling, mask is not None, bias is not None, cols)
+            out_b, lse_b = torch.ops.dmattn.fwd(q[:, rows], k_b, v_b, mask_b, _shape(mask_b), bias_b, _shape(bias_b),
+                                                options[0], options[1], block_causal, *options[3:])
+            block_lse.append(lse_b)
+            if out is None:
+                out, lse = out_b.to(_accumulator_dtype(q)), lse_b.clone()
+            else:
+                _merge(out[:, rows], lse[..., rows], out_b, lse_b)
+            if step + 1 < ring.size:
+                _wait(requests)
+                travelling = received
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, mask, bias, out, lse, *block_lse)
+        ctx.ring, ctx.options = ring, options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, mask, bias, out, lse, *block_lse = ctx.saved_tensors
+        ring, options = ctx.ring, ctx.options
+        bias_grad = bias is not None and ctx.needs_input_grad[4]
+        chunk, causal, acc = q.shape[1] // 2, options[2], _accumulator_dtype(q)
+        travelling = _travelling(k, v, mask, bias)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # dk, dv (and dbias) of the shard at hand: they travel one hop behind the shard.
+        grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v, bias if bias_grad else None)
+                 if t is not None]
+        pending = []
+        for step in range(ring.size):
+            if step + 1 < ring.size:
+                received, requests = ring.shift(travelling)
+            rows, cols, block_causal = _ring_block(ring.rank, (ring.rank - step) % ring.size, chunk, causal)
+            k_b, v_b, mask_b, bias_b = _ring_operands(travelling, mask is not None, bias is not None, cols)
+            lse_b = block_lse[step]
+            dq_b, dk_b, dv_b, dbias_b = torch.ops.dmattn.bwd(
+                _block_dout(dout[:, rows], lse_b, lse[..., rows]), q[:, rows], k_b, v_b, mask_b, _shape(mask_b),
+                bias_b, _shape(bias_b), out[:, rows], lse_b, options[0], options[1], block_causal, *options[3:],
+                bias_grad)
+            dq[:, rows] += dq_b
+            _wait(pending)
+            grads[0][:, cols] += dk_b
+            grads[1][:, cols] += dv_b
+            if bias_grad:
+                grads[2][..., cols] += dbias_b
+            grads, pending = ring.shift(grads)
+            if step + 1 < ring.size:
+                _wait(requests)
+                travelling = received
+        _wait(pending)
+        dk, dv = grads[0].to(k.dtype), grads[1].to(v.dtype)
+        dbias = grads[2].to(bias.dtype) if bias_grad else None
+        return dq.to(q.dtype), dk, dv, None, dbias, None, None
+
+
+def _travelling(k, v, mask, bias) -> List[Tensor]:
+    """The tensors that go around the ring, contiguous; the mask as uint8 (gloo sends no bool)."""
+    mask = None if mask is None else mask.view(torch.uint8)
+    return [t.contiguous() for t in (k, v, mask, bias) if t is not None]
+
+
+def _ring_operands(travelling, has_mask, has_bias, cols):
+    """(k, v, mask, bias) of the shard at hand, restricted to the key columns `cols`."""
+    k, v, *rest = travelling
+    mask = rest.pop(0).view(torch.bool)[..., cols] if has_mask else None
+    bias = rest.pop(0)[..., cols] if has_bias else None
+    return k[:, cols], v[:, cols], mask, bias
+
+
+def _shape(t: Optional[Tensor]) -> Optional[List[int]]:
+    return None if t is None else list(t.shape)
+
+
+def _block_dout(dout: Tensor, lse_b: Tensor, lse: Tensor) -> Tensor:
+    """dout * exp(lse_b - lse) per row (0 where lse_b = -inf): given it with the merged
+    out and its own lse_b, dmattn's backward of a block computes
+    P_b (dP_b - delta_b) = exp(l - lse_b) exp(lse_b - lse) (dP - <dout, out>), the
+    global dS restricted to the block, and P_b^T dout_b, the block's share of dv."""
+    scale = torch.exp(lse_b - torch.where(lse == -math.inf, 0.0, lse))
+    return (dout * scale.transpose(1, 2).unsqueeze(-1)).to(dout.dtype)  # rounded once
+
+
+def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor):
+    """out, lse (views into the running result) <- the softmax merge with a block's out_b, lse_b."""
+    merged = torch.logaddexp(lse, lse_b)
+    base = torch.where(merged == -math.inf, 0.0, merged)  # rows without any key yet: both weights 0
+    weight, weight_b = (torch.exp(x - base).transpose(1, 2).unsqueeze(-1) for x in (lse, lse_b))
+    out.mul_(weight).add_(out_b * weight_b)
+    lse.copy_(merged)
+
+
+# --------------------------------------------------------------------------- public functions
+
+
+def _check_tokens(q: Tensor, k: Tensor, v: Tensor, group):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise _error(name, "a (B, S_local, heads, D) shard (packed varlen sequences cannot be split across ranks)",
+                         f"a {t.dim()}-D tensor")
+    if dist.get_backend(group) == "nccl" and q.device.type != "cuda":
+        raise _error("q.device", "a CUDA tensor (the group's backend is nccl)", q.device)
+
+
+def _key_only(name: str, t: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """A key-only mask or bias in its reduced shape (stride-0 dims narrowed to size 1)."""
+    if t is None:
+        return None
+    reduced = _reduce(t, _broadcast_shape(t))
+    if reduced.dim() != 4 or reduced.shape[2] != 1 or reduced.shape[3] != k.shape[1]:
+        raise _error(name, f"a key-only shard (B or 1, heads, 1, {k.shape[1]}) (its query dim of size 1 or stride 0)",
+                     tuple(t.shape))
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if reduced.shape[1] not in (heads, kv_heads, 1):
+        raise _error(f"{name}.shape[1]", f"{heads} (H), {kv_heads} (Hk) or 1 (broadcast)", t.shape[1])
+    return reduced
+
+
+def _check_ring(q: Tensor, k: Tensor, options, size: int):
+    if q.shape[1] % 2:
+        raise _error("q.shape[1]", f"a local sequence length divisible by 2 (ring: the sequence splits into 2 x {size} "
+                     "zigzag chunks)", q.shape[1])
+    if k.shape[1] != q.shape[1]:
+        raise _error("k.shape[1]", f"{q.shape[1]} (ring: q, k and v shards of one length)", k.shape[1])
+    if options[3:5] != (-1, -1):
+        raise NotImplementedError(f"dmattn: sliding_window: expected None with mode='ring' (use mode='ulysses'), got "
+                                  f"{options[3:5]}")
+    keep_window_size, length = options[5], size * q.shape[1]
+    if keep_window_size is not None and keep_window_size < length:
+        raise NotImplementedError(
+            f"dmattn: keep_window_size: expected None or >= the sequence length {length} with mode='ring' (a row's "
+            f"top-k is chosen from every key's bias, which no block of the ring sees; mode='ulysses' runs the exact "
+            f"top-k), got {keep_window_size}")
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    *,
+    group=None,
+    mode: str = "ulysses",
+    scale: Optional[float] = None,
+    softcap: float = 0.0,
+    causal: bool = False,
+    sliding_window: Optional[Tuple[int, int]] = None,
+    keep_window_size: Optional[int] = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Sequence-parallel `dmattn.attention` over the ranks of `group`.
+
+    Every rank of the group calls it with its shard of the sequence, in `mode`'s layout
+    (see `shard_sequence`); all shards have the same shapes.
+
+    Args:
+        q: (B, S_local, H, D). k, v: (B, Sk_local, Hk, D), H % Hk == 0.
+        mask: None or a key-only bool shard, (B or 1, H or Hk or 1, 1, Sk_local) (an
+            expanded view with a stride-0 query dim counts as one), e.g. the padding mask.
+        bias: None or a key-only float shard shaped like the mask. Differentiable.
+        group: the torch.distributed process group (default: the world). NCCL groups
+            take CUDA tensors, gloo groups CPU tensors.
+        mode: "ulysses" (H divisible by the group size; every option) or "ring"
+            (Sk_local == S_local, even; no sliding window, no keep window below the
+            sequence length).
+        Other options as in `dmattn.attention`; `causal` and `sliding_window` apply to
+        the whole sequence.
+
+    Returns:
+        out (B, S_local, H, D), or (out, lse) with return_lse, lse (B, H, S_local):
+        this rank's rows of the single-process result.
+    """
+    _check_mode(mode)
+    group, rank, size = _process_group(group)
+    _check_tokens(q, k, v, group)
+    mask, bias = _key_only("mask", mask, q, k), _key_only("bias", bias, q, k)
+    if mode == "ulysses":
+        options = dict(scale=scale, softcap=softcap, causal=causal, sliding_window=sliding_window,
+                       keep_window_size=keep_window_size, deterministic=deterministic)
+        return _ulysses(q, k, v, mask, bias, group, size, options, return_lse)
+    options = _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic)
+    _check_ring(q, k, options, size)
+    out, lse = _RingAttention.apply(q, k, v, mask, bias, _Ring(group, rank, size), options)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------- Doge
+
+
+def use_sequence_parallel_for_doge(model, *, group=None, mode: str = "ulysses"):
+    """Runs every DogeAttention of `model` on sequence-parallel dmattn, in place.
+
+    `dmattn.integrations.transformers.use_dmattn_for_doge` first (the key-only bias
+    and keep window), then each layer's attention call goes through `attention` over
+    `group` in `mode`. Every rank then feeds the model its shard of the sequence
+    (`shard_sequence` of input_ids, and of position_ids = arange(S), which the rotary
+    embedding needs) and use_cache=False; the rest of a Doge layer works token by
+    token. Parameter gradients are partial sums: all-reduce them over the group (as
+    data parallelism does). Doge's keep_window_size below the sequence length needs
+    mode="ulysses". Returns the model.
+    """
+    from .integrations import transformers as adapter
+
+    _check_mode(mode)
+    _process_group(group)
+    forward = adapter._doge_attention_forward
+    if "attention" not in forward.__code__.co_names:
+        raise RuntimeError("dmattn: the Doge adapter no longer calls `attention`; update "
+                           "dmattn.distributed.use_sequence_parallel_for_doge")
+    # The adapter's forward itself, with its `attention` bound to the sequence-parallel one.
+    names = {**vars(adapter), "attention": functools.partial(attention, group=group, mode=mode)}
+    parallel_forward = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__,
+                                          forward.__closure__)
+    parallel_forward.__kwdefaults__ = forward.__kwdefaults__
+
+    def layer_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        if past_key_values is not None:
+            raise _error("past_key_values", "None under sequence parallelism (call the model with use_cache=False)",
+                         type(past_key_values).__name__)
+        if kwargs.get("cu_seq_lens_q") is not None:
+            raise _error("cu_seq_lens_q", "None (packed sequences cannot be split across ranks)", "a tensor")
+        return parallel_forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    adapter.use_dmattn_for_doge(model)
+    for module in model.modules():
+        if getattr(module.forward, "__func__", None) is forward:
+            module.forward = types.MethodType(layer_forward, module)
+    return model

@@ -1,0 +1,246 @@
+"""dmattn.distributed on gloo (CPU): Ulysses and ring against one process, float64.
+
+One spawned world of 2 and one of 3 processes run every case below (a shared FileStore
+in a temporary directory, no network port); each rank compares its own shards of the
+output, lse and every gradient with the shards of the single-process dmattn result on
+the whole sequence, and reports each case's outcome to the test of that case.
+"""
+
+import copy
+import json
+import os
+import time
+import traceback
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dmattn
+from dmattn import distributed as sp
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="torch.distributed with gloo is unavailable")
+
+B, H, D, CHUNK = 2, 6, 8, 6  # S = 2 * CHUNK * P: 24 tokens on 2 ranks, 36 on 3
+TOLERANCE = dict(rtol=1e-10, atol=1e-12)
+DEADLINE_S = 120
+
+# Attention cases: mode, kv heads, bias (batch, heads: "H", "Hk" or 1; "tied" = small integers),
+# a key padding mask, an expanded bias view, a subgroup of the last two ranks, dmattn options.
+CASES = {
+    "ulysses_causal_gqa": dict(mode="ulysses", kv_heads=2, options=dict(causal=True)),
+    "ulysses_kv_heads_not_divisible": dict(mode="ulysses", kv_heads=3, bias=(B, "Hk"), options=dict(softcap=2.0)),
+    "ulysses_topk_ties": dict(mode="ulysses", kv_heads=2, bias=(B, "Hk", "tied"),
+                              options=dict(causal=True, keep_window_size=5)),
+    "ulysses_topk_mask_window": dict(mode="ulysses", kv_heads=2, bias=(1, 1), mask=True,
+                                     options=dict(causal=True, keep_window_size=4, sliding_window=(9, 0))),
+    "ulysses_expanded_bias": dict(mode="ulysses", kv_heads=1, bias=(B, 1), expand=True, options=dict(causal=True)),
+    "ulysses_subgroup": dict(mode="ulysses", kv_heads=2, bias=(B, "H"), subgroup=True, options=dict(causal=True)),
+    "ring_causal_bias": dict(mode="ring", kv_heads=2, bias=(B, "Hk"), options=dict(causal=True)),
+    "ring_mask_softcap": dict(mode="ring", kv_heads=3, bias=(1, 1), mask=True, options=dict(softcap=2.0)),
+    "ring_causal_mask": dict(mode="ring", kv_heads=2, bias=(B, "H"), mask=True,
+                             options=dict(causal=True, deterministic=True)),
+    "ring_expanded_bias": dict(mode="ring", kv_heads=2, bias=(1, 1), expand=True, options=dict(causal=True)),
+    "ring_keep_window_covers_sequence": dict(mode="ring", kv_heads=2, bias=(B, "Hk"),
+                                             options=dict(causal=True, keep_window_size=1000)),
+    "ring_subgroup": dict(mode="ring", kv_heads=2, bias=(B, "Hk"), subgroup=True, options=dict(causal=True)),
+}
+
+# Refusals: mode, (q, k, v) shapes given the local length s, extra arguments, error, message start.
+ERRORS = {
+    "ring_odd_length": ("ring", lambda s: ((B, s - 1, H, D), (B, s - 1, 2, D)), {}, ValueError,
+                        "dmattn: q.shape[1]: expected a local sequence length divisible by 2"),
+    "ring_topk": ("ring", None, dict(keep_window_size=4), NotImplementedError,
+                  "dmattn: keep_window_size: expected None or >= the sequence length"),
+    "ring_sliding_window": ("ring", None, dict(sliding_window=(3, 0)), NotImplementedError,
+                            "dmattn: sliding_window: expected None with mode='ring'"),
+    "ring_unequal_lengths": ("ring", lambda s: ((B, s, H, D), (B, s + 2, 2, D)), {}, ValueError,
+                             "dmattn: k.shape[1]: expected"),
+    "ulysses_heads": ("ulysses", lambda s: ((B, s, 5, D), (B, s, 1, D)), {}, ValueError,
+                      "dmattn: q.shape[2]: expected a head count divisible by the group size"),
+    "varlen": ("ulysses", lambda s: ((s, H, D), (s, 2, D)), {}, ValueError,
+               "dmattn: q: expected a (B, S_local, heads, D) shard (packed varlen"),
+    "bias_not_key_only": ("ulysses", None, dict(bias=lambda s: torch.randn(B, 2, s, s, dtype=torch.float64)),
+                          ValueError, "dmattn: bias: expected a key-only shard"),
+    "bias_heads": ("ring", None, dict(bias=lambda s: torch.randn(B, 4, 1, s, dtype=torch.float64)), ValueError,
+                   "dmattn: bias.shape[1]: expected 6 (H), 2 (Hk) or 1"),
+    "mode": ("zigzag", None, {}, ValueError, "dmattn: mode: expected 'ulysses' or 'ring', got 'zigzag'"),
+}
+
+DOGE = {"doge_ulysses_topk": ("ulysses", 5), "doge_ring": ("ring", 64)}
+
+
+def _generator(name):
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+
+def _leaves(case, spec, size):
+    """Whole-sequence float64 inputs (the same on every rank), the bias as a leaf of its own shape."""
+    g, S, Hk = _generator(case), 2 * CHUNK * size, spec["kv_heads"]
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    tensors = dict(q=randn(B, S, H, D), k=randn(B, S, Hk, D), v=randn(B, S, Hk, D), weights=randn(B, S, H, D))
+    if "bias" in spec:
+        batch, heads, *tied = spec["bias"]
+        shape = (batch, {"H": H, "Hk": Hk}.get(heads, heads), 1, S)
+        tensors["bias"] = (torch.randint(0, 3, shape, generator=g).double() if tied else randn(*shape))
+    if spec.get("mask"):
+        tensors["mask"] = torch.rand(B, 1, 1, S, generator=g) > 0.3
+    return tensors
+
+
+def _call(fn, tensors, spec, **kwargs):
+    bias = tensors.get("bias")
+    if bias is not None and spec.get("expand"):
+        bias = bias.expand(bias.shape[0], H, 1, bias.shape[3])
+    return fn(tensors["q"], tensors["k"], tensors["v"], tensors.get("mask"), bias, return_lse=True,
+              **spec["options"], **kwargs)
+
+
+def _check_case(case, spec, world):
+    group, members = None, list(range(world))
+    if spec.get("subgroup"):
+        members = members[-2:]
+        group = dist.new_group(members)  # every rank of the world takes part in creating it
+        if dist.get_rank() not in members:
+            return
+    mode, size = spec["mode"], len(members)
+    whole = _leaves(case, spec, size)
+    grads = [name for name in ("q", "k", "v", "bias") if name in whole]
+    reference = {n: t.clone().requires_grad_(n in grads) for n, t in whole.items()}
+    out, lse = _call(dmattn.attention, reference, spec)
+    (out * reference["weights"]).sum().backward()
+
+    def shard(t, dim=1):
+        return sp.shard_sequence(t, dim, group=group, mode=mode)
+
+    dims = dict(bias=3, mask=3)
+    local = {n: shard(t, dims.get(n, 1)).detach().requires_grad_(n in grads) for n, t in whole.items()}
+    out_l, lse_l = _call(sp.attention, local, spec, group=group, mode=mode)
+    (out_l * local["weights"]).sum().backward()
+    torch.testing.assert_close(out_l, shard(out), **TOLERANCE)
+    torch.testing.assert_close(lse_l, shard(lse, 2), **TOLERANCE)
+    for name in grads:
+        torch.testing.assert_close(local[name].grad, shard(reference[name].grad, dims.get(name, 1)), **TOLERANCE,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def _check_error(case, world):
+    mode, shapes, extra, error, message = ERRORS[case]
+    s = 2 * CHUNK
+    q_shape, kv_shape = shapes(s) if shapes else ((B, s, H, D), (B, s, 2, D))
+    q, k, v = (torch.randn(shape, dtype=torch.float64) for shape in (q_shape, kv_shape, kv_shape))
+    options = dict(bias=torch.randn(B, kv_shape[-2], 1, kv_shape[-3], dtype=torch.float64), mode=mode, causal=True)
+    options.update({name: value(s) if callable(value) else value for name, value in extra.items()})
+    try:
+        sp.attention(q, k, v, **options)
+    except error as err:
+        assert str(err).startswith(message), str(err)
+    else:
+        raise AssertionError(f"no {error.__name__}")
+
+
+def _check_layouts(world):
+    """shard_sequence and gather_sequence are inverse; the ring holds chunks r and 2P-1-r."""
+    x = torch.arange(2 * 4 * world * 3).reshape(2, 4 * world, 3)
+    for mode in sp.MODES:
+        local = sp.shard_sequence(x, 1, mode=mode)
+        assert torch.equal(sp.gather_sequence(local, 1, mode=mode), x), mode
+    rank, chunks = dist.get_rank(), x.chunk(2 * world, 1)
+    assert torch.equal(sp.shard_sequence(x, 1, mode="ring"), torch.cat([chunks[rank], chunks[-1 - rank]], 1))
+
+
+def _check_doge(case, world):
+    try:
+        from transformers import DogeConfig, DogeForCausalLM
+    except ImportError:
+        return "skip: transformers is not installed"
+    from dmattn.integrations.transformers import use_dmattn_for_doge
+
+    mode, keep_window_size = DOGE[case]
+    vocab, S = 128, 2 * CHUNK * world
+    config = DogeConfig(vocab_size=vocab, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=6, num_key_value_heads=2, head_dim=8, keep_window_size=keep_window_size,
+                        max_position_embeddings=256)
+    torch.manual_seed(zlib.crc32(case.encode()))
+    stock = DogeForCausalLM(config).double()
+    with torch.no_grad():
+        for layer in stock.model.layers:
+            layer.self_attn.A.normal_()
+    single = use_dmattn_for_doge(copy.deepcopy(stock))
+    parallel = sp.use_sequence_parallel_for_doge(copy.deepcopy(stock), mode=mode)
+    # Unique tokens: the bias of layer 0 depends on the token alone, so equal tokens tie exactly.
+    ids = torch.stack([torch.randperm(vocab)[:S] for _ in range(B)])
+    weights = torch.randn(B, S, vocab, dtype=torch.float64)
+    logits = single(ids, use_cache=False).logits
+    (logits * weights).sum().backward()
+
+    def shard(t):
+        return sp.shard_sequence(t, 1, mode=mode)
+
+    positions = shard(torch.arange(S)[None].expand(B, S))
+    logits_l = parallel(shard(ids), position_ids=positions, use_cache=False).logits
+    (logits_l * shard(weights)).sum().backward()
+    torch.testing.assert_close(logits_l, shard(logits), **TOLERANCE)
+    for (name, p_single), p_parallel in zip(single.named_parameters(), parallel.parameters()):
+        dist.all_reduce(p_parallel.grad)
+        torch.testing.assert_close(p_parallel.grad, p_single.grad, **TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+    try:
+        parallel(shard(ids), position_ids=positions, use_cache=True)
+    except ValueError as err:
+        assert str(err).startswith("dmattn: past_key_values: expected None"), str(err)
+    else:
+        raise AssertionError("a cache was accepted")
+
+
+def _worker(rank, world, store, results):
+    os.environ["DMATTN_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    outcome = {}
+    checks = [(case, lambda c=case: _check_case(c, CASES[c], world)) for case in CASES]
+    checks += [(case, lambda c=case: _check_error(c, world)) for case in ERRORS]
+    checks += [(case, lambda c=case: _check_doge(c, world)) for case in DOGE]
+    checks += [("layouts", lambda: _check_layouts(world))]
+    for case, check in checks:
+        try:
+            outcome[case] = check() or "ok"
+        except Exception:  # noqa: BLE001 - reported to the test of the case
+            outcome[case] = traceback.format_exc()
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(os.path.join(results, f"{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def outcomes(request, tmp_path_factory):
+    world, tmp = request.param, tmp_path_factory.mktemp(f"world{request.param}")
+    context = mp.start_processes(_worker, args=(world, str(tmp / "store"), str(tmp)), nprocs=world, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {world} gloo processes did not finish in {DEADLINE_S} s")
+    ranks = [json.loads((tmp / f"{rank}.json").read_text()) for rank in range(world)]
+    return {case: [r[case] for r in ranks] for case in ranks[0]}
+
+
+@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, "layouts"])
+def test_case(outcomes, case):
+    results = outcomes[case]
+    if all(o.startswith("skip: ") for o in results):
+        pytest.skip(results[0][len("skip: "):])
+    failures = [f"rank {rank}:\n{o}" for rank, o in enumerate(results) if o != "ok"]
+    assert not failures, "\n".join(failures)
+
+
+def test_refuses_without_a_process_group():
+    assert not dist.is_initialized()
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="^dmattn: group: expected an initialized torch.distributed process group"):
+        sp.attention(q, q, q)
