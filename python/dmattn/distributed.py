@@ -412,7 +412,7 @@ def attention(
         options = dict(scale=scale, softcap=softcap, causal=causal, sliding_window=sliding_window,
                        keep_window_size=keep_window_size, deterministic=deterministic)
         return _ulysses(q, k, v, mask, bias, group, size, options, return_lse)
-    options = _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic)
+    options = _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic, return_lse)
     _check_ring(q, k, options, size)
     out, lse = _RingAttention.apply(q, k, v, mask, bias, _Ring(group, rank, size), options)
     return (out, lse) if return_lse else out
@@ -433,19 +433,13 @@ def use_sequence_parallel_for_doge(model, *, group=None, mode: str = "ulysses"):
     data parallelism does). Doge's keep_window_size below the sequence length needs
     mode="ulysses". Returns the model.
     """
+    from transformers.models.doge.modeling_doge import DogeAttention
+
     from .integrations import transformers as adapter
 
     _check_mode(mode)
     _process_group(group)
-    forward = adapter._doge_attention_forward
-    if "attention" not in forward.__code__.co_names:
-        raise RuntimeError("dmattn: the Doge adapter no longer calls `attention`; update "
-                           "dmattn.distributed.use_sequence_parallel_for_doge")
-    # The adapter's forward itself, with its `attention` bound to the sequence-parallel one.
-    names = {**vars(adapter), "attention": functools.partial(attention, group=group, mode=mode)}
-    parallel_forward = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__,
-                                          forward.__closure__)
-    parallel_forward.__kwdefaults__ = forward.__kwdefaults__
+    attend = functools.partial(attention, group=group, mode=mode)
 
     def layer_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         if past_key_values is not None:
@@ -453,10 +447,10 @@ def use_sequence_parallel_for_doge(model, *, group=None, mode: str = "ulysses"):
                          type(past_key_values).__name__)
         if kwargs.get("cu_seq_lens_q") is not None:
             raise _error("cu_seq_lens_q", "None (packed sequences cannot be split across ranks)", "a tensor")
-        return parallel_forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+        return adapter.doge_dmattn_forward(self, hidden_states, position_embeddings, attention_mask, attend=attend)
 
     adapter.use_dmattn_for_doge(model)
     for module in model.modules():
-        if getattr(module.forward, "__func__", None) is forward:
+        if isinstance(module, DogeAttention):
             module.forward = types.MethodType(layer_forward, module)
     return model

@@ -115,6 +115,13 @@ def _doge_attention_forward(self, hidden_states: Tensor, position_embeddings, at
     if self.config._attn_implementation != ATTN_IMPLEMENTATION:
         return _stock_doge_attention_forward(self, hidden_states, position_embeddings, attention_mask,
                                              past_key_values, **kwargs)
+    return doge_dmattn_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values)
+
+
+def doge_dmattn_forward(self, hidden_states: Tensor, position_embeddings, attention_mask: Optional[Tensor] = None,
+                        past_key_values=None, attend=attention):
+    """The dmattn forward of a DogeAttention layer; `attend` is the attention function it calls (dmattn's
+    `attention`, or a sequence-parallel one of the same signature)."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     query = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
@@ -133,10 +140,10 @@ def _doge_attention_forward(self, hidden_states: Tensor, position_embeddings, at
     mask, whole = _attention_mask(attention_mask)
     if mask is not None and mask.is_floating_point():
         mask = mask == 0  # as the stock code reads a float mask
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask, bias,
-                    scale=self.scaling, causal=not whole,
-                    sliding_window=None if whole else _sliding_window(self.config.sliding_window),
-                    keep_window_size=self.keep_window_size)
+    out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask, bias,
+                 scale=self.scaling, causal=not whole,
+                 sliding_window=None if whole else _sliding_window(self.config.sliding_window),
+                 keep_window_size=self.keep_window_size)
     return self.o_proj(out.reshape(*input_shape, -1)), None
 
 
