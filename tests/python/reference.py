@@ -58,6 +58,7 @@ def attention(q, k, v, mask=None, bias=None, scale=None, softcap=0.0, causal=Fal
     if bias is not None:
         full_bias = _heads(bias.to(dtype), H).expand(B, H, sq, sk)
         s = s + full_bias
+        allowed = allowed & (full_bias.detach() != -math.inf)  # SPEC §2: a bias of -inf excludes like the mask
         if keep_window_size is not None:
             allowed = topk_selection(full_bias.detach(), allowed, keep_window_size)
     empty_row = ~allowed.any(-1, keepdim=True)
