@@ -126,10 +126,6 @@ def _wait(requests):
         request.wait()
 
 
-def _accumulator_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _shape(t: Optional[Tensor]) -> Optional[List[int]]:
     return None if t is None else list(t.shape)
 
@@ -282,6 +278,10 @@ class _HeadPipeline:
             for j in range(self.size):
                 if j != self.rank:
                     packed = t0.new_empty(batch, length, sum(widths), dim)
+                    if self.side is not None:
+                        # ProcessGroupNCCL lets go of it when the caller's stream waits for the messages: its
+                        # memory must not return to the side stream before that wait.
+                        packed.record_stream(self.main)
                     self._pack(packed, sources, j, chunk)
                     for b in range(batch):
                         ops.append(dist.P2POp(dist.isend, packed[b], group=self.group, group_peer=j, tag=first + b))
@@ -446,6 +446,10 @@ def _ring_block(rank: int, src: int, chunk: int, causal: bool):
     if src < rank:
         return everything, slice(0, chunk), False  # only chunk src precedes our rows (all of it)
     return slice(chunk, None), everything, False  # only our chunk 2P-1-rank sees chunks src, 2P-1-src
+
+
+def _accumulator_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 class _RingAttention(torch.autograd.Function):
