@@ -285,7 +285,8 @@ class _HeadPipeline:
                     self._pack(packed, sources, j, chunk)
                     for b in range(batch):
                         ops.append(dist.P2POp(dist.isend, packed[b], group=self.group, group_peer=j, tag=first + b))
-                        ops.append(dist.P2POp(dist.irecv, received[b, j], group=self.group, group_peer=j, tag=first + b))
+                        ops.append(dist.P2POp(dist.irecv, received[b, j], group=self.group, group_peer=j,
+                                              tag=first + b))
             requests = dist.batch_isend_irecv(ops) if ops else []
         views = [received.narrow(3, sum(widths[:i]), w).flatten(1, 2) for i, w in enumerate(widths)]
         return _Transfer(requests, views, event)
@@ -579,11 +580,10 @@ def _key_only(name: str, t: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[
     return reduced
 
 
-def _ulysses_chunks(q: Tensor, k: Tensor, size: int, head_chunks) -> int:
+def _ulysses_chunks(heads: int, kv_heads: int, size: int, head_chunks) -> int:
     """The number C of head chunks of mode="ulysses": `head_chunks`, checked, or by
     default the largest C up to 4 whose kv heads, replicated to lcm(Hk, P C), leave every
     chunk a whole number of query heads a kv head (H divisible by lcm(Hk, P C))."""
-    heads, kv_heads = q.shape[2], k.shape[2]
     if heads % size:
         raise _error("q.shape[2]", f"a head count divisible by the group size {size} (ulysses splits the heads)", heads)
     if head_chunks is None:
@@ -666,7 +666,8 @@ def attention(
     mask, bias = _key_only("mask", mask, q, k), _key_only("bias", bias, q, k)
     options = _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic, return_lse)
     if mode == "ulysses":
-        pipeline = _HeadPipeline(group, rank, size, _ulysses_chunks(q, k, size, head_chunks), q.device)
+        chunks = _ulysses_chunks(q.shape[2], k.shape[2], size, head_chunks)
+        pipeline = _HeadPipeline(group, rank, size, chunks, q.device)
         return _UlyssesAttention.apply(q, k, v, mask, bias, pipeline, options, return_lse)
     _check_ring(q, k, options, size, head_chunks)
     out, lse = _RingAttention.apply(q, k, v, mask, bias, _Ring(group, rank, size), options)

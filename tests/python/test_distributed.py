@@ -91,7 +91,7 @@ ERRORS = {
                    "dmattn: bias.shape[1]: expected 6 (H), 2 (Hk) or 1"),
     "mode": ("zigzag", None, {}, ValueError, "dmattn: mode: expected 'ulysses' or 'ring', got 'zigzag'"),
     "ulysses_head_chunks": ("ulysses", None, dict(head_chunks=5), ValueError,
-                            "dmattn: head_chunks: expected None or a count C >= 1 with H = 6 divisible by lcm(Hk, P C)"),
+                            "dmattn: head_chunks: expected None or a count C >= 1 with H = 6 divisible by lcm"),
     "ulysses_head_chunks_type": ("ulysses", None, dict(head_chunks=2.0), TypeError,
                                  "dmattn: head_chunks: expected an int, got float"),
     "ring_head_chunks": ("ring", None, dict(head_chunks=2), ValueError,
