@@ -35,7 +35,8 @@ def _step(attention, seq, generator, shard):
     """(peak bytes of one fwd+bwd, bytes the caller holds, what was alive at the peak)."""
     randn = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.bfloat16)  # noqa: E731
     whole = dict(q=randn(B, seq, HEADS, HEAD_DIM), k=randn(B, seq, KV_HEADS, HEAD_DIM),
-                 v=randn(B, seq, KV_HEADS, HEAD_DIM), bias=randn(B, KV_HEADS, 1, seq), dout=randn(B, seq, HEADS, HEAD_DIM))
+                 v=randn(B, seq, KV_HEADS, HEAD_DIM), bias=randn(B, KV_HEADS, 1, seq),
+                 dout=randn(B, seq, HEADS, HEAD_DIM))
     held = {n: shard(t, 3 if n == "bias" else 1).clone() for n, t in whole.items()}
     dout = held.pop("dout")
     leaves = {n: t.requires_grad_() for n, t in held.items()}
