@@ -14,13 +14,16 @@ Layouts (`shard_sequence` and `gather_sequence` convert):
   pair is then full, causal-diagonal with equal lengths, or empty, and every rank
   does the same work.
 
-Ulysses (DeepSpeed-Ulysses): all-to-alls turn the sequence shards of q, k, v, mask
-and bias into head shards of the whole sequence, one local `dmattn.attention` runs
-on H / P heads with every option (top-k included: each rank sees whole rows), and an
-all-to-all turns the output back. H must be divisible by P. When Hk (or the bias's or
-mask's head count) is not, its heads are replicated to lcm(Hk, P) before the
-all-to-all (each kv head is then sent to every rank whose query heads read it) and
-the gradients of the replicas are summed.
+Ulysses (DeepSpeed-Ulysses): the sequence shards of q, k, v, mask and bias become head
+shards of the whole sequence, dmattn runs on them with every option (top-k included:
+each rank sees whole rows), and the output goes back to sequence shards. H must be
+divisible by P. Each rank's heads are cut into C chunks (`head_chunks`), one call of
+dmattn::fwd / dmattn::bwd each, pipelined (`_HeadPipeline`): chunk c + 1's pieces
+arrive and chunk c - 1's results go back while chunk c computes. The kv heads (and
+the bias's or mask's) are replicated to lcm(heads, P C), virtually for k and v, so
+that every chunk is whole kv-head replicas with the query heads that read them; the
+gradients of the replicas are summed. Nothing head-sharded of the size of q is kept
+for the backward, which sends q, k, v, out and dout again.
 
 Ring: the k, v, mask and bias shards travel around the ring (P - 1 hops, each
 overlapped with the attention of the block at hand); each block's (out, lse) is
