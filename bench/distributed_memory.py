@@ -90,10 +90,9 @@ def main():
         one = one or peak + caller
         print(f"  {name}: {(peak + caller) * scale:.2f} ({caller * scale:.2f} held by the caller; "
               f"{(peak + caller) / one:.2f} x one process)")
-    name, peak, caller, at_peak = max(lines[1:], key=lambda line: line[1])
-    print(f"alive at the peak of {name} (GiB at S = {args.bench_seq}, besides the caller's inputs):")
-    for size, what in at_peak[:12]:
-        print(f"  {size * scale:6.3f}  {what}")
+    print(f"largest tensors alive at each peak (GiB at S = {args.bench_seq}, besides the caller's inputs):")
+    for name, _, _, at_peak in lines:
+        print(f"  {name}: " + ", ".join(f"{size * scale:.3f} {what}" for size, what in at_peak[:6]))
 
 
 if __name__ == "__main__":
