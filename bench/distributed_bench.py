@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Sequence-parallel dmattn (dmattn.distributed) on the GPUs of one host, under torchrun.
 
-    torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py check [--seq 2048]
-    torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py time [--seq 131072] [--reps 3]
+    torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py check [--seq 2048] [--head-chunks 8,16]
+    torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py time [--seq 131072] [--reps 3] \
+        [--head-chunks 8,16]
     python3 bench/distributed_bench.py report DIR
 
 Shapes: B=1, 32 query heads, 8 kv heads, D=128, bf16, causal, a key-only bias
 (1, 8, 1, S) in bf16 with a gradient; dense, and with keep_window_size (256 in the
-check, 2048 in the timing). Modes: Ulysses and ring (the ring refuses a keep window
-below the sequence length: that row is recorded as refused).
+check, 2048 in the timing). Modes: Ulysses (its default head chunks, and a row for each
+count in --head-chunks, e.g. 8,16: smaller chunks, less memory) and ring (the ring
+refuses a keep window below the sequence length: that row is recorded as refused).
 
 check: every rank draws the same whole-sequence inputs, runs its shard, and rank 0
 gathers the output and every gradient (dq, dk, dv, dbias) and compares them with a
@@ -43,24 +45,37 @@ MODES = ("ulysses", "ring")
 
 
 def volume(mode, P, S, H=HEADS, Hk=KV_HEADS, D=HEAD_DIM, element=2, bias_heads=KV_HEADS, bias_batch=1,
-           bias_element=2, accumulator=4):
+           bias_element=2, accumulator=4, chunks=1):
     """Bytes each rank sends in one step, (forward, backward), for B=1 q/k/v of `element`
     bytes and a key-only bias (bias_batch, bias_heads, 1, S) with a gradient, no mask.
 
-    Ulysses: every all-to-all sends (P-1)/P of the local tensor; kv and bias heads are
-    replicated to lcm(heads, P) first. Forward q, k, v, bias in and out back; backward
-    dout in and dq, dk, dv, dbias back: the same bytes.
+    Ulysses in `chunks` head chunks: every exchange sends (P-1)/P of what it moves; kv and
+    bias heads are replicated to lcm(heads, P chunks) first. Forward q, k, v and the bias
+    in, out back; backward q, k, v, out and dout in (nothing head-sharded is kept from the
+    forward), dq, dk, dv and dbias back.
     Ring: forward P-1 hops of the k, v, bias shard; backward the same P-1 hops plus P
     hops of the float32 dk, dv and dbias accumulators.
     """
     tokens = B * S // P
     if mode == "ulysses":
-        kv, bias = math.lcm(Hk, P), math.lcm(bias_heads, P)
-        one_way = (P - 1) / P * (tokens * (2 * H + 2 * kv) * D * element + bias_batch * bias * S // P * bias_element)
-        return int(one_way), int(one_way)
+        kv, bias = math.lcm(Hk, P * chunks), math.lcm(bias_heads, P * chunks)
+        f, bias_bytes = (P - 1) / P, bias_batch * bias * S // P * bias_element
+        forward = f * (tokens * (2 * H + 2 * kv) * D * element + bias_bytes)
+        backward = f * (tokens * (4 * H + 4 * kv) * D * element + bias_bytes)
+        return int(forward), int(backward)
     shard = tokens * 2 * Hk * D * element + bias_batch * bias_heads * S // P * bias_element
     grads = tokens * 2 * Hk * D * accumulator + bias_batch * bias_heads * S // P * accumulator
     return (P - 1) * shard, (P - 1) * shard + P * grads
+
+
+def _variants(args):
+    """(mode, head_chunks) of the parallel rows: each mode with its defaults, then Ulysses
+    with each count of --head-chunks."""
+    return [(mode, None) for mode in MODES] + [("ulysses", c) for c in args.head_chunks]
+
+
+def _label(mode, chunks):
+    return mode if chunks is None else f"{mode} C={chunks}"
 
 
 def _setup():
@@ -107,16 +122,16 @@ def check(args):
 
     rank, P, S = dist.get_rank(), dist.get_world_size(), args.seq
     rows = []
-    cases = [(mode, w) for mode in MODES for w in (None, args.keep_window)]
-    for seed, (mode, w) in enumerate(cases):
-        name = f"{mode} {'dense' if w is None else f'w={w}'}"
+    cases = [(mode, chunks, w) for mode, chunks in _variants(args) for w in (None, args.keep_window)]
+    for seed, (mode, chunks, w) in enumerate(cases):
+        name = f"{_label(mode, chunks)} {'dense' if w is None else f'w={w}'}"
         whole = _inputs(torch, S, seed=seed)
         names = ("q", "k", "v", "bias")
         local = {n: sp.shard_sequence(whole[n], 3 if n == "bias" else 1, mode=mode).detach().requires_grad_()
                  for n in names}
         try:
             out = sp.attention(local["q"], local["k"], local["v"], bias=local["bias"], causal=True,
-                               keep_window_size=w, mode=mode)
+                               keep_window_size=w, mode=mode, head_chunks=chunks)
         except NotImplementedError as err:
             rows.append(dict(case=name, refused=str(err)))
             continue
@@ -188,9 +203,9 @@ def time_steps(args):
         label = "dense" if w is None else f"w={w}"
         if rank == 0:
             rows.append(dict(case=f"1 GPU {label}", window=w, seq=S, **singles[w], sent_fwd=0, sent_bwd=0))
-        for mode in MODES:
-            rows.append(_time_parallel(torch, dist, sp, mode, S, w, args.reps) |
-                        dict(case=f"{mode} {label}", window=w, seq=S))
+        for mode, chunks in _variants(args):
+            rows.append(_time_parallel(torch, dist, sp, mode, chunks, S, w, args.reps) |
+                        dict(case=f"{_label(mode, chunks)} {label}", window=w, seq=S))
             if rank == 0:
                 print(_time_line(rows[-1]), flush=True)
     if rank == 0:
@@ -249,7 +264,7 @@ def _single(torch, dmattn, S, args):
     return singles
 
 
-def _time_parallel(torch, dist, sp, mode, S, w, reps):
+def _time_parallel(torch, dist, sp, mode, chunks, S, w, reps):
     P = dist.get_world_size()
     whole = _inputs(torch, S)
     local = {n: sp.shard_sequence(t, 3 if n == "bias" else 1, mode=mode).detach().clone() for n, t in whole.items()}
@@ -257,8 +272,8 @@ def _time_parallel(torch, dist, sp, mode, S, w, reps):
     torch.cuda.empty_cache()
     dout = local.pop("dout")
     leaves = {n: t.requires_grad_() for n, t in local.items()}
-    attention = functools.partial(sp.attention, causal=True, keep_window_size=w, mode=mode)
-    sent_fwd, sent_bwd = volume(mode, P, S)
+    attention = functools.partial(sp.attention, causal=True, keep_window_size=w, mode=mode, head_chunks=chunks)
+    sent_fwd, sent_bwd = volume(mode, P, S, chunks=sp._ulysses_chunks(HEADS, KV_HEADS, P, chunks))
     try:
         _step(attention, leaves, dout)
     except NotImplementedError as err:
@@ -320,13 +335,17 @@ def report(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    chunk_counts = dict(type=lambda text: [int(n) for n in text.split(",") if n], default=[],
+                        help="comma-separated Ulysses head_chunks counts, a row each beside the default's")
     c = commands.add_parser("check")
     c.add_argument("--seq", type=int, default=2048)
     c.add_argument("--keep-window", type=int, default=256)
+    c.add_argument("--head-chunks", **chunk_counts)
     t = commands.add_parser("time")
     t.add_argument("--seq", type=int, default=131072)
     t.add_argument("--keep-window", type=int, default=2048)
     t.add_argument("--reps", type=int, default=3)
+    t.add_argument("--head-chunks", **chunk_counts)
     r = commands.add_parser("report")
     r.add_argument("dir")
     args = parser.parse_args()

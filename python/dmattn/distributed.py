@@ -14,13 +14,16 @@ Layouts (`shard_sequence` and `gather_sequence` convert):
   pair is then full, causal-diagonal with equal lengths, or empty, and every rank
   does the same work.
 
-Ulysses (DeepSpeed-Ulysses): all-to-alls turn the sequence shards of q, k, v, mask
-and bias into head shards of the whole sequence, one local `dmattn.attention` runs
-on H / P heads with every option (top-k included: each rank sees whole rows), and an
-all-to-all turns the output back. H must be divisible by P. When Hk (or the bias's or
-mask's head count) is not, its heads are replicated to lcm(Hk, P) before the
-all-to-all (each kv head is then sent to every rank whose query heads read it) and
-the gradients of the replicas are summed.
+Ulysses (DeepSpeed-Ulysses): the sequence shards of q, k, v, mask and bias become head
+shards of the whole sequence, dmattn runs on them with every option (top-k included:
+each rank sees whole rows), and the output goes back to sequence shards. H must be
+divisible by P. Each rank's heads are cut into C chunks (`head_chunks`), one call of
+dmattn::fwd / dmattn::bwd each, pipelined (`_HeadPipeline`): chunk c + 1's pieces
+arrive and chunk c - 1's results go back while chunk c computes. The kv heads (and
+the bias's or mask's) are replicated to lcm(heads, P C), virtually for k and v, so
+that every chunk is whole kv-head replicas with the query heads that read them; the
+gradients of the replicas are summed. Nothing head-sharded of the size of q is kept
+for the backward, which sends q, k, v, out and dout again.
 
 Ring: the k, v, mask and bias shards travel around the ring (P - 1 hops, each
 overlapped with the attention of the block at hand); each block's (out, lse) is
@@ -39,6 +42,7 @@ Nor does it take a sliding window.
 Packed (varlen) sequences are not split across shards: 3-D q is refused.
 """
 
+import contextlib
 import functools
 import math
 import types
@@ -48,8 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .ops import _broadcast_shape, _common, _reduce
-from .ops import attention as _local_attention
+from .ops import _broadcast_shape, _common, _reduce, checked
 
 __all__ = ["MODES", "attention", "gather_sequence", "shard_sequence", "use_sequence_parallel_for_doge"]
 
@@ -118,12 +121,24 @@ def gather_sequence(x: Tensor, dim: int = 1, *, group=None, mode: str = "ulysses
     return torch.cat(pieces, dim)
 
 
+# --------------------------------------------------------------------------- shared helpers
+
+
+def _wait(requests):
+    for request in requests:
+        request.wait()
+
+
+def _shape(t: Optional[Tensor]) -> Optional[List[int]]:
+    return None if t is None else list(t.shape)
+
+
 # --------------------------------------------------------------------------- Ulysses
 
 
 def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> Tensor:
     """Splits `x` into `size` pieces along scatter_dim, sends piece i to rank i, and
-    concatenates the pieces received along gather_dim in rank order."""
+    concatenates the pieces received along gather_dim in rank order (not differentiable)."""
     pieces = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()
     received = torch.empty_like(pieces)
     dist.all_to_all_single(received, pieces, group=group)
@@ -131,46 +146,275 @@ def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group, size: int) 
     return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
-class _AllToAll(torch.autograd.Function):
-    """`_all_to_all` with autograd: its adjoint is the all-to-all the other way."""
-
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group, size):
-        ctx.dims, ctx.group, ctx.size = (scatter_dim, gather_dim), group, size
-        return _all_to_all(x, scatter_dim, gather_dim, group, size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group, ctx.size), None, None, None, None
+def _replicas(heads: int, parts: int) -> int:
+    """How many times `_replicate_heads` replicates each of `heads` heads for `parts` shares."""
+    return parts // math.gcd(heads, parts)
 
 
-def _heads_to_split(t: Tensor, dim: int, size: int) -> Tensor:
-    """Replicates the heads (dim `dim`) of `t` to lcm(heads, size), each head h
+def _replicate_heads(t: Tensor, dim: int, parts: int) -> Tensor:
+    """Replicates the heads (dim `dim`) of `t` to lcm(heads, parts), each head h
     becoming heads h * r ... h * r + r - 1: query head i still reads head
-    i // (H / heads), and every rank's share of the heads is whole."""
-    heads = t.shape[dim]
-    repeat = size // math.gcd(heads, size)
+    i // (H / heads) (H a multiple of lcm(heads, parts)), and each of `parts` equal
+    shares of the heads is whole."""
+    repeat = _replicas(t.shape[dim], parts)
     return t.repeat_interleave(repeat, dim=dim) if repeat > 1 else t
 
 
-def _ulysses(q, k, v, mask, bias, group, size, options, return_lse):
-    if q.shape[2] % size:
-        raise _error("q.shape[2]", f"a head count divisible by the group size {size} (ulysses splits the heads)",
-                     q.shape[2])
+def _sum_replicas(t: Tensor, dim: int, heads: int) -> Tensor:
+    """The gradient of the `heads` heads that `_replicate_heads` replicated to t.shape[dim]."""
+    return t if t.shape[dim] == heads else t.unflatten(dim, (heads, -1)).sum(dim + 1)
 
-    def seq_to_heads(t, scatter_dim, gather_dim):
-        return _AllToAll.apply(t, scatter_dim, gather_dim, group, size)
 
-    q_h = seq_to_heads(q, 2, 1)
-    k_h, v_h = (seq_to_heads(_heads_to_split(t, 2, size), 2, 1) for t in (k, v))
-    if mask is not None:
-        mask = seq_to_heads(_heads_to_split(mask, 1, size).view(torch.uint8), 1, 3).view(torch.bool)
-    if bias is not None:
-        bias = seq_to_heads(_heads_to_split(bias, 1, size), 1, 3)
-    out, lse = _local_attention(q_h, k_h, v_h, mask, bias, return_lse=True, **options)
-    out = seq_to_heads(out, 1, 2)
-    return (out, seq_to_heads(lse, 2, 1)) if return_lse else out
+def _chunk_heads(t: Optional[Tensor], chunk: int, chunks: int) -> Optional[Tensor]:
+    """Chunk `chunk` of `chunks` equal chunks of the heads (dim 1) of a head-layout mask or bias."""
+    if t is None:
+        return None
+    width = t.shape[1] // chunks
+    return t.narrow(1, chunk * width, width)
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: int):
+    return torch.cuda.Stream(device=device)
+
+
+class _Transfer:
+    """Messages under way. `wait` (once) makes the current stream (the host on the CPU)
+    wait for them and for `event`, runs `finish`, returns `tensors` and lets go of all."""
+
+    def __init__(self, requests, tensors=(), event=None, finish=None):
+        self.requests, self.tensors, self.event, self.finish = requests, tensors, event, finish
+
+    def wait(self):
+        _wait(self.requests)
+        if self.event is not None:
+            self.event.wait()
+        if self.finish is not None:
+            self.finish()
+        tensors = self.tensors
+        self.requests, self.tensors, self.event, self.finish = [], (), None, None
+        return tensors
+
+
+def _runs(first: int, width: int, repeat: int):
+    """The replicated heads first ... first + width - 1 of a tensor whose head h stands for
+    the replicas h * repeat ... h * repeat + repeat - 1, as runs (offset among them,
+    original head, original heads, replicas of each)."""
+    offset = 0
+    while offset < width:
+        head, skip = divmod(first + offset, repeat)
+        whole = 0 if skip else (width - offset) // repeat
+        replicas = repeat if whole else min(repeat - skip, width - offset)
+        yield offset, head, max(whole, 1), replicas
+        offset += max(whole, 1) * replicas
+
+
+class _HeadPipeline:
+    """Moves chunks of heads between the sequence layout every rank holds, (B, L, heads, D)
+    with L = S / P, and the head layout one dmattn call takes, (B, S, w, D). Tensors come
+    as (tensor, repeat): its heads stand for heads * repeat replicated heads
+    (`_replicate_heads`' order), never materialised: packing copies each head into its
+    replicas, and the replicas' gradients are summed into it as they arrive. Chunk c of
+    such a tensor is, on rank j, replicated heads (j C + c) w ... (j C + c + 1) w - 1,
+    w = heads * repeat / (P C). `run` pipelines the chunks: chunk c + 1 arrives and chunk
+    c - 1 goes back while chunk c is computed.
+
+    Point-to-point messages (batch_isend_irecv: one per batch row, peer and tensor), each
+    a contiguous block, so that a message goes out of or into its final place: received
+    pieces are (B, P, L, w, D) buffers, the (B, S, w, D) view of which the dmattn call
+    reads; results go out of the call's own (B, S, w, D) outputs. Only the packing of the
+    pieces sent (and of the rank's own piece) and the unpacking of the pieces received
+    are copies. On CUDA those copies and the messages run on a side stream, ordered with
+    the caller's stream by events; on the CPU (gloo) the messages overlap the calls."""
+
+    def __init__(self, group, rank: int, size: int, chunks: int, device: torch.device):
+        self.group, self.rank, self.size, self.chunks, self.device = group, rank, size, chunks, device
+        self.main = self.side = None  # CUDA streams: the caller's (set by `run`) and the side stream
+        self.messages = 0  # tags: every rank numbers the messages of a call alike
+
+    def _on_side(self):
+        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+
+    def _tags(self, count: int) -> int:
+        first, self.messages = self.messages, self.messages + count
+        return first
+
+    def _heads(self, t: Tensor, repeat: int, rank: int, chunk: int) -> Tuple[int, int]:
+        """(first replicated head, count) of chunk `chunk` of t's heads on rank `rank`."""
+        width = t.shape[2] * repeat // (self.size * self.chunks)
+        return (rank * self.chunks + chunk) * width, width
+
+    def _pack(self, into: Tensor, sources, rank: int, chunk: int):
+        """into (B, L, sum of widths, D) <- chunk `chunk` of every source for rank `rank`."""
+        start = 0
+        for t, repeat in sources:
+            first, width = self._heads(t, repeat, rank, chunk)
+            for offset, head, heads, replicas in _runs(first, width, repeat):
+                place = into.narrow(2, start + offset, heads * replicas).unflatten(2, (heads, replicas))
+                place.copy_(t.narrow(2, head, heads).unsqueeze(3))
+            start += width
+
+    def _unpack(self, target: Tensor, repeat: int, rank: int, chunk: int, piece: Tensor):
+        """Chunk `chunk` of target's heads on rank `rank` <- piece (B, L, w, D), replicas summed
+        into their head (target zero-initialised where repeat > 1)."""
+        first, width = self._heads(target, repeat, rank, chunk)
+        for offset, head, heads, replicas in _runs(first, width, repeat):
+            part, place = piece.narrow(2, offset, heads * replicas), target.narrow(2, head, heads)
+            if repeat == 1:
+                place.copy_(part)
+            else:
+                place.add_(part.unflatten(2, (heads, replicas)).sum(3))
+
+    def _scatter(self, chunk: int, sources) -> _Transfer:
+        """Starts sending chunk `chunk` of the sequence-layout `sources`; waiting on the
+        transfer gives their head-layout views."""
+        t0 = sources[0][0]
+        batch, length, dim = t0.shape[0], t0.shape[1], t0.shape[3]
+        widths = [self._heads(t, repeat, self.rank, chunk)[1] for t, repeat in sources]
+        first, ops, event = self._tags(batch), [], None
+        with self._on_side():
+            received = t0.new_empty(batch, self.size, length, sum(widths), dim)
+            self._pack(received[:, self.rank], sources, self.rank, chunk)
+            if self.side is not None:
+                event = self.side.record_event()
+                received.record_stream(self.main)
+            for j in range(self.size):
+                if j != self.rank:
+                    packed = t0.new_empty(batch, length, sum(widths), dim)
+                    if self.side is not None:
+                        # ProcessGroupNCCL lets go of it when the caller's stream waits for the messages: its
+                        # memory must not return to the side stream before that wait.
+                        packed.record_stream(self.main)
+                    self._pack(packed, sources, j, chunk)
+                    for b in range(batch):
+                        ops.append(dist.P2POp(dist.isend, packed[b], group=self.group, group_peer=j, tag=first + b))
+                        ops.append(dist.P2POp(dist.irecv, received[b, j], group=self.group, group_peer=j,
+                                              tag=first + b))
+            requests = dist.batch_isend_irecv(ops) if ops else []
+        views = [received.narrow(3, sum(widths[:i]), w).flatten(1, 2) for i, w in enumerate(widths)]
+        return _Transfer(requests, views, event)
+
+    def _gather(self, chunk: int, outputs: List[Tensor], targets) -> _Transfer:
+        """Starts sending the head-layout `outputs` (B, S, w, D) of chunk `chunk` back, once
+        the caller's stream has computed them; waiting on the transfer on the side stream
+        puts what arrived into the sequence-layout `targets`."""
+        batch, length = targets[0][0].shape[:2]
+        first, ops, arrived = self._tags(len(outputs) * batch), [], []
+        if self.side is not None:
+            self.side.wait_stream(self.main)
+        with self._on_side():
+            for i, (x, (target, repeat)) in enumerate(zip(outputs, targets)):
+                if self.side is not None:
+                    x.record_stream(self.side)
+                rows = x.unflatten(1, (self.size, length))
+                self._unpack(target, repeat, self.rank, chunk, rows[:, self.rank])
+                for j in range(self.size):
+                    if j != self.rank:
+                        buffer = x.new_empty(batch, length, *x.shape[2:])
+                        arrived.append((target, repeat, j, buffer))
+                        for b in range(batch):
+                            tag = first + i * batch + b
+                            ops.append(dist.P2POp(dist.isend, rows[b, j], group=self.group, group_peer=j, tag=tag))
+                            ops.append(dist.P2POp(dist.irecv, buffer[b], group=self.group, group_peer=j, tag=tag))
+            requests = dist.batch_isend_irecv(ops) if ops else []
+
+        def finish():
+            for target, repeat, j, buffer in arrived:
+                self._unpack(target, repeat, j, chunk, buffer)
+
+        return _Transfer(requests, finish=finish)
+
+    def run(self, sources, compute, targets):
+        """For every chunk c: compute(c, *chunk c of sources in the head layout) on the
+        caller's stream, its outputs (B, S, w, D) put into chunk c of targets. Sources and
+        targets are (tensor, repeat) pairs."""
+        if self.device.type == "cuda":
+            self.main, self.side = torch.cuda.current_stream(self.device), _side_stream(self.device.index)
+            self.side.wait_stream(self.main)
+        # Buffers held at a time: chunk c's received pieces, chunk c + 1's received and sent
+        # pieces, chunk c's results and the pieces of them that arrive.
+        incoming, returning = self._scatter(0, sources), None
+        for c in range(self.chunks):
+            if returning is not None:
+                with self._on_side():
+                    returning.wait()  # chunk c - 1 is home and its buffers free
+            views = incoming.wait()  # chunk c's sent pieces free
+            incoming = self._scatter(c + 1, sources) if c + 1 < self.chunks else None
+            outputs = compute(c, *views)
+            del views
+            returning = self._gather(c, outputs, targets)
+            del outputs
+        with self._on_side():
+            returning.wait()
+        if self.main is not None:
+            self.main.wait_stream(self.side)
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    """Ulysses over a `_HeadPipeline` of C chunks: k, v and a key-only mask and bias have
+    their heads replicated to lcm(heads, P C) (`_replicate_heads`), so that each of the
+    P C chunks of the heads is a whole group of kv heads or a whole share of one kv
+    head's query heads, and every chunk is one call of dmattn::fwd / dmattn::bwd on the
+    whole sequence (a row's top-k is chosen per bias head over every key: the one-process
+    selection). Saved for the backward: the caller's sequence shards (q, k, v, the
+    output), the head-layout mask and bias (one value a key and head) and the chunks'
+    lse; the backward sends q, k, v, out and dout over again instead of keeping
+    head-layout copies. The gradients of replicated heads are summed. `options` is
+    dmattn::fwd's option tuple; mask and bias are key-only and in their reduced shape."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, bias, pipeline, options, return_lse):
+        group, size, chunks = pipeline.group, pipeline.size, pipeline.chunks
+        parts = size * chunks
+        mask_h = bias_h = None
+        if mask is not None:
+            mask_h = _all_to_all(_replicate_heads(mask, 1, parts).view(torch.uint8), 1, 3, group, size).view(torch.bool)
+        if bias is not None:
+            bias_h = _all_to_all(_replicate_heads(bias, 1, parts), 1, 3, group, size)
+        out, lses = q.new_empty(q.shape), []
+
+        def attend(c, q_c, k_c, v_c):
+            mask_c, bias_c = _chunk_heads(mask_h, c, chunks), _chunk_heads(bias_h, c, chunks)
+            out_c, lse_c = torch.ops.dmattn.fwd(q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), *options)
+            lses.append(lse_c)
+            return [out_c]
+
+        repeat = _replicas(k.shape[2], parts)
+        pipeline.run([(q, 1), (k, repeat), (v, repeat)], attend, [(out, 1)])
+        ctx.save_for_backward(q, k, v, out, mask_h, bias_h, *lses)
+        ctx.pipeline, ctx.options = pipeline, options
+        ctx.bias_heads = None if bias is None else bias.shape[1]
+        if not return_lse:
+            return out
+        lse = _all_to_all(torch.cat(lses, 1), 2, 1, group, size)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, *_dlse):
+        q, k, v, out, mask_h, bias_h, *lses = ctx.saved_tensors
+        pipeline, options = ctx.pipeline, ctx.options
+        group, size, chunks = pipeline.group, pipeline.size, pipeline.chunks
+        bias_grad = bias_h is not None and ctx.needs_input_grad[4]
+        repeat = _replicas(k.shape[2], size * chunks)
+        dq = q.new_empty(q.shape)
+        dk, dv = ((t.new_empty if repeat == 1 else t.new_zeros)(t.shape) for t in (k, v))
+        dbias_h = []
+
+        def differentiate(c, q_c, k_c, v_c, out_c, dout_c):
+            mask_c, bias_c = _chunk_heads(mask_h, c, chunks), _chunk_heads(bias_h, c, chunks)
+            dq_c, dk_c, dv_c, dbias_c = torch.ops.dmattn.bwd(
+                dout_c, q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), out_c, lses[c], *options,
+                bias_grad)
+            dbias_h.append(dbias_c)
+            return [dq_c, dk_c, dv_c]
+
+        pipeline.run([(q, 1), (k, repeat), (v, repeat), (out, 1), (dout, 1)], differentiate,
+                     [(dq, 1), (dk, repeat), (dv, repeat)])
+        dbias = None
+        if bias_grad:
+            dbias = _sum_replicas(_all_to_all(torch.cat(dbias_h, 1), 3, 1, group, size), 1, ctx.bias_heads)
+        return dq, dk, dv, None, dbias, None, None, None
 
 
 # --------------------------------------------------------------------------- ring
@@ -193,11 +437,6 @@ class _Ring:
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for tag, t in enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for tag, t in enumerate(received)]
         return received, dist.batch_isend_irecv(ops)
-
-
-def _wait(requests):
-    for request in requests:
-        request.wait()
 
 
 def _ring_block(rank: int, src: int, chunk: int, causal: bool):
@@ -300,10 +539,6 @@ def _ring_operands(travelling, has_mask, has_bias, cols):
     return k[:, cols], v[:, cols], mask, bias
 
 
-def _shape(t: Optional[Tensor]) -> Optional[List[int]]:
-    return None if t is None else list(t.shape)
-
-
 def _block_dout(dout: Tensor, lse_b: Tensor, lse: Tensor) -> Tensor:
     """dout * exp(lse_b - lse) per row (0 where lse_b = -inf): given it with the merged
     out and its own lse_b, dmattn's backward of a block computes
@@ -348,7 +583,24 @@ def _key_only(name: str, t: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[
     return reduced
 
 
-def _check_ring(q: Tensor, k: Tensor, options, size: int):
+def _ulysses_chunks(heads: int, kv_heads: int, size: int, head_chunks) -> int:
+    """The number C of head chunks of mode="ulysses": `head_chunks`, checked, or by
+    default the largest C up to 4 whose kv heads, replicated to lcm(Hk, P C), leave every
+    chunk a whole number of query heads a kv head (H divisible by lcm(Hk, P C))."""
+    if heads % size:
+        raise _error("q.shape[2]", f"a head count divisible by the group size {size} (ulysses splits the heads)", heads)
+    if head_chunks is None:
+        return max(n for n in range(1, 5) if heads % math.lcm(kv_heads, size * n) == 0)
+    head_chunks = checked("head_chunks", head_chunks, int)
+    if head_chunks < 1 or heads % math.lcm(kv_heads, size * head_chunks):
+        raise _error("head_chunks", f"None or a count C >= 1 with H = {heads} divisible by lcm(Hk, P C) = "
+                     f"lcm({kv_heads}, {size} C) (whole query heads to a kv head in each chunk)", head_chunks)
+    return head_chunks
+
+
+def _check_ring(q: Tensor, k: Tensor, options, size: int, head_chunks):
+    if head_chunks is not None:
+        raise _error("head_chunks", "None with mode='ring' (it chunks the heads of mode='ulysses')", head_chunks)
     if q.shape[1] % 2:
         raise _error("q.shape[1]", f"a local sequence length divisible by 2 (ring: the sequence splits into 2 x {size} "
                      "zigzag chunks)", q.shape[1])
@@ -381,6 +633,7 @@ def attention(
     keep_window_size: Optional[int] = None,
     deterministic: bool = False,
     return_lse: bool = False,
+    head_chunks: Optional[int] = None,
 ):
     """Sequence-parallel `dmattn.attention` over the ranks of `group`.
 
@@ -397,6 +650,12 @@ def attention(
         mode: "ulysses" (H divisible by the group size; every option) or "ring"
             (Sk_local == S_local, even; no sliding window, no keep window below the
             sequence length).
+        head_chunks: "ulysses" only: the number C of chunks each rank's heads are cut
+            into, one dmattn call each; the all-to-alls of one chunk overlap the
+            attention of the next, and the buffers in use at a time shrink with C.
+            The kv heads (and a key-only mask's and bias's) are replicated to
+            lcm(heads, P C), so H must be divisible by lcm(Hk, P C). Default: the
+            largest such C up to 4.
         Other options as in `dmattn.attention`; `causal` and `sliding_window` apply to
         the whole sequence.
 
@@ -408,12 +667,12 @@ def attention(
     group, rank, size = _process_group(group)
     _check_tokens(q, k, v, group)
     mask, bias = _key_only("mask", mask, q, k), _key_only("bias", bias, q, k)
-    if mode == "ulysses":
-        options = dict(scale=scale, softcap=softcap, causal=causal, sliding_window=sliding_window,
-                       keep_window_size=keep_window_size, deterministic=deterministic)
-        return _ulysses(q, k, v, mask, bias, group, size, options, return_lse)
     options = _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic, return_lse)
-    _check_ring(q, k, options, size)
+    if mode == "ulysses":
+        chunks = _ulysses_chunks(q.shape[2], k.shape[2], size, head_chunks)
+        pipeline = _HeadPipeline(group, rank, size, chunks, q.device)
+        return _UlyssesAttention.apply(q, k, v, mask, bias, pipeline, options, return_lse)
+    _check_ring(q, k, options, size, head_chunks)
     out, lse = _RingAttention.apply(q, k, v, mask, bias, _Ring(group, rank, size), options)
     return (out, lse) if return_lse else out
 
