@@ -115,7 +115,7 @@ def _stream(q: Tensor) -> int:
 def _dl(t):
     """A DLPack capsule of tensor t (anything else, e.g. None, as it is), from torch's C exporter. Handed
     the tensor itself, nanobind calls Tensor.__dlpack__, whose stream handshake (Python: 3 to 5 us a
-    tensor on an H100 host, docs/topk-gpu.md) the core does not need: it runs on the stream it is given."""
+    tensor on an H100 host, docs/kernels.md) the core does not need: it runs on the stream it is given."""
     return to_dlpack(t.detach()) if isinstance(t, Tensor) else t
 
 

@@ -701,7 +701,7 @@ __global__ void __launch_bounds__(kThreads) count_pieces(const GroupParams p, st
 // from the segment's first row to its end; a strip's ends stay close and its
 // groups each take a third of its starts. Fill of the dk/dv walk at S =
 // 16384, w = 1024, uniform key bias, no segments: 0.622 (end) -> 0.705 (strips
-// of 3; 2 and 4 close, 8 back to 0.62: docs/topk-gpu.md).
+// of 3; 2 and 4 close, 8 back to 0.62: docs/kernels.md).
 constexpr int kStripGroups = 3;
 
 // One CTA of kBlock threads per (strip, slice and segment v): kStripGroups
