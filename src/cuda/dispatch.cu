@@ -137,19 +137,12 @@ bool vector_loads(const Operand& t) {
   return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 && t.sb % 8 == 0 && t.sh % 8 == 0 && t.sr % 8 == 0;
 }
 
-// The bias as a launch reads it (BiasKind), from its strides.
-BiasKind bias_kind_of(const Operand& bias) {
-  if (!bias.present()) return BiasKind::kNone;
-  if (bias.sr == 0) return BiasKind::kKeyOnly;
-  return bias.sc == 0 ? BiasKind::kPerRow : BiasKind::kFull;
-}
-
 // The forward's key-only bias loads a tile's keys as 16-byte chunks
 // (ForwardParams::vector_bias): consecutive keys, 16-byte aligned rows and
 // sequences of whole chunks (8 keys cover one of either bias dtype).
 bool vector_key_bias(const Problem& p, const AttentionParams& params) {
   const Operand& b = params.bias;
-  if (params.bias_kind != BiasKind::kKeyOnly || b.sc != 1 || p.varlen() || p.seqlen_k % 8 != 0) return false;
+  if (params.bias_kind() != BiasKind::kKeyOnly || b.sc != 1 || p.varlen() || p.seqlen_k % 8 != 0) return false;
   const auto per_chunk = static_cast<std::int64_t>(16 / dtype_size(b.dtype));
   return reinterpret_cast<std::uintptr_t>(b.data) % 16 == 0 && b.sb % per_chunk == 0 && b.sh % per_chunk == 0;
 }
@@ -213,7 +206,7 @@ DeviceSelection::Mode selection_of(const Problem& p) {
 bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device) {
   using Config = ForwardSm90Config<cutlass::half_t, kForwardSm90HeadDim>;
   const ForwardParams& p = plan.params;
-  const BiasKind bias = p.bias_kind;
+  const BiasKind bias = p.bias_kind();
   return device.sm90a && i.head_dim == kForwardSm90HeadDim && p.head_dim == kForwardSm90HeadDim &&
          plan.kernel == ForwardKernel::kSm80 && plan.block_m == Config::kBlockM && p.num_splits == 1 &&
          !plan.key_lists && p.cu_seqlens_q == nullptr && p.vector_q && p.vector_k && p.vector_v &&
@@ -232,7 +225,7 @@ bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceI
                                                              : plan.selection == DeviceSelection::kIntervals;
   return device.sm90a && i.head_dim == kDkvSm90HeadDim && p.head_dim == kDkvSm90HeadDim && p.atomic_dq && walk &&
          p.softcap == 0.0f && p.cu_seqlens_q == nullptr &&
-         (p.bias_kind == BiasKind::kNone || p.bias_kind == BiasKind::kKeyOnly) &&
+         (p.bias_kind() == BiasKind::kNone || p.bias_kind() == BiasKind::kKeyOnly) &&
          (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k &&
          p.vector_v && p.vector_dout && Config::kSmemBytes <= device.smem_optin &&
          tma_addressable(p.q, plan.batch, p.heads, p.seqlen_q) && tma_addressable(p.dout, plan.batch, p.heads, p.seqlen_q);
@@ -264,7 +257,6 @@ ForwardPlan plan_forward(const Problem& p) {
   set_attention_params(p, params);
   params.heads = static_cast<int>(fold_query_heads(p, params));
   params.batch = static_cast<int>(p.batch);
-  params.bias_kind = bias_kind_of(params.bias);
   params.vector_q = vector_loads(params.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
   params.vector_bias = vector_key_bias(p, params);
   // No keys: nothing to mask or select, every row empty.
@@ -307,7 +299,6 @@ BackwardPlan plan_backward(const Problem& p) {
 
   BackwardParams& params = plan.params;
   set_attention_params(p, params);
-  params.bias_kind = bias_kind_of(params.bias);
   params.dout = p.dout, params.dq = p.dq, params.dk = p.dk, params.dv = p.dv, params.dbias = p.dbias;
   params.heads = static_cast<int>(p.heads);
   params.vector_q = vector_loads(p.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);

@@ -13,11 +13,11 @@
 
 namespace dmattn::cuda {
 
-// What a bias varies along as a launch reads it, derived once by the dispatch
-// from the launch's strides (a decode's folded rows included): kKeyOnly, one
+// What a bias varies along as a launch reads it (AttentionParams::bias_kind,
+// from the launch's strides, a decode's folded rows included): kKeyOnly, one
 // value per key shared by every row (row stride 0: a (B, H, 1, Sk) bias);
 // kPerRow, one value per row (key stride 0); kFull, both vary.
-enum class BiasKind : std::uint8_t { kNone, kKeyOnly, kPerRow, kFull };
+enum class BiasKind { kNone, kKeyOnly, kPerRow, kFull };
 
 // What the forward and the backward kernels share of a validated Problem. Token
 // operands are indexed (b, head, global row, feature); mask and bias (b, operand
@@ -25,7 +25,6 @@ enum class BiasKind : std::uint8_t { kNone, kKeyOnly, kPerRow, kFull };
 struct AttentionParams {
   Operand q, k, v, out, lse, mask, bias;
   bool bias_float32 = false;
-  BiasKind bias_kind = BiasKind::kNone;
   // Query head h reads kv head h / group, mask head h / mask_group, bias head h / bias_group.
   int group = 1, mask_group = 1, bias_group = 1;
   int head_dim = 0;
@@ -48,6 +47,14 @@ struct AttentionParams {
   // the forward's head h is kv head h, its row i query head h * topk_fold + i
   // at query row 0; the top-k lists then have a slice per (b, kv head). 1: not folded.
   int topk_fold = 1;
+
+  // The bias kind, defined here once for the dispatch and the kernels.
+  DMATTN_HOST_DEVICE bool key_only_bias() const { return bias.data != nullptr && bias.sr == 0; }
+  DMATTN_HOST_DEVICE BiasKind bias_kind() const {
+    if (bias.data == nullptr) return BiasKind::kNone;
+    if (key_only_bias()) return BiasKind::kKeyOnly;
+    return bias.sc == 0 ? BiasKind::kPerRow : BiasKind::kFull;
+  }
 };
 
 // Key lists of a mask and/or a top-k selection, for the forward and for the

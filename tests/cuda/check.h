@@ -16,21 +16,15 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "dmattn/dmattn.h"
+#include "device.h"
 #include "reference.h"
-#include "tensor.h"
 
 namespace dmattn_gpu_test {
-
-using dmattn::DType;
-using dmattn_test::HostTensor;
-using dmattn_test::Layout;
-using dmattn_test::Rng;
-using dmattn_test::Shape;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 

@@ -162,9 +162,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   } else if constexpr (kKeyRows) {  // query i sees key j iff i + offset - left <= j <= i + offset (+ right)
     const QueryRange range = queries_of_keys(p.band, offset, sq, row0, row_last);
     col_lo = range.first, col_hi = range.end;
-  } else {
-    const KeyRange range = keys_of_queries(p.band, offset, sk, row0, row_last);
-    col_lo = range.first, col_hi = range.end;
+  } else {  // keys_of_queries written out (the call compiles to other SASS here)
+    if (p.band.left >= 0) col_lo = max(col_lo, row0 + offset - p.band.left);
+    if (p.band.causal) col_hi = min(col_hi, row_last + offset + 1);
+    if (p.band.right >= 0) col_hi = min(col_hi, row_last + offset + p.band.right + 1);
   }
   const int first = col_hi > col_lo ? static_cast<int>(col_lo / kStep) : 0;
   const int span = col_hi > col_lo ? static_cast<int>((col_hi + kStep - 1) / kStep) - first : 0;
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   int key_bias_head = -1;
   int rows_head = -1;  // the selection head of own_rows (dk/dv, key groups)
   float key_bias_now = 0.0f, key_bias_next = 0.0f;
-  const bool key_only_bias = p.bias_kind == BiasKind::kKeyOnly;
+  const bool key_only_bias = p.key_only_bias();
   // dq by atomics: the dk/dv kernel adds dS^T K of each step into dq_acc; the dq
   // kernel only recomputes the row statistics where they need it.
   constexpr bool kDqAtomic = kKeyRows && Config::kAtomicDq;  // the code is there; dq_acc turns it on
@@ -398,7 +399,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     const bool whole = lists || key_groups ||
                        (!thresholds && mask_full && q0 + kQ <= sq && k0 + kK <= sk &&
                         band_covers(p.band, offset, q0, q0 + kQ - 1, k0, k0 + kK - 1));
-    const bool staged = !whole || (has_bias && !key_only_bias) ||
+    const bool staged = !whole || (has_bias && p.bias.sr != 0) ||
                         (kKeyRows && !stats_only && p.bias_grad == BiasGrad::kPerElement);
     const bool key_bias = !staged && has_bias;
     const std::int64_t bias_rows = b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + seq.ks * p.bias.sc;
@@ -659,7 +660,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const int my_row[2] = {get<0>(cS(make_coord(make_coord(0, 0), 0, 0))), get<0>(cS(make_coord(make_coord(0, 1), 0, 0)))};
   bool my_store[2] = {true, true};
   constexpr int kAccN = decltype(size<2>(acc_a))::value;
-  // f(e, feature) for the thread's accumulator elements e of row `half`.
+  // f(e, feature) for the thread's accumulator elements e of row `half` (a
+  // key's pieces; the stores below keep their loop: as a call, the bf16 dq
+  // kernel's SASS changes).
   const auto for_each_feature = [&](int half, auto&& f) {
 #pragma unroll
     for (int nn = 0; nn < kAccN; ++nn)
@@ -676,9 +679,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       const int row = my_row[half];
       const std::int64_t at = kKeyRows ? own_keys[row] : (row0 + row < own_len ? row0 + row : -1);  // dk/dv: by key
       if (at < 0 || !my_store[half]) continue;
-      for_each_feature(half, [&](auto e, int col) {
-        if (col < d) dst[at * o.sr + col] = static_cast<Element>(acc(e) * factor);
-      });
+#pragma unroll
+      for (int nn = 0; nn < kAccN; ++nn)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const auto e = make_coord(make_coord(c, half), 0, nn);
+          const int col = feature0 + get<1>(cO(e));
+          if (col < d) dst[at * o.sr + col] = static_cast<Element>(acc(e) * factor);
+        }
     }
   };
   if constexpr (kKeyRows) {

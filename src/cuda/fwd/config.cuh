@@ -62,7 +62,6 @@ struct ForwardSm90Config {
   static constexpr int kBlockM = kForwardSm90BlockM;  // query rows a CTA, 64 a warpgroup
   static constexpr int kBlockN = kForwardSm90BlockN;  // keys a tile
   static constexpr int kThreads = 256;
-  static_assert(kHeadDim == kForwardSm90HeadDim, "tiles sized for head dim 128");
 
   using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
   using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
@@ -84,6 +83,7 @@ struct ForwardSm90Config {
   static constexpr int kBarriersAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
   static constexpr int kSmemBytes = kBarriersAt + 5 * 8;
   static_assert(kBlockM == kBlockN, "Q and K / V tiles share their TMA box");
+  static_assert(kHeadDim == kForwardSm90HeadDim, "tiles sized for head dim 128");
 };
 
 // The TMA descriptors of Q, K and V: (feature, row, head, batch), boxes of 64

@@ -135,7 +135,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   // row) and is converted where S = Q K^T takes it.
   float* const s_bias = reinterpret_cast<float*>(s_bits + kStages * kBlockM);
   int* const s_keys = reinterpret_cast<int*>(s_bias + kStages * kBlockN);
-  const bool key_bias = p.bias_kind == BiasKind::kKeyOnly, bias_chunks = kStages > 2 && key_bias && p.vector_bias && !has_mask;
+  // key_bias: AttentionParams::key_only_bias written out (the call compiles to other SASS here).
+  const bool key_bias = has_bias && p.bias.sr == 0, bias_chunks = kStages > 2 && key_bias && p.vector_bias && !has_mask;
   const bool extras_needed = has_mask || (has_bias && !bias_chunks);
   // The bias is held as its raw bits (float32 or Element) until the store: a
   // conversion next to the load would wait there for it, before S = Q K^T.
@@ -358,10 +359,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
             for (int c = 0; c < 2; ++c)
               if (!((allowed >> (8 * nn + c)) & 1)) acc_s(make_coord(c, half), m, nn) = -kInf;
         }
-    } else if (!(col0 + kBlockN <= sk && band_covers(p.band, offset, row0, row_last, col0, col0 + kBlockN - 1))) {
+    } else if (!(col0 + kBlockN <= sk && (!p.band.causal || col0 + kBlockN - 1 <= row0 + offset) &&
+                 (p.band.left < 0 || col0 >= row_last + offset - p.band.left) &&
+                 (p.band.right < 0 || col0 + kBlockN - 1 <= row0 + offset + p.band.right))) {
+      // band_covers and TileBand, written out: the calls compile to other SASS here.
       const int cols = clamp_to_tile(sk - col0);
-      const TileBand band(p.band, offset, row0, col0);
-      const int lo = band.lo, hi = band.hi;
+      const int lo = p.band.left < 0 ? -kTileFar : clamp_to_tile(row0 + offset - col0 - p.band.left);
+      int hi = p.band.causal ? clamp_to_tile(row0 + offset - col0) : kTileFar;
+      if (p.band.right >= 0) hi = min(hi, clamp_to_tile(row0 + offset - col0 + p.band.right));
 #pragma unroll
       for (int m = 0; m < size<1>(acc_s); ++m)
 #pragma unroll
