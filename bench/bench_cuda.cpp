@@ -270,6 +270,8 @@ int bench(bool topk_only, bool wide_only, bool dense_only) {
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, 0), "properties");
   std::printf("device: %s\n", prop.name);
+  return 0;
+}
 
 }  // namespace
 

@@ -10,6 +10,7 @@
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,10 @@
 #include "device.h"
 
 namespace dmattn_gpu_test {
+
+// GoogleTest prints a case by its name.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 namespace {
 
 // One generator for the process: fresh inputs every run, the seed printed once.

@@ -399,6 +399,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     const bool whole = lists || key_groups ||
                        (!thresholds && mask_full && q0 + kQ <= sq && k0 + kK <= sk &&
                         band_covers(p.band, offset, q0, q0 + kQ - 1, k0, k0 + kK - 1));
+    // (has_bias && !key_only_bias, written out: the SASS stays the hand-tuned one.)
     const bool staged = !whole || (has_bias && p.bias.sr != 0) ||
                         (kKeyRows && !stats_only && p.bias_grad == BiasGrad::kPerElement);
     const bool key_bias = !staged && has_bias;

@@ -59,6 +59,19 @@ DMATTN_HOST_DEVICE inline KeyRange keys_of_queries(const Band& band, std::int64_
   return r;
 }
 
+// Keys [lo, hi] (inclusive; lo may be below 0) that query i sees within
+// [0, sk): one row's test, where keys_of_queries gives a block's range.
+struct KeySpan {
+  std::int64_t lo, hi;
+};
+DMATTN_HOST_DEVICE inline KeySpan keys_of_query(const Band& band, std::int64_t offset, std::int64_t sk, std::int64_t i) {
+  KeySpan s{0, sk - 1};
+  if (band.causal) s.hi = min(s.hi, i + offset);
+  if (band.right >= 0) s.hi = min(s.hi, i + offset + band.right);
+  s.lo = band.left >= 0 ? i + offset - band.left : 0;
+  return s;
+}
+
 // Queries [first, end) of [0, sq) that see some key of [k_first, k_last].
 struct QueryRange {
   std::int64_t first, end;

@@ -47,11 +47,11 @@ __device__ void mark_tile(const KeyListParams& p, std::int64_t sq, std::int64_t 
 #pragma unroll 4
   for (int r = warp; r < rows; r += kWarps) {
     const std::int64_t i = row0 + r;
-    const KeyRange keys = keys_of_queries(p.band, offset, sk, i, i);
+    const KeySpan keys = keys_of_query(p.band, offset, sk, i);
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
       const std::int64_t col = col0 + 32 * w + lane;
-      const std::uint32_t word = __ballot_sync(0xffffffff, col >= keys.first && col < keys.end && allowed(i, col));
+      const std::uint32_t word = __ballot_sync(0xffffffff, col >= keys.lo && col <= keys.hi && allowed(i, col));
       if (bits != nullptr && lane == 0) bits[r * p.bits_sr + w] = word;
       any[w] |= word;
     }
@@ -251,13 +251,13 @@ __global__ void __launch_bounds__(kThreads) mark_topk(const KeyListParams p, std
   __syncthreads();
   for (int r = 0; r < rows; ++r) {
     const std::int64_t i = row0 + r;
-    const KeyRange keys = keys_of_queries(p.band, s.sk - s.sq, s.sk, i, i);
-    if (32 * word0 >= keys.end || 32 * (word0 + kListChunkWords) <= keys.first) continue;  // the whole CTA
+    const KeySpan keys = keys_of_query(p.band, s.sk - s.sq, s.sk, i);
+    if (32 * word0 > keys.hi || 32 * (word0 + kListChunkWords) <= keys.lo) continue;  // the whole CTA
     bool keep[kItems];
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {  // key j is bit `lane` of the chunk's word k * kWarps + warp
       const std::int64_t j = 32 * word0 + k * kThreads + threadIdx.x;
-      keep[k] = j >= keys.first && j < keys.end && threshold_keeps<Element>(p, s, i, j);
+      keep[k] = j >= keys.lo && j <= keys.hi && threshold_keeps<Element>(p, s, i, j);
     }
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
@@ -323,11 +323,11 @@ __global__ void __launch_bounds__(kThreads) list_topk_chunk(const KeyListParams 
   std::uint32_t* const bits0 = p.mask_bits + (std::int64_t{blockIdx.z} * p.seqlen_q + row0) * p.bits_sr;
   for (int r = warp; r < rows; r += kWarps) {
     const std::int64_t i = row0 + r;
-    const KeyRange row_keys = keys_of_queries(p.band, s.sk - s.sq, s.sk, i, i);
+    const KeySpan row_keys = keys_of_query(p.band, s.sk - s.sq, s.sk, i);
     for (int t0 = 0; t0 < listed; t0 += 32) {
       const int t = t0 + lane;
       const std::int64_t slot = before + t;
-      const bool ok = t < listed && slot < p.keys_stride && keys[t] >= row_keys.first && keys[t] < row_keys.end &&
+      const bool ok = t < listed && slot < p.keys_stride && keys[t] >= row_keys.lo && keys[t] <= row_keys.hi &&
                       threshold_keeps<Element>(p, s, i, keys[t]);
       const std::uint32_t bits = __ballot_sync(0xffffffff, ok);
       if (lane == 0 && bits != 0) {
@@ -411,7 +411,7 @@ __global__ void __launch_bounds__(kThreads) list_topk_keys(const KeyListParams p
   const std::int64_t row0 = std::int64_t{blockIdx.x} * kBlockM;
   const int rows = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{kBlockM}, s.sq - row0)));
   // Keys [0, key_end) hold every key a row of the block may see.
-  const std::int64_t key_end = rows > 0 ? keys_of_queries(p.band, s.sk - s.sq, s.sk, row0, row0 + rows - 1).end : 0;
+  const std::int64_t key_end = rows > 0 ? keys_of_query(p.band, s.sk - s.sq, s.sk, row0 + rows - 1).hi + 1 : 0;
   const std::int64_t words = key_end > 0 ? (key_end + 31) / 32 : 0;
   const KeyRows* intervals = p.topk_intervals + s.sel;
   const int lane = threadIdx.x % 32;
