@@ -41,7 +41,7 @@ DMATTN_NUM_THREADS=$threads ctest --test-dir "$build" -L '^cuda$' -j "$shards" -
 check_rc=$?
 grep -E '(PASS|FAIL)  ' "$logs/check.log" | sed 's/^[0-9]*: //' | cut -c1-220
 passed=$(grep -cE '^[0-9]*: PASS  ' "$logs/check.log"); failed=$(grep -cE '^[0-9]*: FAIL  ' "$logs/check.log")
-skipped=$(grep -cE '\[  SKIPPED \] [A-Z]' "$logs/check.log")
+skipped=$(grep -cE '\[  SKIPPED \] .*\([0-9]+ ms\)' "$logs/check.log")
 echo "$passed passed, $failed failed, $skipped skipped ($shards shards)" | tee -a "$logs/check.log"
 
 ctest --test-dir "$build" -L '^sanitizer$' --output-on-failure >"$logs/sanitizer.log" 2>&1
