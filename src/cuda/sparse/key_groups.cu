@@ -246,10 +246,10 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   std::size_t sort_bytes = 0;
   if (sort)
     check_cuda(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const std::uint64_t*>(nullptr),
-                                          static_cast<std::uint64_t*>(nullptr), static_cast<const std::int32_t*>(nullptr),
-                                          static_cast<std::int32_t*>(nullptr), static_cast<int>(items), 0,
-                                          sort_bits, stream),
-          "radix sort size");
+                                               static_cast<std::uint64_t*>(nullptr), static_cast<const std::int32_t*>(nullptr),
+                                               static_cast<std::int32_t*>(nullptr), static_cast<int>(items), 0,
+                                               sort_bits, stream),
+               "radix sort size");
   const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
   const auto n = static_cast<std::size_t>(items), keys = static_cast<std::size_t>(slices * seqlen_k);
   const std::size_t group_entries = static_cast<std::size_t>(slices * g.groups);
@@ -268,7 +268,7 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
     char* scratch = nullptr;
     const std::size_t sizes[] = {aligned(n * 8), aligned(n * 8), aligned(n * 4), aligned(sort_bytes)};
     check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&scratch), sizes[0] + sizes[1] + sizes[2] + sizes[3], stream),
-          "cudaMallocAsync");
+               "cudaMallocAsync");
     auto* keys_in = reinterpret_cast<std::uint64_t*>(scratch);
     auto* keys_out = reinterpret_cast<std::uint64_t*>(scratch + sizes[0]);
     auto* values_in = reinterpret_cast<std::int32_t*>(scratch + sizes[0] + sizes[1]);
@@ -276,8 +276,8 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
     group_sort_keys<<<blocks_for(items), kThreads, 0, stream>>>(p, items, keys_in, values_in);
     count_pieces<<<blocks_for(slices * seqlen_k), kThreads, 0, stream>>>(p, slices * seqlen_k, g.pieces);
     check_cuda(cub::DeviceRadixSort::SortPairs(temp, sort_bytes, keys_in, keys_out, values_in, g.order,
-                                          static_cast<int>(items), 0, sort_bits, stream),
-          "radix sort");
+                                               static_cast<int>(items), 0, sort_bits, stream),
+               "radix sort");
     const std::int64_t strips = (seqlen_k + block * kStripGroups - 1) / (block * kStripGroups);
     sort_strips<block><<<dim3(static_cast<unsigned>(strips), static_cast<unsigned>(slices * p.segments)), block, 0, stream>>>(
         p, keys_out, g.order, g.rank);

@@ -191,9 +191,9 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
   for (const Chunk& c : {full, last}) {
     std::size_t bytes = 0;
     check_cuda(cub::DeviceRadixSort::SortKeys(nullptr, bytes, static_cast<const std::uint64_t*>(nullptr),
-                                         static_cast<std::uint64_t*>(nullptr), static_cast<int>(c.items()), 0,
-                                         sort_bits(c), stream),
-          "radix sort size");
+                                              static_cast<std::uint64_t*>(nullptr), static_cast<int>(c.items()), 0,
+                                              sort_bits(c), stream),
+               "radix sort size");
     sort_bytes = std::max(sort_bytes, bytes);
   }
   const int tiles = static_cast<int>(full.segments * full.tiles());
@@ -229,8 +229,8 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
     interval_keys<<<blocks, kThreads, 0, stream>>>(p, c, keys_in);
     std::size_t bytes = sort_bytes;
     check_cuda(cub::DeviceRadixSort::SortKeys(sort_temp, bytes, keys_in, keys, static_cast<int>(c.items()), 0,
-                                         sort_bits(c), stream),
-          "radix sort");
+                                              sort_bits(c), stream),
+               "radix sort");
     const int chunk_tiles = static_cast<int>(c.segments * c.tiles());
     init_tile_states<<<dim3((chunk_tiles + kThreads - 1) / kThreads, c.kb), kThreads, 0, stream>>>(
         states, state_bytes, chunk_tiles);

@@ -31,11 +31,11 @@ DeviceSelection select_topk(const Problem& p, DeviceSelection::Mode mode, cudaSt
   if (entries == 0) return sel;
   if (sel.mode == DeviceSelection::kIntervals) {
     check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&sel.intervals), entries * sizeof(KeyRows), stream),
-          "cudaMallocAsync");
+               "cudaMallocAsync");
     topk::select_intervals(params, p.batch, sel.intervals, stream);
   } else {
     check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&sel.thresholds), entries * sizeof(RowThreshold), stream),
-          "cudaMallocAsync");
+               "cudaMallocAsync");
     topk::select_thresholds(params, entries, sel.thresholds, stream);
   }
   return sel;

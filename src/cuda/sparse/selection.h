@@ -11,18 +11,18 @@
 //
 // Intervals (query-broadcast bias, causal / right-window limits, at most a
 // key-only mask, more than 16 query rows: Problem::topk_by_intervals): rows
-// [start, end) of (b, s) select key j. Per head an
-// ascending radix sort of the keys by (bias, index) descending, then a wavelet
-// matrix over the sorted key indices answers "the w-th smallest index among the
-// r strongest keys" in O(log Sk) per key: O(Sk log Sk) work and O(Sk log Sk) bits
-// of scratch per head, O(Sk) output.
+// [start, end) of (b, s) select key j. Per head an ascending radix sort of the
+// keys by (bias, index) descending, then a wavelet matrix over the sorted key
+// indices answers "the w-th smallest index among the r strongest keys" in
+// O(log Sk) per key: O(Sk log Sk) work and O(Sk log Sk) bits of scratch per
+// head, O(Sk) output (select_intervals.cu).
 //
 // Thresholds (anything else): row i of (b, s) keeps key j iff (bias_ij, j) >=
 // (value, key), larger bias first, ties to the larger key; the w-th strongest
 // allowed pair of a row in O(Sk) per row: one CTA a row radix-selects it, or,
 // for few rows of many keys (decode), one CTA per 4096-key chunk of a row and
-// one kernel per 8-bit digit, then a pass for the ties. The default {-inf, -1}
-// (fewer than w + 1 allowed keys) keeps every allowed key.
+// one kernel per 8-bit digit, then a pass for the ties (select_thresholds.cu).
+// The default {-inf, -1} (fewer than w + 1 allowed keys) keeps every allowed key.
 #pragma once
 
 #include <cuda_runtime.h>
