@@ -64,7 +64,7 @@ echo "commit: $DMATTN_COMMIT" | tee -a "$summary"
 for s in "${stages[@]}"; do
   case $s in
     check) OUT=$logs/check stage check bash scripts/gpu_check.sh "$build"
-           grep -E "^(check|memcheck|racecheck):|^bench" "$logs/check.log" >>"$summary" ;;
+           grep -E "^(check|sanitizers)|^bench" "$logs/check.log" >>"$summary" ;;
     selection) OUT=$logs/selection stage selection bash scripts/gpu_selection_check.sh "$build"
                tail -4 "$logs/selection.log" >>"$summary" ;;
     pytest) stage pytest python_tests

@@ -88,14 +88,14 @@ const Backend& backend_for(const Problem& p) {
 
 // A bias whose key dimension is 1 (constant along keys, or every sequence of at
 // most one key) cannot change the softmax: its gradient is exactly zero (SPEC
-// 4), written here rather than summed from rounding noise by the backend.
+// 4), written here rather than summed from rounding noise by the backend, once
+// the backend has accepted the call (it may refuse it before running anything).
 void run_backward(Problem p, const std::optional<TensorView>& dbias) {
   const Backend& backend = backend_for(p);
-  if (p.dbias.present() && p.bias_shape.cols == 1) {
-    backend.fill_zeros(*dbias, p.stream);
-    p.dbias = Operand{};
-  }
+  const bool zero_dbias = p.dbias.present() && p.bias_shape.cols == 1;
+  if (zero_dbias) p.dbias = Operand{};
   backend.backward(p);
+  if (zero_dbias) backend.fill_zeros(*dbias, p.stream);
 }
 }  // namespace
 

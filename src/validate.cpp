@@ -288,6 +288,8 @@ Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options
     const TensorView& b = *in.bias;
     const char* b_layout = varlen ? "(total_k, Hb)" : "(B, H, Sq, Sk) or broadcastable";
     Arg(b, "bias").rank(varlen ? 2 : 4, b_layout).device(device);
+    // On CUDA (q float16 or bfloat16) this leaves float16, bfloat16 and
+    // float32: the dtypes whose order the GPU top-k selection sorts by.
     if (b.dtype != q.dtype && b.dtype != DType::kFloat32)
       throw Error(Kind::kType, "bias.dtype",
                   q.dtype == DType::kFloat32 ? std::string("float32 (the dtype of q)")

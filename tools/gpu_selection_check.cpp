@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "cpu/selection.h"
-#include "cuda/selection.h"
+#include "cuda/sparse/selection.h"
 #include "tensor.h"
 
 using dmattn::DType;
@@ -178,9 +178,16 @@ Built build(const Case& c, Rng& rng, cudaStream_t stream) {
   return t;
 }
 
+// The GPU selection of p by the mode the dispatch plans (Problem::topk_by_intervals), on p's stream.
+dmattn::cuda::DeviceSelection select_on_gpu(const Problem& p) {
+  const auto mode = p.topk_by_intervals() ? dmattn::cuda::DeviceSelection::kIntervals
+                                          : dmattn::cuda::DeviceSelection::kThresholds;
+  return dmattn::cuda::select_topk(p, mode, static_cast<cudaStream_t>(p.stream));
+}
+
 Result compare(const Case& c, const Built& t, cudaStream_t stream) {
   const dmattn::cpu::Selection want = dmattn::cpu::select_topk(t.host);
-  dmattn::cuda::DeviceSelection got = dmattn::cuda::select_topk(t.device);
+  dmattn::cuda::DeviceSelection got = select_on_gpu(t.device);
   const bool intervals = got.mode == dmattn::cuda::DeviceSelection::kIntervals;
   if ((want.mode == dmattn::cpu::Selection::kIntervals) != intervals)
     return {false, "mode differs from the CPU's"};
@@ -372,7 +379,7 @@ int bench() {
       return ms / kReps;
     };
     const auto select_with = [&](const Problem& p) {
-      dmattn::cuda::DeviceSelection sel = dmattn::cuda::select_topk(p);
+      dmattn::cuda::DeviceSelection sel = select_on_gpu(p);
       dmattn::cuda::free_selection(sel, stream);
     };
     const auto select = [&] { select_with(t.device); };

@@ -1,9 +1,10 @@
 // The Hopper dk/dv kernel (sm_90a): warpgroup MMAs (wgmma) for the dense walk
 // of the common training case and the top-k key groups (intervals), dq by
-// bulk reductions. launch_backward takes it where dkv_sm90_eligible holds and
-// the device runs the sm_90a code; everything else (masks without top-k
-// intervals, top-k thresholds, softcap, varlen, deterministic dq, other head
-// dims, dbias other than key-only) stays on backward_kernel<.., true>.
+// bulk reductions. The dispatch plans it where it applies (dispatch.cu
+// dkv_sm90_applies: an sm_90a device, TMA can address Q and dO); everything
+// else (masks without top-k intervals, top-k thresholds, softcap, varlen,
+// deterministic dq, other head dims, dbias other than key-only) runs
+// backward_kernel<.., true> (bwd/kernel_sm80.cuh).
 //
 // One CTA of two warpgroups owns 128 keys of one (batch, kv head), 64 a
 // warpgroup, and walks 64-query steps over the G query heads of the group
@@ -39,86 +40,20 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_conversion.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
-#include "backward_kernel.cuh"
-#include "sm90.cuh"
+#include "../common/element.cuh"
+#include "../common/geometry.h"
+#include "../common/sm90.cuh"
+#include "../common/softmax.cuh"
+#include "../common/tile_sm80.cuh"
+#include "../params.h"
+#include "config.cuh"
+#include "dkv_shared.cuh"
 
 namespace dmattn::cuda {
-
-template <class Element_, int kHeadDim_>
-struct DkvSm90Config {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockN = 128;  // keys a CTA, 64 a warpgroup
-  static constexpr int kBlockM = 64;   // queries a step
-  static constexpr int kThreads = 256;
-  static_assert(kHeadDim == 128, "tiles sized for head dim 128");
-
-  // K-major 128-byte swizzled tiles (rows of 64 elements), as wgmma reads them;
-  // the transposed views (feature or key, row) are the MN-major operands.
-  using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
-  using LayoutKV = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  using LayoutDs = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}));
-  using LayoutKt = decltype(cute::composition(
-      LayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
-  using LayoutQt = decltype(cute::composition(
-      LayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
-  using LayoutDsT = decltype(cute::composition(
-      LayoutDs{}, cute::make_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
-
-  // S^T, dP^T: 128 keys x 64 queries, a warpgroup 64 keys. dK, dV: 128 keys x
-  // D, A from registers. dQ: 64 queries x D, a warpgroup D / 2 features.
-  using MmaSdp = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
-  using MmaDkv = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
-  using MmaDq = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim / 2>, cute::Int<kBlockN>>,
-                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>{}));
-
-  static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
-  // K, V, two buffers of Q and dO (a buffer two TMA boxes of 64 features), two
-  // of dS^T, one of dQ (float32, DqBlocks), two of the step's row statistics
-  // (16 bytes a query), then 16 bytes a key: its index, its piece's info
-  // (KeyPieces) and its rows in the current selection head (key groups), and
-  // the barriers of the two Q / dO buffers.
-  static constexpr int kTxBytes = 2 * kQElems * int(sizeof(Element));
-  static constexpr int kDsAt = (2 * kKvElems + 4 * kQElems) * int(sizeof(Element));
-  static constexpr int kDqAt = kDsAt + 2 * kDsElems * int(sizeof(Element));
-  static_assert(kBlockM == 64, "a row of dS^T is one 128-byte swizzle atom row (sw128_offset)");
-  static constexpr int kStatsAt = kDqAt + kQElems * int(sizeof(float));
-  static constexpr int kKeysAt = kStatsAt + 2 * 16 * kBlockM;
-  static constexpr int kBarriersAt = kKeysAt + 16 * kBlockN;
-  static constexpr int kSmemBytes = kBarriersAt + 2 * 8;
-  static_assert(kBlockN == kKeyGroupKeys, "a top-k key group is one CTA");
-  static_assert(kBlockM == DqBlocks::kRows && kHeadDim == DqBlocks::kFeatures, "a step's dQ is one DqBlocks block");
-};
-
-// The TMA descriptors of Q and dO: (feature, row, head, batch), boxes of 64
-// features x kBlockM rows, 128-byte swizzled as the tiles' atoms.
-struct DkvSm90Maps {
-  CUtensorMap q, dout;
-};
-
-// Whether the Hopper dk/dv kernel computes this backward (launch_backward also
-// needs an sm_90 device running the kernel's sm_90a code); its tiles are sized
-// for head dim 128. Top-k intervals come with their key groups, a mask folded
-// into them.
-inline bool dkv_sm90_eligible(const BackwardParams& p) {
-  const bool selection = p.topk_intervals == nullptr ? p.mask.data == nullptr : p.group_rows != nullptr;
-  return p.head_dim == 128 && p.dq_acc != nullptr && selection && p.topk_thresholds == nullptr && p.softcap == 0.0f &&
-         p.cu_seqlens_q == nullptr &&
-         (p.bias.data == nullptr || p.bias.sr == 0) &&
-         (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k && p.vector_v &&
-         p.vector_dout;
-}
 
 template <class Config, bool kKeyGroups>
 __global__ void __launch_bounds__(Config::kThreads, 1)
@@ -128,15 +63,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   using Element = typename Config::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kBlockN = Config::kBlockN, kBlockM = Config::kBlockM, kHeadDim = Config::kHeadDim;
-  constexpr float kLog2e = 1.4426950408889634f;
-  constexpr float kInf = INFINITY;
 
   // Grid as backward_kernel's dk/dv walk: heads fastest, the longest key blocks
   // (or key groups, in segment order) first.
   const int b = blockIdx.z, blocks = gridDim.x, linear = blockIdx.x + blocks * blockIdx.y;
   const int kvh = linear % gridDim.y, key_block = linear / gridDim.y;
   const Sequence seq(p, b);
-  const std::int64_t sq = seq.sq, sk = seq.sk, offset = sk - sq;  // bottom-right alignment
+  const std::int64_t sq = seq.sq, sk = seq.sk, offset = seq.offset();
   const std::int64_t row0 = std::int64_t{key_block} * kBlockN;
   const std::int64_t kv_slice = std::int64_t{b} * (p.heads / p.group) + kvh;
   std::int64_t entry0 = 0;  // sorted key groups: the group's first entry of key_order
@@ -153,7 +86,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const KeyRows rows = p.group_rows[kv_slice * p.key_groups + key_block];
     q_lo = rows.start, q_hi = rows.end;
   } else {
-    const QueryRange range(p, offset, sq, row0, min(row0 + kBlockN, sk) - 1);
+    const QueryRange range = queries_of_keys(p.band, offset, sq, row0, min(row0 + kBlockN, sk) - 1);
     q_lo = range.first, q_hi = range.end;
   }
   // Steps: query blocks [first, first + span) of each head of the group in turn.
@@ -295,9 +228,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // A tile wholly inside the sequences, the causal band and the window tests
     // no element; key groups test each against its key's rows [lo, hi).
     const bool whole = q0 + kBlockM <= sq && row0 + kBlockN <= sk &&
-                       band_covers(p, offset, q0, q0 + kBlockM - 1, row0, row0 + kBlockN - 1);
+                       band_covers(p.band, offset, q0, q0 + kBlockM - 1, row0, row0 + kBlockN - 1);
     const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
-    const TileBand band(p, offset, q0, row0);
+    const TileBand band(p.band, offset, q0, row0);
     int lo[2] = {0, 0}, hi[2] = {0, 0};
     if constexpr (kKeyGroups) {
 #pragma unroll
@@ -445,36 +378,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     dv[key * p.dv.sr + f] = static_cast<Element>(acc_dv(e));
   }
 #endif
-}
-
-// Launches the Hopper dk/dv kernel for this backward if it may
-// (dkv_sm90_eligible, an sm_90 device running the kernel's sm_90a code, TMA
-// descriptors of Q and dO) and sets *launched; the launch's error, if any.
-template <class Element, int kHeadDim>
-cudaError_t launch_dkv_sm90(const BackwardParams& p, int batch, cudaStream_t stream, bool* launched) {
-  *launched = false;
-  if constexpr (kHeadDim != 128) {
-    return cudaSuccess;
-  } else {
-    using Config = DkvSm90Config<Element, kHeadDim>;
-    if (!dkv_sm90_eligible(p)) return cudaSuccess;
-    auto kernel = p.group_rows != nullptr ? dkv_kernel_sm90<Config, true> : dkv_kernel_sm90<Config, false>;
-    bool runs = false;
-    const cudaError_t err = prepare_sm90(kernel, Config::kSmemBytes, &runs);
-    if (!runs) return err;
-    DkvSm90Maps maps;
-    auto encode = encode_token_map<Element, kHeadDim>;
-    if (!encode(&maps.q, p.q, batch, p.heads, p.seqlen_q, Config::kBlockM) ||
-        !encode(&maps.dout, p.dout, batch, p.heads, p.seqlen_q, Config::kBlockM))
-      return cudaSuccess;
-    const int kv_heads = p.heads / p.group;
-    const auto blocks = static_cast<unsigned>(p.group_rows != nullptr ? p.key_groups
-                                                                     : (p.seqlen_k + Config::kBlockN - 1) / Config::kBlockN);
-    kernel<<<dim3(blocks, static_cast<unsigned>(kv_heads), static_cast<unsigned>(batch)), Config::kThreads,
-             Config::kSmemBytes, stream>>>(p, maps);
-    *launched = true;
-    return cudaGetLastError();
-  }
 }
 
 }  // namespace dmattn::cuda

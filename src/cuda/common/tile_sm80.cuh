@@ -1,7 +1,7 @@
-// Device helpers shared by the CUDA forward and backward kernels: tile loads,
-// tile-local limits, exp2, quad reductions, the
-// shared-memory GEMM loop, the accumulator-to-operand conversion and the CUDA
-// error check.
+// The sm80-class tile helpers (mma.sync through CuTe, cp.async, ldmatrix)
+// of the forward and backward kernels: a thread's row of a tile load, the
+// loads of token tiles into shared memory, the shared-memory GEMM loop and the
+// accumulator-to-operand conversion.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -9,12 +9,8 @@
 #include <cutlass/numeric_types.h>
 
 #include <cstdint>
-#include <stdexcept>
-#include <string>
 #include <type_traits>
 #include <utility>
-
-#include "forward.h"
 
 namespace dmattn::cuda {
 
@@ -86,86 +82,6 @@ __device__ void load_rows(SmemTensor&& s, const typename Config::Element* g, std
   cute::cp_async_fence();
 }
 
-// Tile-local limits are clamped to +-kTileFar, far outside any tile, so that
-// 64-bit sequence arithmetic becomes 32-bit comparisons inside the tile.
-constexpr int kTileFar = 1 << 20;
-__device__ inline int clamp_to_tile(std::int64_t x) {
-  return static_cast<int>(x < -kTileFar ? -kTileFar : (x > kTileFar ? kTileFar : x));
-}
-
-// The causal and sliding-window band (SPEC 1; offset = sk - sq, bottom-right
-// alignment: query i sees key j iff i + offset - left <= j <= i + offset (+ right)).
-// band_covers: every pair of queries [q_first, q_last] and keys [k_first, k_last]
-// is inside it. QueryRange: the queries a key block's band reaches. TileBand:
-// the band of a tile at query q0 and key k0 in tile-local terms, query q0 + qi
-// seeing key k0 + kj iff qi + lo <= kj <= qi + hi.
-__device__ inline bool band_covers(const AttentionParams& p, std::int64_t offset, std::int64_t q_first,
-                                   std::int64_t q_last, std::int64_t k_first, std::int64_t k_last) {
-  return (!p.causal || k_last <= q_first + offset) && (p.window_left < 0 || k_first >= q_last + offset - p.window_left) &&
-         (p.window_right < 0 || k_last <= q_first + offset + p.window_right);
-}
-// The queries [first, end) of [0, sq) that may see a key of [k_first, k_last].
-struct QueryRange {
-  std::int64_t first, end;
-  __device__ QueryRange(const AttentionParams& p, std::int64_t offset, std::int64_t sq, std::int64_t k_first,
-                        std::int64_t k_last)
-      : first(0), end(sq) {
-    if (p.causal) first = max(first, k_first - offset);
-    if (p.window_right >= 0) first = max(first, k_first - offset - p.window_right);
-    if (p.window_left >= 0) end = min(end, k_last - offset + p.window_left + 1);
-  }
-};
-struct TileBand {
-  int lo, hi;
-  __device__ TileBand(const AttentionParams& p, std::int64_t offset, std::int64_t q0, std::int64_t k0)
-      : lo(p.window_left < 0 ? -kTileFar : clamp_to_tile(q0 + offset - k0 - p.window_left)),
-        hi(p.causal ? clamp_to_tile(q0 + offset - k0) : kTileFar) {
-    if (p.window_right >= 0) hi = min(hi, clamp_to_tile(q0 + offset - k0 + p.window_right));
-  }
-};
-
-// Element `at` of a bias or gradient in float32 or Element, as float.
-template <class Element>
-__device__ inline float load_float(const void* data, bool is_float32, std::int64_t at) {
-  return is_float32 ? static_cast<const float*>(data)[at] : static_cast<float>(static_cast<const Element*>(data)[at]);
-}
-
-// 2^x on the special-function unit alone; results below the normal range flush
-// to 0, far below anything that changes a float32 softmax sum.
-__device__ inline float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ inline float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-
-// The forward kernels' online softmax, in log2 units c: a row's max is the
-// one of its keys so far, or one at most kStale below it. It moves to the
-// tile's max mx (quad-reduced) only when that passes it by more, so that
-// P <= 2^kStale and O is rescaled on the first tiles and seldom later (an
-// exact max moves on nearly every other tile). Scales the row's sum by the
-// correction it returns (1 where the max stays; -inf to -inf: NaN, not moved),
-// sets moved where it moved and far where the max lies beyond kNearMax (logits
-// up to that size take the one-FFMA exponent).
-constexpr float kStale = 8.0f, kNearMax = 256.0f;
-__device__ inline float move_row_max(float mx, float c_log2, float& row_max, float& row_sum, bool& moved, bool& far) {
-  const bool row_moved = (mx - row_max) * c_log2 > kStale;
-  const float correction = row_moved ? exp2_ftz((row_max - mx) * c_log2) : 1.0f;
-  row_sum *= correction;
-  moved |= row_moved;
-  if (row_moved) row_max = mx;
-  far |= row_max != -INFINITY && fabsf(row_max) > kNearMax;
-  return correction;
-}
-__device__ inline float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffff, x, 1);
-  return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
-
 // acc += A B^T over the K mode, A and B read from shared memory by ldmatrix
 // (the next k-slice loads while the current one multiplies).
 template <class Mma, class Acc, class CopyA, class SA, class RA, class RAv, class CopyB, class SB, class RB, class RBv>
@@ -200,10 +116,5 @@ __device__ auto to_a_operand(const Accumulator& acc) {
           raw_pointer_cast(acc.data())));
   return a;
 }
-
-inline void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("dmattn: CUDA: ") + what + ": " + cudaGetErrorString(err));
-}
-
 
 }  // namespace dmattn::cuda

@@ -10,25 +10,26 @@
 // selection heads and query head h uses selection head h / group.
 //
 // Intervals (query-broadcast bias, causal / right-window limits, at most a
-// key-only mask, more than 16 query rows: Problem::topk_by_intervals): rows [start, end) of (b, s) select key j. Per head an
-// ascending radix sort of the keys by (bias, index) descending, then a wavelet
-// matrix over the sorted key indices answers "the w-th smallest index among the
-// r strongest keys" in O(log Sk) per key: O(Sk log Sk) work and O(Sk log Sk) bits
-// of scratch per head, O(Sk) output.
+// key-only mask, more than 16 query rows: Problem::topk_by_intervals): rows
+// [start, end) of (b, s) select key j. Per head an ascending radix sort of the
+// keys by (bias, index) descending, then a wavelet matrix over the sorted key
+// indices answers "the w-th smallest index among the r strongest keys" in
+// O(log Sk) per key: O(Sk log Sk) work and O(Sk log Sk) bits of scratch per
+// head, O(Sk) output (select_intervals.cu).
 //
 // Thresholds (anything else): row i of (b, s) keeps key j iff (bias_ij, j) >=
 // (value, key), larger bias first, ties to the larger key; the w-th strongest
 // allowed pair of a row in O(Sk) per row: one CTA a row radix-selects it, or,
 // for few rows of many keys (decode), one CTA per 4096-key chunk of a row and
-// one kernel per 8-bit digit, then a pass for the ties. The default {-inf, -1}
-// (fewer than w + 1 allowed keys) keeps every allowed key.
+// one kernel per 8-bit digit, then a pass for the ties (select_thresholds.cu).
+// The default {-inf, -1} (fewer than w + 1 allowed keys) keeps every allowed key.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "../problem.h"
+#include "../../problem.h"
 
 namespace dmattn::cuda {
 
@@ -56,10 +57,11 @@ struct DeviceSelection {
   }
 };
 
-// Enqueues the selection of p (keep_window_size > 0, bias of dtype float32,
-// float16 or bfloat16, device pointers, cu_seqlens included) on p.stream. The
-// arrays are allocated on that stream; release them with free_selection.
-DeviceSelection select_topk(const Problem& p);
+// Enqueues the selection of p (keep_window_size > 0, a bias of dtype float32,
+// float16 or bfloat16, device pointers, cu_seqlens included) by `mode` (the
+// dispatch's: Problem::topk_by_intervals) on `stream`. The arrays are
+// allocated on that stream; release them with free_selection.
+DeviceSelection select_topk(const Problem& p, DeviceSelection::Mode mode, cudaStream_t stream);
 void free_selection(DeviceSelection& sel, cudaStream_t stream);
 
 // Keys of an interval selection grouped for the backward's dk/dv walk, per

@@ -1,9 +1,10 @@
 // The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the dense 128-row
 // query blocks of head dim 128 without split-KV, varlen or a mask / top-k
-// selection, with no bias or a key-only one, and softcap. launch_config takes
-// it where forward_sm90_eligible holds, the device runs the sm_90a code and
-// TMA can address Q, K and V; everything else (decode tiles, split-KV, key
-// lists, per-row biases, varlen, other head dims) stays on forward_kernel.
+// selection, with no bias or a key-only one, and softcap. The dispatch
+// plans it where it applies (dispatch.cu forward_sm90_applies: an sm_90a
+// device, TMA can address Q, K and V); everything else (decode tiles,
+// split-KV, key lists, per-row biases, varlen, other head dims) runs
+// forward_kernel (fwd/kernel_sm80.cuh).
 //
 // One CTA of two warpgroups owns 128 query rows, 64 a warpgroup, and walks key
 // tiles of 128 (the last first, as forward_kernel). Tile i's S = Q K^T is
@@ -15,78 +16,35 @@
 // Q, K and V come by TMA (one thread issues them, each buffer has an
 // mbarrier); K and V have two buffers each: after iteration i's opening
 // barrier, K_{i+1} and V_i load into the buffers whose last readers (S_{i-1},
-// P V_{i-2}) finished in iteration i - 1.
-#pragma once
+// P V_{i-2}) finished in iteration i - 1.#pragma once
 
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_conversion.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
-#include "forward_kernel.cuh"
-#include "sm90.cuh"
+#include "../common/element.cuh"
+#include "../common/geometry.h"
+#include "../common/sm90.cuh"
+#include "../common/softmax.cuh"
+#include "../params.h"
+#include "block.cuh"
+#include "config.cuh"
 
 namespace dmattn::cuda {
-
-template <class Element_, int kHeadDim_>
-struct ForwardSm90Config {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;  // query rows a CTA, 64 a warpgroup
-  static constexpr int kBlockN = 128;  // keys a tile
-  static constexpr int kThreads = 256;
-  static_assert(kHeadDim == 128, "tiles sized for head dim 128");
-
-  using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
-  using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  using LayoutKV = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  // V seen as (feature, key): the MN-major B operand of O += P V.
-  using LayoutVt = decltype(cute::composition(
-      LayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
-  using MmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
-  using MmaO = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
-
-  static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
-  static constexpr int kTileBytes = kKvElems * int(sizeof(Element));
-  // Q, two buffers of K, two of V, two of the key-only bias (floats), then the
-  // barriers of Q, the K buffers and the V buffers.
-  static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
-  static constexpr int kBarriersAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
-  static constexpr int kSmemBytes = kBarriersAt + 5 * 8;
-  static_assert(kBlockM == kBlockN, "Q and K / V tiles share their TMA box");
-};
-
-// The TMA descriptors of Q, K and V: (feature, row, head, batch), boxes of 64
-// features x 128 rows, 128-byte swizzled as the tiles' atoms.
-struct ForwardSm90Maps {
-  CUtensorMap q, k, v;
-};
-
-// Whether the Hopper forward computes this launch (launch_config also needs an
-// sm_90 device running its sm_90a code, and no split-KV).
-inline bool forward_sm90_eligible(const ForwardParams& p) {
-  return p.head_dim == 128 && p.mask_keys == nullptr && p.cu_seqlens_q == nullptr && p.vector_q && p.vector_k &&
-         p.vector_v && (p.bias.data == nullptr || p.bias.sr == 0);
-}
 
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     forward_kernel_sm90(const __grid_constant__ ForwardParams p, const __grid_constant__ ForwardSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
+  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kHeadDim = Config::kHeadDim;
   using Element = typename Config::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kHeadDim = Config::kHeadDim;
-  constexpr float kLog2e = 1.4426950408889634f;
-  constexpr float kInf = INFINITY;
 
   const ForwardBlock blk(p, kBlockM, kBlockN);
   if (blk.row0 >= blk.sq) return;
@@ -205,9 +163,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // The logits (SPEC 1: softcap, then the bias) and the allowed set: a tile
     // wholly inside the band and the keys tests no element.
     const std::int64_t col0 = std::int64_t{n} * kBlockN;
-    const bool whole = col0 + kBlockN <= sk && band_covers(p, offset, row0, blk.row_last, col0, col0 + kBlockN - 1);
+    const bool whole = col0 + kBlockN <= sk && band_covers(p.band, offset, row0, blk.row_last, col0, col0 + kBlockN - 1);
     const int qrows = clamp_to_tile(sq - row0), kcols = clamp_to_tile(sk - col0);
-    const TileBand band(p, offset, row0, col0);
+    const TileBand band(p.band, offset, row0, col0);
     const float* bias_cols = bias_smem + buf * kBlockN;
     // Each condition is tested once a tile, outside the element loops.
     const auto for_each = [&](auto&& f) {
@@ -301,37 +259,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if (f + 1 < d) out[qi * p.out.sr + f + 1] = static_cast<Element>(acc_o(e + 1) * inv[half]);
   }
 #endif
-}
-
-// Launches the Hopper forward for this launch if it may (forward_sm90_eligible,
-// one split, block_m rows a block, an sm_90 device running the kernel's sm_90a
-// code, TMA descriptors of Q, K and V) and sets *launched; the launch's error,
-// if any.
-template <class Element, int kHeadDim>
-cudaError_t launch_forward_sm90(const ForwardParams& p, int block_m, cudaStream_t stream, bool* launched) {
-  *launched = false;
-  if constexpr (kHeadDim != 128) {
-    return cudaSuccess;
-  } else {
-    using Config = ForwardSm90Config<Element, kHeadDim>;
-    if (p.num_splits != 1 || block_m != Config::kBlockM || !forward_sm90_eligible(p)) return cudaSuccess;
-    auto kernel = forward_kernel_sm90<Config>;
-    bool runs = false;
-    const cudaError_t err = prepare_sm90(kernel, Config::kSmemBytes, &runs);
-    if (!runs) return err;
-    const int kv_heads = p.heads / p.group;
-    ForwardSm90Maps maps;
-    auto encode = encode_token_map<Element, kHeadDim>;
-    if (!encode(&maps.q, p.q, p.batch, p.heads, p.seqlen_q, Config::kBlockM) ||
-        !encode(&maps.k, p.k, p.batch, kv_heads, p.seqlen_k, Config::kBlockN) ||
-        !encode(&maps.v, p.v, p.batch, kv_heads, p.seqlen_k, Config::kBlockN))
-      return cudaSuccess;
-    const std::int64_t blocks_m = (p.seqlen_q + Config::kBlockM - 1) / Config::kBlockM;
-    const auto grid = static_cast<unsigned>(blocks_m * p.batch * p.heads);
-    kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, maps);
-    *launched = true;
-    return cudaGetLastError();
-  }
 }
 
 }  // namespace dmattn::cuda

@@ -1,7 +1,7 @@
 // Helpers of the Hopper (sm_90a) kernels: a batch of warpgroup MMAs, the
 // proxy fence between generic shared-memory writes and wgmma (or TMA) reads,
-// the bulk float32 reduction, the TMA descriptor of a token operand, and the
-// launch-time test that the device runs a kernel's sm_90a code.
+// the bulk float32 reduction, and the TMA descriptor of a token operand (with
+// the dispatch's test that TMA can address it).
 #pragma once
 
 #include <cuda.h>
@@ -12,12 +12,29 @@
 #include <cutlass/numeric_types.h>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <utility>
 
-#include "../problem.h"
+#include "../../problem.h"
 
 namespace dmattn::cuda {
+
+// Warpgroup MMAs of (kM, kN, kK) tiles, Element operands and float
+// accumulators, over the warpgroups of Layout: A and B from shared memory
+// (WgmmaSS) or A from registers (WgmmaRS), each K-major unless given.
+template <class Element, int kM, int kN, int kK, class Layout, cute::GMMA::Major kMajorA = cute::GMMA::Major::K,
+          cute::GMMA::Major kMajorB = cute::GMMA::Major::K>
+using WgmmaSS = decltype(cute::make_tiled_mma(
+    cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::Int<kM>, cute::Int<kN>, cute::Int<kK>>,
+                               kMajorA, kMajorB>(),
+    Layout{}));
+template <class Element, int kM, int kN, int kK, class Layout, cute::GMMA::Major kMajorB>
+using WgmmaRS = decltype(cute::make_tiled_mma(
+    cute::GMMA::rs_op_selector<Element, Element, float, cute::Shape<cute::Int<kM>, cute::Int<kN>, cute::Int<kK>>,
+                               cute::GMMA::Major::K, kMajorB>(),
+    Layout{}));
 
 // acc(_, _, k) += A(_, _, k) B(_, _, k) over the K mode as one batch of warpgroup
 // MMAs (zeroing acc first with kZero); the caller waits for it.
@@ -61,14 +78,9 @@ __device__ __forceinline__ void bulk_reduce_add(float* to, const float* from, in
                : "memory");
 }
 
-// The TMA descriptor of a token operand of Element (bf16 or fp16) as
-// (feature, row, head, batch) of kFeatures x `rows` x `heads` x `batch`, boxes
-// of 64 features (128 bytes, swizzled as GMMA's 128-byte K-major atoms) x
-// `box_rows` rows; false where TMA cannot address it (strides not whole
-// 16 bytes, or no driver entry point).
-template <class Element, int kFeatures>
-bool encode_token_map(CUtensorMap* map, const Operand& t, int batch, int heads, std::int64_t rows, int box_rows) {
-  static_assert(sizeof(Element) == 2 && kFeatures % 64 == 0, "2-byte elements, whole boxes of 64 features");
+// The driver's cuTensorMapEncodeTiled (looked up once, not linked), or null
+// where the driver has none.
+inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
   static const auto encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status{};
@@ -76,22 +88,54 @@ bool encode_token_map(CUtensorMap* map, const Operand& t, int batch, int heads, 
             cudaSuccess ||
         status != cudaDriverEntryPointSuccess)
       fn = nullptr;
-    return reinterpret_cast<decltype(&cuTensorMapEncodeTiled)>(fn);  // the driver's, not linked
+    return reinterpret_cast<decltype(&cuTensorMapEncodeTiled)>(fn);
   }();
+  return encode;
+}
+
+// Whether TMA can address a token operand of 2-byte elements as (feature, row,
+// head, batch) of `rows` x `heads` x `batch`: contiguous features, a 16-byte
+// aligned base, and the strides of the row, head and batch dimensions of more
+// than one element whole 16 bytes below 2^40 (extents at most 2^32).
+inline bool tma_addressable(const Operand& t, std::int64_t batch, std::int64_t heads, std::int64_t rows) {
+  const std::int64_t extent[3] = {rows, heads, batch}, stride[3] = {t.sr, t.sh, t.sb};
+  for (int i = 0; i < 3; ++i) {
+    const std::int64_t bytes = 2 * stride[i];
+    if (extent[i] > (std::int64_t{1} << 32)) return false;
+    if (extent[i] != 1 && (bytes <= 0 || bytes % 16 != 0 || bytes >= (std::int64_t{1} << 40))) return false;
+  }
+  return t.sc == 1 && reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
+}
+
+// The TMA descriptor of a token operand of Element (bf16 or fp16) as
+// (feature, row, head, batch) of kFeatures x `rows` x `heads` x `batch`, boxes
+// of 64 features (128 bytes, swizzled as GMMA's 128-byte K-major atoms) x
+// `box_rows` rows, where tma_addressable holds; throws naming the operand
+// where the driver refuses it.
+template <class Element, int kFeatures>
+CUtensorMap encode_token_map(const Operand& t, int batch, int heads, std::int64_t rows, int box_rows,
+                             const char* name) {
+  static_assert(sizeof(Element) == 2 && kFeatures % 64 == 0, "2-byte elements, whole boxes of 64 features");
   const std::int64_t extent[3] = {rows, heads, batch}, stride[3] = {t.sr, t.sh, t.sb};
   cuuint64_t dims[4] = {static_cast<cuuint64_t>(kFeatures), 0, 0, 0}, strides[3] = {};
   for (int i = 0; i < 3; ++i) {
     const std::int64_t bytes = extent[i] == 1 ? 16 : 2 * stride[i];  // a stride of one row, head or batch is unused
-    if (bytes <= 0 || bytes % 16 != 0) return false;
     dims[i + 1] = static_cast<cuuint64_t>(extent[i]), strides[i] = static_cast<cuuint64_t>(bytes);
   }
   const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1}, step[4] = {1, 1, 1, 1};
   constexpr auto kType = std::is_same_v<Element, cutlass::bfloat16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return encode != nullptr && t.sc == 1 && reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 &&
-         encode(map, kType, 4, t.data, dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
-             CUDA_SUCCESS;
+  CUtensorMap map;
+  const auto encode = tensor_map_encoder();
+  const CUresult result =
+      encode == nullptr ? CUDA_ERROR_NOT_SUPPORTED
+                        : encode(&map, kType, 4, t.data, dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("dmattn: CUDA: cuTensorMapEncodeTiled (") + name + "): error " +
+                             std::to_string(static_cast<int>(result)));
+  return map;
 }
 
 // Issues the TMA copies of rows [row, row + kRows) of head `head` and batch
@@ -107,23 +151,6 @@ __device__ __forceinline__ void tma_load_rows(std::uint64_t* bar, int row, int h
   for (int box = 0; box < kFeatures / 64; ++box)
     for (const auto& [map, dst] : {tile, more...})
       cute::SM90_TMA_LOAD_4D::copy(map, bar, 0, dst + box * kRows * 64, 64 * box, row, head, batch);
-}
-
-// Whether `kernel` runs its sm_90a code on the current device (an sm_90 device
-// and a binary built for it; *runs false otherwise), with `smem_bytes` of
-// dynamic shared memory allowed; the runtime's error, if any.
-template <class Kernel>
-cudaError_t prepare_sm90(Kernel kernel, int smem_bytes, bool* runs) {
-  *runs = false;
-  int device = 0, major = 0;
-  cudaFuncAttributes attr{};
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attr, kernel);
-  if (err != cudaSuccess || major != 9 || attr.binaryVersion != 90 || attr.ptxVersion < 90) return err;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  *runs = err == cudaSuccess;
-  return err;
 }
 
 }  // namespace dmattn::cuda

@@ -1,0 +1,178 @@
+// The backward kernels' configurations: tile shapes, shared-memory layouts and
+// sizes of the sm80-class dq and dk/dv kernels (bwd/kernel_sm80.cuh) and of
+// the Hopper dk/dv kernel (bwd/kernel_sm90.cuh), from heuristics.h, and the
+// Hopper kernel's dq blocks. The dispatch reads their sizes without
+// instantiating a kernel.
+#pragma once
+
+#include <cuda.h>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "../common/sm90.cuh"
+#include "../heuristics.h"
+#include "../sparse/selection.h"
+
+namespace dmattn::cuda {
+
+template <class Element_, int kHeadDim_>
+struct BackwardConfig {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = kBackwardWarps;
+  static constexpr int kThreads = kWarps * 32;
+  // Feature split (above 128 features): warps w and w + kMmaWarps own the
+  // same 16 rows, compute the same S, dP, P and dS tiles (a 4-warp MMA over
+  // the whole head dim; only the first one stages dS), and each keeps the
+  // accumulators of its half of the features (kAccDim, as at D = 128).
+  static constexpr int kFeatureSplit = backward_feature_split(kHeadDim);
+  static constexpr int kMmaWarps = kWarps / kFeatureSplit, kMmaThreads = kMmaWarps * 32;
+  static constexpr int kAccDim = kHeadDim / kFeatureSplit;
+  static constexpr int kBlockRows = 16 * kMmaWarps;  // the CTA's own rows: keys (dk/dv) or queries (dq)
+  static_assert(kHeadDim <= 256 && backward_compiled(kHeadDim), "a head dim with a CUDA backward");
+  // A top-k key group (selection.h, kKeyGroupKeys keys) is walked by
+  // kGroupBlocks CTAs, each over the group's rows with its share of the keys.
+  static constexpr int kGroupBlocks = kKeyGroupKeys / kBlockRows;
+  static_assert(kGroupBlocks * kBlockRows == kKeyGroupKeys, "a key group splits into whole CTAs");
+  static constexpr int kDkvStep = kBackwardDkvStep, kDqStep = backward_dq_step(kHeadDim);
+  static constexpr bool kPairedSdp = backward_paired_sdp(kHeadDim);
+  static constexpr int kSmemRow = kAccDim % 64 == 0 ? 64 : 32;  // a feature half is whole atoms (D = 192: 3 of 32)
+  static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
+  using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
+                                   cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::Int<kMmaWarps>, cute::_1, cute::_1>>,
+                                  cute::Tile<cute::Int<kBlockRows>, cute::_16, cute::_16>>;
+  using SmemAtom = decltype(cute::composition(
+      cute::Swizzle<kSwizzleBits, 3, 3>{},
+      cute::Layout<cute::Shape<cute::_8, cute::Int<kSmemRow>>, cute::Stride<cute::Int<kSmemRow>, cute::_1>>{}));
+  using SmemLayoutRows = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockRows>, cute::Int<kHeadDim>>{}));
+  template <int kStep>
+  using SmemLayoutCols = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kStep>, cute::Int<kHeadDim>>{}));
+  // A column tile seen as (feature, column), a thread's kAccDim features: the
+  // B operand of dS B0 and P B1. Feature half f starts kStep * kAccDim
+  // elements on (whole swizzle atoms, so the offset commutes with the swizzle).
+  template <int kStep>
+  using SmemLayoutColsT = decltype(cute::composition(
+      SmemLayoutCols<kStep>{}, cute::make_layout(cute::Shape<cute::Int<kAccDim>, cute::Int<kStep>>{}, cute::GenRowMajor{})));
+  using LdsmAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  using LdsmAtomT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
+
+  static constexpr int kMaxStep = kDkvStep > kDqStep ? kDkvStep : kDqStep;
+  static constexpr int kRowElems = kBlockRows * kHeadDim, kColElems = kMaxStep * kHeadDim;
+  // Row statistics of the queries: three arrays of a step's columns (two buffers)
+  // or of the CTA's rows, whichever is larger.
+  static constexpr int kStatFloats = 6 * kMaxStep > 3 * kBlockRows ? 6 * kMaxStep : 3 * kBlockRows;
+  // The dS tile kept for dbias (dk/dv) goes over the staged terms, each element
+  // read and then written by one thread; with the feature split both warps of
+  // a row block read the staged term, so the stager writes dS behind the dS^T
+  // buffers (below) instead.
+  static constexpr int kKeepDsAt = kFeatureSplit == 1 ? 0 : 2 * kDkvStep;
+  // Row stride of the staged tile (4 words past a multiple of 32: fewer bank
+  // conflicts), room for the dS^T buffers below and the kept dS tile.
+  static constexpr int kAddLd =
+      std::max({kMaxStep, 2 * kDkvStep, kKeepDsAt + kDkvStep}) + 4;
+  static_assert(kAddLd % 32 == 4, "rows of the staged tile 4 banks apart");
+  static constexpr int kFloats = kStatFloats + kBlockRows * kAddLd + kBlockRows;
+  static_assert(kFloats % 2 == 0, "the per-row words behind the floats are 8-byte aligned");
+  // Behind the floats, 16 bytes a row: dq, the list bits of the rows (two
+  // buffers of 64-bit words); dk/dv, the keys of the rows and their intervals.
+  static constexpr int kSmemBytes = (2 * kRowElems + 4 * kColElems) * int(sizeof(Element)) + kFloats * 4 + kBlockRows * 16;
+
+  // dq by atomics (BackwardParams::dq_acc), dk/dv kernel: dQ of a step (kDkvStep
+  // queries x D) = dS^T K, 2 x 4 warps over the output (16 queries x 16 columns
+  // an MMA tile, so head dims that are multiples of 64). dS^T is staged as
+  // Element in the columns of tile_add that the dk/dv kernel leaves free (it
+  // stages kDkvStep of kAddLd), two buffers (by the step's buf) so that the
+  // product of a step can run after the barrier that opens the next one: key
+  // r's queries at r * kDsLd + kDsAt + buf * kDkvStep elements, 16-byte rows
+  // kAddLd words apart, so that ldmatrix and the stores hit every bank once.
+  static constexpr bool kAtomicDq = backward_atomic_dq(kHeadDim);
+  static constexpr int kDsLd = 2 * kAddLd, kDsAt = 2 * kDkvStep;
+  static_assert(kDsAt + 2 * kDkvStep <= kDsLd, "two dS^T buffers fit in the unused columns of tile_add");
+  using TiledMmaDq = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::_2, cute::_4, cute::_1>>,
+                                    cute::Tile<cute::Int<kDkvStep>, cute::_64, cute::_16>>;
+  static_assert(kDkvStep == 32, "two warps of 16 queries a step");
+  // dS^T as (query, key), and the CTA's key rows as (feature, key): A and B of dS^T K.
+  using SmemLayoutDsT = cute::Layout<cute::Shape<cute::Int<kDkvStep>, cute::Int<kBlockRows>>, cute::Stride<cute::_1, cute::Int<kDsLd>>>;
+  using SmemLayoutRowsT = decltype(cute::composition(
+      SmemLayoutRows{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockRows>>{}, cute::GenRowMajor{})));
+};
+
+// The Hopper dk/dv kernel's dq_acc (BackwardParams::dq_blocks): blocks of
+// kRows query rows x kFeatures of (b, h) from ((b * heads + h) * blocks of the
+// query length + block) * kRows * kFeatures, the float32 sums of one step,
+// added by one bulk reduction a warp. Warp w (of 8) holds its dQ accumulators
+// at 1024 w in register order, registers 4 j .. 4 j + 3 of lane l at
+// 128 j + 4 l. By the wgmma accumulator layout (m64nNk16; warpgroup w / 4
+// owns features 64 (w / 4) .. + 63) these are (row, c), (row, c + 1),
+// (row + 8, c), (row + 8, c + 1) with row = 16 (w % 4) + l / 4 and
+// c = 64 (w / 4) + 8 j + 2 (l % 4).
+struct DqBlocks {
+  static constexpr int kRows = 64, kFeatures = 128, kQuads = kRows * kFeatures / 4;
+  // Quad q (4 floats) of a block: its first row and feature, the second pair 8 rows below.
+  __device__ static void quad(int q, int* row, int* col) {
+    const int w = q / 256, j = q % 256 / 32, l = q % 32;
+    *row = 16 * (w % 4) + l / 4;
+    *col = 64 * (w / 4) + 8 * j + 2 * (l % 4);
+  }
+};
+
+template <class Element_, int kHeadDim_>
+struct DkvSm90Config {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kDkvSm90BlockN;  // keys a CTA, 64 a warpgroup
+  static constexpr int kBlockM = kDkvSm90BlockM;  // queries a step
+  static constexpr int kThreads = 256;
+  static_assert(kHeadDim == kDkvSm90HeadDim, "tiles sized for head dim 128");
+
+  // K-major 128-byte swizzled tiles (rows of 64 elements), as wgmma reads them;
+  // the transposed views (feature or key, row) are the MN-major operands.
+  using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
+  using LayoutKV = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using LayoutDs = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}));
+  using LayoutKt = decltype(cute::composition(
+      LayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  using LayoutQt = decltype(cute::composition(
+      LayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
+  using LayoutDsT = decltype(cute::composition(
+      LayoutDs{}, cute::make_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+
+  // S^T, dP^T: 128 keys x 64 queries, a warpgroup 64 keys. dK, dV: 128 keys x
+  // D, A from registers. dQ: 64 queries x D, a warpgroup D / 2 features.
+  using OverRows = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;      // warpgroups over the rows
+  using OverColumns = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;  // ... over the columns
+  using MmaSdp = WgmmaSS<Element, 64, kBlockM, kHeadDim, OverRows>;
+  using MmaDkv = WgmmaRS<Element, 64, kHeadDim, kBlockM, OverRows, cute::GMMA::Major::MN>;
+  using MmaDq = WgmmaSS<Element, 64, kHeadDim / 2, kBlockN, OverColumns, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
+
+  static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
+  // K, V, two buffers of Q and dO (a buffer two TMA boxes of 64 features), two
+  // of dS^T, one of dQ (float32, DqBlocks), two of the step's row statistics
+  // (16 bytes a query), then 16 bytes a key: its index, its piece's info
+  // (KeyPieces) and its rows in the current selection head (key groups), and
+  // the barriers of the two Q / dO buffers.
+  static constexpr int kTxBytes = 2 * kQElems * int(sizeof(Element));
+  static constexpr int kDsAt = (2 * kKvElems + 4 * kQElems) * int(sizeof(Element));
+  static constexpr int kDqAt = kDsAt + 2 * kDsElems * int(sizeof(Element));
+  static_assert(kBlockM == 64, "a row of dS^T is one 128-byte swizzle atom row (sw128_offset)");
+  static constexpr int kStatsAt = kDqAt + kQElems * int(sizeof(float));
+  static constexpr int kKeysAt = kStatsAt + 2 * 16 * kBlockM;
+  static constexpr int kBarriersAt = kKeysAt + 16 * kBlockN;
+  static constexpr int kSmemBytes = kBarriersAt + 2 * 8;
+  static_assert(kBlockN == kKeyGroupKeys, "a top-k key group is one CTA");
+  static_assert(kBlockM == DqBlocks::kRows && kHeadDim == DqBlocks::kFeatures, "a step's dQ is one DqBlocks block");
+};
+
+// The TMA descriptors of Q and dO: (feature, row, head, batch), boxes of 64
+// features x kBlockM rows, 128-byte swizzled as the tiles' atoms.
+struct DkvSm90Maps {
+  CUtensorMap q, dout;
+};
+
+}  // namespace dmattn::cuda

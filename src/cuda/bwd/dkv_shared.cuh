@@ -1,0 +1,121 @@
+// What both dk/dv kernels (sm80 and Hopper) share: where their dbias values
+// go, the keys of a top-k key group and the hand-over of a key's pieces.
+#pragma once
+
+#include <cstdint>
+
+#include "../common/element.cuh"
+#include "../common/geometry.h"
+#include "../params.h"
+
+namespace dmattn::cuda {
+
+// Where a dk/dv CTA's dbias values go: element (bias head hb, local row i,
+// local key j) of dbias directly in its dtype, or added into the CTA's float32
+// slice of BackwardParams::scratch (reduce_bias_grad sums the slices).
+template <class Element>
+struct BiasGradOut {
+  float* slice = nullptr;
+  int db_b = 0;
+  std::int64_t qs = 0, ks = 0;
+  __device__ BiasGradOut(const BackwardParams& p, int b, int kvh, const Sequence& seq)
+      : db_b(p.db_batch == 1 ? 0 : b), qs(seq.qs), ks(seq.ks) {
+    const std::int64_t elements = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
+    if (p.scratch != nullptr)
+      slice = p.scratch + (std::int64_t{p.contrib_b > 1 ? b : 0} * p.contrib_h + (p.contrib_h > 1 ? kvh : 0)) * elements;
+  }
+  // The element's index in the dense (db_batch, db_heads, db_rows, db_cols) slice.
+  __device__ std::int64_t dense(const BackwardParams& p, int hb, std::int64_t i, std::int64_t j) const {
+    return ((std::int64_t{db_b} * p.db_heads + hb) * p.db_rows + (p.db_rows == 1 ? 0 : i)) * p.db_cols + j;
+  }
+  __device__ void add(const BackwardParams& p, int hb, std::int64_t i, std::int64_t j, float x) const {
+    if (slice != nullptr)
+      slice[dense(p, hb, i, j)] += x;
+    else
+      store_float<Element>(p.dbias.data, p.bias_float32,
+                           db_b * p.dbias.sb + hb * p.dbias.sh + (p.db_rows == 1 ? 0 : qs + i) * p.dbias.sr +
+                               (ks + j) * p.dbias.sc,
+                           x);
+  }
+};
+
+// Top-k key groups of the dk/dv walk (BackwardParams::group_rows), helpers of
+// both dk/dv kernels. Key r of a CTA: entry r of its group in key_order from
+// entry0 (sorted groups), else key row0 + r (-1: none past sk).
+__device__ inline std::int64_t group_key(const BackwardParams& p, std::int64_t entry0, std::int64_t row0, std::int64_t sk,
+                                         int r) {
+  if (p.key_order != nullptr) return entry0 % p.seqlen_k + r < p.seqlen_k ? p.key_order[entry0 + r] : -1;
+  return row0 + r < sk ? row0 + r : -1;
+}
+// The first row of the segment of the group whose entries start at entry0.
+__device__ inline int group_segment_lo(const BackwardParams& p, std::int64_t entry0) {
+  return static_cast<int>(entry0 / p.seqlen_k % p.key_segments * p.segment_rows);
+}
+// The rows of selection head sh of batch b that select key `key` (>= 0),
+// within the segment from row segment_lo.
+__device__ inline KeyRows segment_key_rows(const BackwardParams& p, int b, int sh, std::int64_t key, int segment_lo) {
+  KeyRows r = p.topk_intervals[(std::int64_t{b} * p.topk_heads + sh) * p.seqlen_k + key];
+  r.start = max(r.start, segment_lo);
+  r.end = static_cast<std::int32_t>(min(std::int64_t{r.end}, segment_lo + p.segment_rows));
+  return r;
+}
+
+// Pieces (key_segments > 1): the pieces of a key add their dK, dV (unscaled)
+// and key dbias sums in segment order through the key's float32 slot: piece r
+// waits until the key's turn counter reads r (its earlier pieces are in earlier
+// segments, whose CTAs started before it: CTAs start in order), adds the slot,
+// and passes it on; the last piece writes the gradients. Row r of the CTA's
+// kRows holds key keys[r] (-1: none) with info[r] (info()).
+template <int kHeadDim, int kRows>
+struct KeyPieces {
+  static constexpr int kSlot = 2 * kHeadDim + 1;  // dK, dV, key dbias
+  float* slots;
+  int* turns;
+  const std::int32_t* keys;
+  const int* info;
+  __device__ KeyPieces(const BackwardParams& p, int b, int kvh, const std::int32_t* keys_, const int* info_)
+      : keys(keys_), info(info_) {
+    const std::int64_t slice = std::int64_t{b} * (p.heads / p.group) + kvh;
+    slots = p.piece_acc + slice * p.seqlen_k * kSlot;
+    turns = p.piece_turn + slice * p.seqlen_k;
+  }
+  // The info of group entry `entry` holding key `key` of kv slice `slice`:
+  // 2 rank + 1 for the key's last piece (no key: 1).
+  __device__ static int info_of(const BackwardParams& p, std::int64_t entry, std::int64_t slice, std::int64_t key) {
+    const int rank = key >= 0 ? p.key_rank[entry] : 0;
+    return 2 * rank + (key < 0 || rank + 1 == p.key_pieces[slice * p.seqlen_k + key]);
+  }
+  // One row's piece: x plus the sum its key's earlier pieces left at `at` of
+  // the slot, left there in turn for the later ones (where `writes`).
+  struct Row {
+    float* slot;
+    int info;
+    __device__ bool last() const { return info & 1; }
+    __device__ float add(int at, float x, bool writes) const {
+      if (info > 1) x += __ldcg(slot + at);
+      if (!(info & 1) && writes) __stcg(slot + at, x);
+      return x;
+    }
+  };
+  __device__ Row row(int r) const {
+    const int key = keys[r];
+    return Row{slots + std::int64_t{max(key, 0)} * kSlot, key >= 0 ? info[r] : 1};
+  }
+  // The whole CTA: waits for the turns of its keys; passes them on.
+  __device__ void wait() const {
+    const int tid = threadIdx.x;
+    if (tid < kRows && keys[tid] >= 0) {
+      while (atomicAdd(turns + keys[tid], 0) != info[tid] >> 1) __nanosleep(256);
+      __threadfence();
+    }
+    __syncthreads();
+  }
+  __device__ void pass() const {
+    const int tid = threadIdx.x;
+    __threadfence();
+    __syncthreads();
+    if (tid < kRows && keys[tid] >= 0 && !(info[tid] & 1)) atomicExch(turns + keys[tid], (info[tid] >> 1) + 1);
+  }
+};
+
+}  // namespace dmattn::cuda

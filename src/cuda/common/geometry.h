@@ -1,0 +1,114 @@
+// Where a query row may look (SPEC 2), for the kernels, the key-list passes
+// and the top-k selection alike (host and device): the sequence of a batch
+// entry (batched or varlen), the causal / sliding-window band, bottom-right
+// aligned, and the key or query ranges and tile-local limits it gives.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define DMATTN_HOST_DEVICE __host__ __device__
+#else
+#define DMATTN_HOST_DEVICE
+#endif
+
+namespace dmattn::cuda {
+
+#if !defined(__CUDACC__)
+using std::max;  // nvcc: CUDA's integer max and min, host and device
+using std::min;
+#endif
+
+// Sequence b of a batch: where its queries and keys start (global rows: 0, or
+// cu_seqlens[b] for varlen) and its lengths. offset() aligns the band to the
+// bottom right: query i meets key i + offset(). p: the lengths of a launch,
+// any parameters with seqlen_q, seqlen_k, cu_seqlens_q and cu_seqlens_k (the
+// kernels' AttentionParams, the selection's), read only as needed; b indexes
+// cu_seqlens in the caller's type.
+struct Sequence {
+  std::int64_t qs = 0, ks = 0, sq = 0, sk = 0;
+  template <class Lengths, class Index>
+  DMATTN_HOST_DEVICE Sequence(const Lengths& p, Index b) : sq(p.seqlen_q), sk(p.seqlen_k) {
+    if (p.cu_seqlens_q != nullptr) {
+      qs = p.cu_seqlens_q[b], sq = p.cu_seqlens_q[b + 1] - qs;
+      ks = p.cu_seqlens_k[b], sk = p.cu_seqlens_k[b + 1] - ks;
+    }
+  }
+  DMATTN_HOST_DEVICE std::int64_t offset() const { return sk - sq; }
+};
+
+// The causal and sliding-window limits (SPEC 2): query i sees key j iff
+// i + offset - left <= j (left >= 0) and j <= i + offset (causal) and
+// j <= i + offset + right (right >= 0); -1: unbounded on that side.
+struct Band {
+  bool causal = false;
+  std::int64_t left = -1, right = -1;
+};
+
+// Keys [first, end) that some query of [q_first, q_last] sees within [0, sk)
+// (end <= first: none).
+struct KeyRange {
+  std::int64_t first, end;
+};
+DMATTN_HOST_DEVICE inline KeyRange keys_of_queries(const Band& band, std::int64_t offset, std::int64_t sk,
+                                                   std::int64_t q_first, std::int64_t q_last) {
+  KeyRange r{band.left < 0 ? 0 : max(std::int64_t{0}, q_first + offset - band.left), sk};
+  if (band.causal) r.end = min(r.end, q_last + offset + 1);
+  if (band.right >= 0) r.end = min(r.end, q_last + offset + band.right + 1);
+  return r;
+}
+
+// Keys [lo, hi] (inclusive; lo may be below 0) that query i sees within
+// [0, sk): one row's test, where keys_of_queries gives a block's range.
+struct KeySpan {
+  std::int64_t lo, hi;
+};
+DMATTN_HOST_DEVICE inline KeySpan keys_of_query(const Band& band, std::int64_t offset, std::int64_t sk, std::int64_t i) {
+  KeySpan s{0, sk - 1};
+  if (band.causal) s.hi = min(s.hi, i + offset);
+  if (band.right >= 0) s.hi = min(s.hi, i + offset + band.right);
+  s.lo = band.left >= 0 ? i + offset - band.left : 0;
+  return s;
+}
+
+// Queries [first, end) of [0, sq) that see some key of [k_first, k_last].
+struct QueryRange {
+  std::int64_t first, end;
+};
+DMATTN_HOST_DEVICE inline QueryRange queries_of_keys(const Band& band, std::int64_t offset, std::int64_t sq,
+                                                     std::int64_t k_first, std::int64_t k_last) {
+  QueryRange r{0, sq};
+  if (band.causal) r.first = max(r.first, k_first - offset);
+  if (band.right >= 0) r.first = max(r.first, k_first - offset - band.right);
+  if (band.left >= 0) r.end = min(r.end, k_last - offset + band.left + 1);
+  return r;
+}
+
+// Whether every pair of queries [q_first, q_last] and keys [k_first, k_last]
+// is inside the band (a tile that needs no per-element test).
+DMATTN_HOST_DEVICE inline bool band_covers(const Band& band, std::int64_t offset, std::int64_t q_first,
+                                           std::int64_t q_last, std::int64_t k_first, std::int64_t k_last) {
+  return (!band.causal || k_last <= q_first + offset) && (band.left < 0 || k_first >= q_last + offset - band.left) &&
+         (band.right < 0 || k_last <= q_first + offset + band.right);
+}
+
+// Tile-local limits are clamped to +-kTileFar, far outside any tile, so that
+// 64-bit sequence arithmetic becomes 32-bit comparisons inside the tile.
+constexpr int kTileFar = 1 << 20;
+DMATTN_HOST_DEVICE inline int clamp_to_tile(std::int64_t x) {
+  return static_cast<int>(x < -kTileFar ? -kTileFar : (x > kTileFar ? kTileFar : x));
+}
+
+// The band of a tile at query q0 and key k0 in tile-local terms: query q0 + qi
+// sees key k0 + kj iff qi + lo <= kj <= qi + hi.
+struct TileBand {
+  int lo, hi;
+  DMATTN_HOST_DEVICE TileBand(const Band& band, std::int64_t offset, std::int64_t q0, std::int64_t k0)
+      : lo(band.left < 0 ? -kTileFar : clamp_to_tile(q0 + offset - k0 - band.left)),
+        hi(band.causal ? clamp_to_tile(q0 + offset - k0) : kTileFar) {
+    if (band.right >= 0) hi = min(hi, clamp_to_tile(q0 + offset - k0 + band.right));
+  }
+};
+
+}  // namespace dmattn::cuda

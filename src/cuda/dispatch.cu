@@ -1,0 +1,341 @@
+// The dispatch (dispatch.h): a Problem and the device in, the kernel
+// parameters and the kernel of every step out, or Error::kUnsupported, before
+// anything is enqueued. The table it implements (docs/architecture.md):
+//
+//   forward        Hopper kSm90       sm_90a device, D = 128 compiled and exact, no mask or top-k,
+//                                     batched, no bias or a key-only one, one split, TMA-addressable q, k, v
+//                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
+//                  sm80 kSm80         everything else (128 rows a CTA; 64 above D = 128)
+//                  split-KV           grids that leave SMs idle (choose_splits), sm80 kernels only
+//   backward dq    sm80 kernel        always; with dq by atomics (deterministic = false, D % 64 == 0)
+//                                     it only recomputes the row statistics that need it
+//   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D = 128 compiled and exact, dq by atomics,
+//                                     no mask or top-k intervals (their key groups), no softcap,
+//                                     batched, no bias or a key-only one, TMA-addressable q, dout
+//                  sm80 kSm80         everything else
+//   refused        compute capability below 8.0; D above the largest compiled head dim; a backward
+//                  at a compiled head dim without one; a kernel's shared memory above the device's
+#include "dispatch.h"
+
+#include <cutlass/numeric_types.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bwd/config.cuh"
+#include "common/check.h"
+#include "common/sm90.cuh"
+#include "fwd/config.cuh"
+#include "heuristics.h"
+
+namespace dmattn::cuda {
+namespace {
+
+// ---- The device -----------------------------------------------------------
+
+// Whether DMATTN_CUDA_ARCHS (CMake's list, e.g. "80,90a") has sm_90a code: the
+// Hopper kernels are empty in any other build of them.
+bool build_has_sm90a() {
+  const std::string archs = DMATTN_CUDA_ARCHITECTURES;
+  for (std::size_t at = 0; at < archs.size();) {
+    std::size_t end = archs.find(',', at);
+    if (end == std::string::npos) end = archs.size();
+    if (archs.compare(at, 3, "90a") == 0) return true;
+    at = end + 1;
+  }
+  return false;
+}
+
+DeviceInfo query_device(int device) {
+  DeviceInfo info;
+  int major = 0, minor = 0;
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  check_cuda(cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute");
+  info.arch = 10 * major + minor;
+  info.sm90a = info.arch == 90 && build_has_sm90a() && tensor_map_encoder() != nullptr;
+  return info;
+}
+
+// ---- The compiled instantiations ------------------------------------------
+
+// One compiled head dim (DMATTN_HEAD_DIMS): its launchers by dtype (fp16,
+// bf16) and what the dispatch checks of its kernels.
+struct Instance {
+  int head_dim = 0;
+  ForwardRun forward[2] = {};
+  int (*ctas_per_sm[2])(ForwardKernel) = {};
+  int forward_smem = 0, decode_smem = 0;  // bytes of shared memory of a CTA of kSm80 and kSm80Decode
+  BackwardRun backward[2] = {};           // none: this head dim has no backward (backward_compiled)
+  int backward_smem = 0;                  // of a CTA of the sm80 dq and dk/dv kernels
+};
+
+template <int kHeadDim>
+Instance make_instance() {
+  using cutlass::bfloat16_t;
+  using cutlass::half_t;
+  Instance i;
+  i.head_dim = kHeadDim;
+  i.forward[0] = &ForwardInstance<half_t, kHeadDim>::run, i.forward[1] = &ForwardInstance<bfloat16_t, kHeadDim>::run;
+  i.ctas_per_sm[0] = &ForwardInstance<half_t, kHeadDim>::ctas_per_sm;
+  i.ctas_per_sm[1] = &ForwardInstance<bfloat16_t, kHeadDim>::ctas_per_sm;
+  i.forward_smem = ForwardConfig<half_t, kHeadDim>::kSmemBytes;
+  i.decode_smem = ForwardConfig<half_t, kHeadDim, kForwardDecodeRows>::kSmemBytes;
+  if constexpr (backward_compiled(kHeadDim)) {
+    i.backward[0] = &BackwardInstance<half_t, kHeadDim>::run;
+    i.backward[1] = &BackwardInstance<bfloat16_t, kHeadDim>::run;
+    i.backward_smem = BackwardConfig<half_t, kHeadDim>::kSmemBytes;
+  }
+  return i;
+}
+
+// The instantiation of head dim d: the smallest compiled head dim >= d (the
+// features past d are zero-padded in shared memory).
+const Instance& instance_for(std::int64_t d) {
+  static const Instance table[] = {
+#define DMATTN_CUDA_HEAD_DIM(D) make_instance<D>(),
+#include "head_dims.inc"
+#undef DMATTN_CUDA_HEAD_DIM
+  };
+  for (const Instance& i : table)
+    if (d <= i.head_dim) return i;
+  throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
+              std::string("a head_dim <= the largest compiled CUDA head dim (DMATTN_HEAD_DIMS = ") + DMATTN_HEAD_DIMS + ")",
+              std::to_string(d));
+}
+
+// The device must run the sm80-class code (every instantiation has it).
+void check_arch(const DeviceInfo& device, const Problem& p) {
+  if (device.arch < 80)
+    throw Error(Error::Kind::kUnsupported, "q.device",
+                "a GPU of compute capability 8.0 or above (the CUDA kernels are sm80-class or Hopper)",
+                "cuda:" + std::to_string(p.device.index) + " of compute capability " +
+                    std::to_string(device.arch / 10) + "." + std::to_string(device.arch % 10));
+}
+
+// A kernel's CTA must fit the device's shared memory.
+void check_smem(int bytes, const DeviceInfo& device, const Problem& p, const Instance& i, const char* direction) {
+  if (bytes > device.smem_optin)
+    throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
+                std::string("a head dim whose CUDA ") + direction + " fits in " + std::to_string(device.smem_optin) +
+                    " bytes of shared memory a block",
+                std::to_string(p.head_dim) + " (compiled head dim " + std::to_string(i.head_dim) + ": " +
+                    std::to_string(bytes) + " bytes)");
+}
+
+// ---- Problem -> kernel parameters -----------------------------------------
+
+// 16-byte cp.async needs a 16-byte aligned base and row, head and batch strides
+// of whole 16-byte chunks (8 elements of 2 bytes).
+bool vector_loads(const Operand& t) {
+  return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 && t.sb % 8 == 0 && t.sh % 8 == 0 && t.sr % 8 == 0;
+}
+
+// The forward's key-only bias loads a tile's keys as 16-byte chunks
+// (ForwardParams::vector_bias): consecutive keys, 16-byte aligned rows and
+// sequences of whole chunks (8 keys cover one of either bias dtype).
+bool vector_key_bias(const Problem& p, const AttentionParams& params) {
+  const Operand& b = params.bias;
+  if (params.bias_kind() != BiasKind::kKeyOnly || b.sc != 1 || p.varlen() || p.seqlen_k % 8 != 0) return false;
+  const auto per_chunk = static_cast<std::int64_t>(16 / dtype_size(b.dtype));
+  return reinterpret_cast<std::uintptr_t>(b.data) % 16 == 0 && b.sb % per_chunk == 0 && b.sh % per_chunk == 0;
+}
+
+// The fields the forward and the backward share (not the vector-load flags and
+// the bias kind: the forward sets them after folding query heads).
+void set_attention_params(const Problem& p, AttentionParams& params) {
+  params.q = p.q, params.k = p.k, params.v = p.v, params.out = p.out, params.lse = p.lse;
+  params.mask = p.mask, params.bias = p.bias;
+  params.bias_float32 = p.bias.present() && p.bias.dtype == DType::kFloat32;
+  params.group = static_cast<int>(p.group());
+  params.mask_group = static_cast<int>(p.heads / p.mask_shape.heads);
+  params.bias_group = static_cast<int>(p.heads / p.bias_shape.heads);
+  params.head_dim = static_cast<int>(p.head_dim);
+  params.seqlen_q = p.seqlen_q, params.seqlen_k = p.seqlen_k;
+  params.cu_seqlens_q = p.cu_seqlens_q, params.cu_seqlens_k = p.cu_seqlens_k;
+  params.scale = static_cast<float>(p.scale), params.softcap = static_cast<float>(p.softcap);
+  params.band = Band{p.causal, p.window_left, p.window_right};
+}
+
+// Decode with grouped kv heads: one query row (batched, no sliding window) and
+// G = H / Hk > 1 query heads per kv head. The G query heads of kv head h' become
+// the G query rows of one head h': row i of head h' is query head h' * G + i, so
+// a row steps by the head stride and a head by G of them. One CTA then reads
+// each K and V tile once for all G heads instead of once per head. Causal is
+// dropped: bottom-right aligned, the single row sees every key. A mask or bias
+// with H heads gets the same head-to-row view; one with Hk heads (or one) is
+// shared by the G rows (row stride 0). Top-k (per-row thresholds at one query
+// row) lists keys per (b, kv head) then, each row tested against its query
+// head's threshold (topk_fold). Returns the number of heads to launch.
+std::int64_t fold_query_heads(const Problem& p, ForwardParams& params) {
+  const std::int64_t G = p.group();
+  if (p.seqlen_q != 1 || G == 1 || p.varlen() || p.window_left >= 0 || p.window_right >= 0 ||
+      (p.keep_window_size > 0 && p.topk_by_intervals()))
+    return p.heads;
+  for (Operand* t : {&params.q, &params.out, &params.lse}) t->sr = t->sh, t->sh *= G;
+  const auto fold_operand = [&](Operand& t, std::int64_t operand_heads) {
+    t.sr = operand_heads == p.heads ? t.sh : 0;
+    if (operand_heads == p.heads) t.sh *= G;
+    return static_cast<int>(operand_heads == 1 ? p.kv_heads : 1);  // kv heads per operand head
+  };
+  if (p.mask.present()) params.mask_group = fold_operand(params.mask, p.mask_shape.heads);
+  if (p.bias.present()) params.bias_group = fold_operand(params.bias, p.bias_shape.heads);
+  params.group = 1;
+  params.topk_fold = static_cast<int>(G);
+  params.seqlen_q = G;
+  params.band.causal = false;
+  return p.kv_heads;
+}
+
+// The top-k selection of a call with keys and query rows.
+DeviceSelection::Mode selection_of(const Problem& p) {
+  if (p.keep_window_size == 0 || p.seqlen_k == 0 || p.seqlen_q == 0) return DeviceSelection::kNone;
+  return p.topk_by_intervals() ? DeviceSelection::kIntervals : DeviceSelection::kThresholds;
+}
+
+// ---- The Hopper kernels' conditions ---------------------------------------
+
+// The Hopper forward: written for the dense D = 128 training shapes (its tiles
+// and TMA boxes hold exactly 128 features); the 128-row sm80 walk otherwise.
+bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device) {
+  using Config = ForwardSm90Config<cutlass::half_t, kForwardSm90HeadDim>;
+  const ForwardParams& p = plan.params;
+  const BiasKind bias = p.bias_kind();
+  return device.sm90a && i.head_dim == kForwardSm90HeadDim && p.head_dim == kForwardSm90HeadDim &&
+         plan.kernel == ForwardKernel::kSm80 && plan.block_m == Config::kBlockM && p.num_splits == 1 &&
+         !plan.key_lists && p.cu_seqlens_q == nullptr && p.vector_q && p.vector_k && p.vector_v &&
+         (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) && Config::kSmemBytes <= device.smem_optin &&
+         tma_addressable(p.q, p.batch, p.heads, p.seqlen_q) &&
+         tma_addressable(p.k, p.batch, p.heads / p.group, p.seqlen_k) &&
+         tma_addressable(p.v, p.batch, p.heads / p.group, p.seqlen_k);
+}
+
+// The Hopper dk/dv kernel: D = 128 with dq by atomics (its dQ blocks), the
+// dense walk or top-k key groups (a mask folded into them), key-only dbias.
+bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceInfo& device) {
+  using Config = DkvSm90Config<cutlass::half_t, kDkvSm90HeadDim>;
+  const BackwardParams& p = plan.params;
+  const bool walk = plan.selection == DeviceSelection::kNone ? p.mask.data == nullptr
+                                                             : plan.selection == DeviceSelection::kIntervals;
+  return device.sm90a && i.head_dim == kDkvSm90HeadDim && p.head_dim == kDkvSm90HeadDim && p.atomic_dq && walk &&
+         p.softcap == 0.0f && p.cu_seqlens_q == nullptr &&
+         (p.bias_kind() == BiasKind::kNone || p.bias_kind() == BiasKind::kKeyOnly) &&
+         (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k &&
+         p.vector_v && p.vector_dout && Config::kSmemBytes <= device.smem_optin &&
+         tma_addressable(p.q, plan.batch, p.heads, p.seqlen_q) && tma_addressable(p.dout, plan.batch, p.heads, p.seqlen_q);
+}
+
+int dtype_index(const Problem& p) { return p.q.dtype == DType::kBFloat16 ? 1 : 0; }
+
+}  // namespace
+
+const DeviceInfo& device_info(int device) {
+  static std::mutex mutex;
+  static std::vector<std::unique_ptr<DeviceInfo>> known;  // by device index, queried once
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (known.size() <= static_cast<std::size_t>(device)) known.resize(device + 1);
+  if (known[device] == nullptr) known[device] = std::make_unique<DeviceInfo>(query_device(device));
+  return *known[device];
+}
+
+ForwardPlan plan_forward(const Problem& p) {
+  ForwardPlan plan;
+  plan.empty = p.batch == 0 || p.seqlen_q == 0;
+  if (plan.empty) return plan;
+  const DeviceInfo& device = device_info(p.device.index);
+  check_arch(device, p);
+  const Instance& instance = instance_for(p.head_dim);
+  plan.head_dim = instance.head_dim;
+
+  ForwardParams& params = plan.params;
+  set_attention_params(p, params);
+  params.heads = static_cast<int>(fold_query_heads(p, params));
+  params.batch = static_cast<int>(p.batch);
+  params.vector_q = vector_loads(params.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
+  params.vector_bias = vector_key_bias(p, params);
+  // No keys: nothing to mask or select, every row empty.
+  if (p.seqlen_k == 0) params.mask.data = nullptr;
+  plan.selection = selection_of(p);
+  plan.key_lists = params.mask.data != nullptr || plan.selection != DeviceSelection::kNone;
+
+  // The sm80 tile: 64 rows for few query rows where the head dim's tile is taller.
+  const bool decode = forward_block_m(instance.head_dim) > kForwardDecodeRows && params.seqlen_q <= kForwardDecodeRows;
+  plan.kernel = decode ? ForwardKernel::kSm80Decode : ForwardKernel::kSm80;
+  plan.block_m = decode ? kForwardDecodeRows : forward_block_m(instance.head_dim);
+  check_smem(decode ? instance.decode_smem : instance.forward_smem, device, p, instance, "forward");
+  // Split-KV where the grid leaves SMs idle.
+  const int dtype = dtype_index(p);
+  const int per_sm = instance.ctas_per_sm[dtype](plan.kernel);
+  const std::int64_t blocks_m = (params.seqlen_q + plan.block_m - 1) / plan.block_m;
+  const int block_n = forward_block_n(instance.head_dim, plan.block_m);
+  params.num_splits = choose_splits(blocks_m * params.heads * params.batch, (params.seqlen_k + block_n - 1) / block_n,
+                                    device.sms, device.sms * per_sm);
+  if (forward_sm90_applies(plan, instance, device)) plan.kernel = ForwardKernel::kSm90;
+  plan.run = instance.forward[dtype];
+  return plan;
+}
+
+BackwardPlan plan_backward(const Problem& p) {
+  BackwardPlan plan;
+  plan.empty = p.batch == 0;
+  if (plan.empty) return plan;
+  const DeviceInfo& device = device_info(p.device.index);
+  check_arch(device, p);
+  const Instance& instance = instance_for(p.head_dim);
+  const int dtype = dtype_index(p);
+  if (instance.backward[dtype] == nullptr)
+    throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
+                "a head_dim whose compiled CUDA head dim has a backward (<= 128, 192 or 256)",
+                std::to_string(p.head_dim) + " (compiled head dim " + std::to_string(instance.head_dim) + ")");
+  check_smem(instance.backward_smem, device, p, instance, "backward");
+  plan.head_dim = instance.head_dim;
+  plan.batch = static_cast<int>(p.batch);
+
+  BackwardParams& params = plan.params;
+  set_attention_params(p, params);
+  params.dout = p.dout, params.dq = p.dq, params.dk = p.dk, params.dv = p.dv, params.dbias = p.dbias;
+  params.heads = static_cast<int>(p.heads);
+  params.vector_q = vector_loads(p.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
+  params.vector_dout = vector_loads(p.dout);
+
+  // dbias (a key-constant bias's exact zeros are the API's): per key or per
+  // element, written directly where each element gets one value, else summed
+  // over float32 slices (one per batch entry or kv head it broadcasts over).
+  if (p.dbias.present()) {
+    params.bias_grad = p.bias_shape.rows == 1 ? BiasGrad::kPerKey : BiasGrad::kPerElement;
+    params.db_batch = p.bias_shape.batch, params.db_heads = p.bias_shape.heads;
+    params.db_rows = p.bias_shape.rows == 1 ? 1 : p.seqlen_q, params.db_cols = p.seqlen_k;
+    const std::int64_t kv_heads = p.kv_heads;
+    params.contrib_b = params.db_batch == 1 && p.batch > 1 ? static_cast<int>(p.batch) : 1;
+    params.contrib_h = params.db_heads == 1 && kv_heads > 1 ? static_cast<int>(kv_heads) : 1;
+    const bool heads_summed = params.bias_group > 1 && params.group > 1;
+    const bool direct = params.contrib_b * params.contrib_h == 1 &&
+                        (params.bias_grad == BiasGrad::kPerKey || !heads_summed);
+    if (!direct) plan.dbias_slices = params.contrib_b * params.contrib_h;
+  }
+  // dq by float32 atomics from the dk/dv kernel unless deterministic.
+  params.atomic_dq = !p.deterministic && backward_atomic_dq(instance.head_dim) && p.seqlen_q > 0;
+
+  plan.selection = selection_of(p);
+  const bool keys = p.seqlen_k > 0 && p.seqlen_q > 0;
+  plan.key_lists = keys && (p.mask.present() || plan.selection != DeviceSelection::kNone);
+  plan.mask_tiles = plan.key_lists && p.mask.present() && plan.selection != DeviceSelection::kIntervals;
+  // Key groups sorted by rows unless dbias needs contiguous keys; keys cut at
+  // row segments add their pieces' sums in a slot with one key dbias: one bias
+  // head a kv head.
+  plan.sort_groups = params.bias_grad == BiasGrad::kNone || params.bias_grad == BiasGrad::kPerKey;
+  plan.split_groups = params.bias_grad == BiasGrad::kNone || params.bias_group % params.group == 0;
+  if (dkv_sm90_applies(plan, instance, device))
+    plan.dkv = plan.selection == DeviceSelection::kIntervals ? DkvKernel::kSm90Groups : DkvKernel::kSm90;
+  params.dq_blocks = plan.dkv != DkvKernel::kSm80;
+  plan.run = instance.backward[dtype];
+  return plan;
+}
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,98 @@
+// The one place that decides what runs for a call: from a validated Problem and
+// the device (architecture, opt-in shared memory, the compiled head dims) the
+// dispatch builds the kernel parameters and picks the kernel of every step, or
+// refuses the call (Error::kUnsupported), before anything is enqueued, the
+// top-k selection included. The launchers (fwd/launch.cuh, bwd/launch.cuh)
+// follow the plan and decide nothing. The table of what runs where is
+// dispatch.cu's plan_forward and plan_backward (docs/architecture.md).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../problem.h"
+#include "params.h"
+#include "sparse/selection.h"
+
+namespace dmattn::cuda {
+
+// What the dispatch needs to know of a GPU, queried once a device.
+struct DeviceInfo {
+  int arch = 0;        // compute capability, 10 major + minor (90: H100, H200)
+  int sms = 0;         // streaming multiprocessors
+  int smem_optin = 0;  // bytes of dynamic shared memory a block may opt in to
+  // The Hopper kernels can run: an sm_90 device, a build with sm_90a code
+  // (DMATTN_CUDA_ARCHS) and the driver's TMA descriptor encoder.
+  bool sm90a = false;
+};
+// The device's DeviceInfo (the current device must be `device`).
+const DeviceInfo& device_info(int device);
+
+enum class ForwardKernel {
+  kSm90,        // Hopper: dense D = 128, 128 x 128 tiles, wgmma and TMA (fwd/kernel_sm90.cuh)
+  kSm80,        // sm80-class, 128 query rows a CTA (64 above D = 128) (fwd/kernel_sm80.cuh)
+  kSm80Decode,  // sm80-class, 64 query rows a CTA, deeper K/V pipeline: few query rows
+};
+
+struct ForwardPlan;
+using ForwardRun = void (*)(const ForwardPlan& plan, cudaStream_t stream);
+
+struct ForwardPlan {
+  bool empty = false;  // nothing to write (no batch entry or no query row)
+  // The kernel parameters, complete but for the top-k selection's arrays
+  // (set by the backend once it is enqueued) and the launcher's scratch.
+  ForwardParams params;
+  DeviceSelection::Mode selection = DeviceSelection::kNone;  // the top-k selection enqueued first
+  int head_dim = 0;  // the instantiation: the smallest compiled head dim >= D
+  ForwardKernel kernel = ForwardKernel::kSm80;
+  int block_m = 0;          // query rows a CTA of the kernel
+  bool key_lists = false;   // the key-list passes run first (a mask and/or top-k)
+  ForwardRun run = nullptr;  // the instantiation's launcher
+};
+
+enum class DkvKernel {
+  kSm90,        // Hopper dk/dv, dense walk (bwd/kernel_sm90.cuh)
+  kSm90Groups,  // Hopper dk/dv over top-k key groups
+  kSm80,        // sm80-class dk/dv (bwd/kernel_sm80.cuh), also over key groups or mask tiles
+};
+
+struct BackwardPlan;
+using BackwardRun = void (*)(const BackwardPlan& plan, cudaStream_t stream);
+
+struct BackwardPlan {
+  bool empty = false;  // nothing to run (no batch entry)
+  // The kernel parameters (dq by atomics or not, the dbias reduction), complete
+  // but for the top-k selection and key groups (set by the backend) and the
+  // launcher's scratch.
+  BackwardParams params;
+  DeviceSelection::Mode selection = DeviceSelection::kNone;
+  int batch = 0;
+  int head_dim = 0;  // the instantiation
+  DkvKernel dkv = DkvKernel::kSm80;
+  int dbias_slices = 0;      // float32 slices of dbias that reduce_bias_grad sums (0: written directly)
+  bool key_lists = false;    // the dq walk follows key lists (a mask and/or top-k)
+  bool mask_tiles = false;   // the dk/dv walk skips empty mask tiles (a mask without top-k intervals)
+  bool sort_groups = false;  // top-k intervals: key groups sorted by their rows (sparse/selection.h group_keys)
+  bool split_groups = false;  // ... and cut at row segments
+  BackwardRun run = nullptr;
+};
+
+// The plans of a call, or Error::kUnsupported naming what this build or device
+// lacks. The current device must be p.device.
+ForwardPlan plan_forward(const Problem& p);
+BackwardPlan plan_backward(const Problem& p);
+
+// The launchers, one instantiation per compiled (dtype, head dim) and
+// direction (generated from fwd/instance.cu.in and bwd/instance.cu.in).
+template <class Element, int kHeadDim>
+struct ForwardInstance {
+  // CTAs of the sm80-class kernel an SM holds (its shared-memory limit raised
+  // on the current device), for the split-KV count.
+  static int ctas_per_sm(ForwardKernel kernel);
+  static void run(const ForwardPlan& plan, cudaStream_t stream);
+};
+template <class Element, int kHeadDim>
+struct BackwardInstance {
+  static void run(const BackwardPlan& plan, cudaStream_t stream);
+};
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,51 @@
+// A forward CTA's query block, for the sm80 and the Hopper kernel alike.
+#pragma once
+
+#include <cstdint>
+
+#include "../common/geometry.h"
+#include "../params.h"
+
+namespace dmattn::cuda {
+
+// A forward CTA's query block. The grid is (query block, split, batch, head),
+// head fastest, and the query blocks in reverse: under causal masking the last
+// rows have the most keys, so the CTAs start longest first across every head
+// and batch and the grid ends on the shortest (fewer idle SMs in its last
+// wave). has_mask: the pre-passes listed the block's keys (a mask, a top-k
+// selection or both) and the block walks them, block_n a tile, gathered;
+// otherwise it walks the keys that any row of it may see. Its key tiles:
+// [tile_first, tile_end). Nothing past row0 and sq is set where row0 >= sq.
+struct ForwardBlock {
+  int h, b, split;
+  std::int64_t row0, qs = 0, ks = 0, sq = 0, sk = 0, offset = 0, row_last = 0, mask_block = 0;
+  bool has_mask;
+  int mask_count = 0, tile_first = 0, tile_end = 0;
+  const std::int32_t* mask_keys = nullptr;
+  __device__ ForwardBlock(const ForwardParams& p, int block_m, int block_n)
+      : h(static_cast<int>(blockIdx.x % p.heads)), has_mask(p.mask_keys != nullptr) {
+    const unsigned slice = blockIdx.x / p.heads;
+    b = static_cast<int>(slice % p.batch);
+    split = static_cast<int>(slice / p.batch % p.num_splits);
+    const int blocks_m = static_cast<int>(gridDim.x / (std::uint32_t(p.heads) * p.batch * p.num_splits));
+    row0 = std::int64_t{blocks_m - 1 - static_cast<int>(slice / p.batch / p.num_splits)} * block_m;
+    const Sequence seq(p, b);
+    qs = seq.qs, ks = seq.ks, sq = seq.sq, sk = seq.sk;
+    if (row0 >= sq) return;
+    offset = seq.offset();
+    row_last = min(row0 + block_m, sq) - 1;
+    if (has_mask) {
+      mask_block = ((p.list_batched ? b : 0) * std::int64_t{p.heads / p.list_group} + h / p.list_group) * p.mask_blocks +
+                   row0 / block_m;
+      mask_count = p.mask_counts[mask_block];
+      mask_keys = p.mask_keys + mask_block * p.keys_stride;
+      tile_end = (mask_count + block_n - 1) / block_n;
+      return;
+    }
+    const KeyRange keys = keys_of_queries(p.band, offset, sk, row0, row_last);
+    tile_first = static_cast<int>(keys.first / block_n);
+    tile_end = keys.end > keys.first ? static_cast<int>((keys.end + block_n - 1) / block_n) : tile_first;
+  }
+};
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,95 @@
+// The forward kernels' configurations: tile shapes, shared-memory layouts and
+// sizes of the sm80-class kernel (fwd/kernel_sm80.cuh; a 128-row and a 64-row
+// tile) and of the Hopper kernel (fwd/kernel_sm90.cuh), from heuristics.h. The
+// dispatch reads their sizes without instantiating a kernel.
+#pragma once
+
+#include <cuda.h>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <type_traits>
+
+#include "../common/sm90.cuh"
+#include "../heuristics.h"
+
+namespace dmattn::cuda {
+
+template <class Element_, int kHeadDim_, int kBlockM_ = forward_block_m(kHeadDim_)>
+struct ForwardConfig {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kWarps = kForwardWarps;
+  static constexpr int kBlockN = forward_block_n(kHeadDim, kBlockM);
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRowsPerThread = 2 * kBlockM / (16 * kWarps);  // two rows per 16-row MMA tile
+  static constexpr int kStages = forward_stages(kBlockM);
+  // Shared memory rows of 64 elements (128 bytes) swizzled so that ldmatrix is
+  // conflict-free; heads that are not a multiple of 64 use 32-element rows.
+  static constexpr int kSmemRow = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
+
+  using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
+                                   cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  // Warp w owns rows 16 w + 16 kWarps m + (0..15) of the tile (m < kBlockM / (16 kWarps)).
+  using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::Int<kWarps>, cute::_1, cute::_1>>,
+                                  cute::Tile<cute::Int<16 * kWarps>, cute::_16, cute::_16>>;
+  using SmemAtom = decltype(cute::composition(
+      cute::Swizzle<kSwizzleBits, 3, 3>{},
+      cute::Layout<cute::Shape<cute::_8, cute::Int<kSmemRow>>, cute::Stride<cute::Int<kSmemRow>, cute::_1>>{}));
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // V seen as (feature, key): the B operand of P @ V, read with transposing ldmatrix.
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  using LdsmAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  using LdsmAtomT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
+
+  static constexpr int kTileElems = kBlockN * kHeadDim;  // one K or V stage buffer
+  // Behind Q, K and V, each stage has the mask bits of its tile (kBlockM 64-bit
+  // rows), a key-only bias row (kBlockN floats) and its key indices (kBlockN).
+  static constexpr int kExtrasBytes = kStages * (kBlockM * 8 + kBlockN * 8);
+  static constexpr int kSmemBytes =
+      (kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + kExtrasBytes;
+};
+
+template <class Element_, int kHeadDim_>
+struct ForwardSm90Config {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kForwardSm90BlockM;  // query rows a CTA, 64 a warpgroup
+  static constexpr int kBlockN = kForwardSm90BlockN;  // keys a tile
+  static constexpr int kThreads = 256;
+
+  using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
+  using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using LayoutKV = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // V seen as (feature, key): the MN-major B operand of O += P V.
+  using LayoutVt = decltype(cute::composition(
+      LayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  // Two warpgroups over the rows: S = Q K^T (64 x kBlockN a warpgroup) and
+  // O += P V (P from registers, V MN-major).
+  using TwoWarpgroups = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;
+  using MmaS = WgmmaSS<Element, 64, kBlockN, kHeadDim, TwoWarpgroups>;
+  using MmaO = WgmmaRS<Element, 64, kHeadDim, kBlockN, TwoWarpgroups, cute::GMMA::Major::MN>;
+
+  static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
+  static constexpr int kTileBytes = kKvElems * int(sizeof(Element));
+  // Q, two buffers of K, two of V, two of the key-only bias (floats), then the
+  // barriers of Q, the K buffers and the V buffers.
+  static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
+  static constexpr int kBarriersAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
+  static constexpr int kSmemBytes = kBarriersAt + 5 * 8;
+  static_assert(kBlockM == kBlockN, "Q and K / V tiles share their TMA box");
+  static_assert(kHeadDim == kForwardSm90HeadDim, "tiles sized for head dim 128");
+};
+
+// The TMA descriptors of Q, K and V: (feature, row, head, batch), boxes of 64
+// features x 128 rows, 128-byte swizzled as the tiles' atoms.
+struct ForwardSm90Maps {
+  CUtensorMap q, k, v;
+};
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,75 @@
+// Tile sizes of the CUDA kernels and the launch heuristics, with their
+// reasons, in one place: the kernels' configurations (fwd/config.cuh,
+// bwd/config.cuh) are built from them and the dispatch (dispatch.cu) decides
+// with them.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace dmattn::cuda {
+
+// ---- Forward, sm80-class kernel (mma.sync, four warps) ----
+constexpr int kForwardWarps = 4;
+// 128 query rows up to D = 128: the O accumulator (128 x D floats over 128
+// threads) then takes ~128 registers a thread; wider heads halve the rows.
+constexpr int forward_block_m(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+// Few query rows (decode, and decode with folded query heads) take the
+// smallest tile the four warps make: half the wasted rows of the 128-row tile.
+constexpr int kForwardDecodeRows = 16 * kForwardWarps;
+// 64 keys a tile where the registers allow (S and P of 128 x 64 next to O of
+// 128 x 128 just fit at D = 128); the 64-row tile (decode, bound by reading K
+// and V) takes 32, which keeps two CTAs an SM with its deeper pipeline.
+constexpr int forward_block_n(int head_dim, int block_m) {
+  return head_dim <= 64 || (head_dim <= 128 && block_m > kForwardDecodeRows) ? 64 : 32;
+}
+// K/V tiles in flight: the 128-row tile is compute-bound and overlaps one load
+// with the block in hand; the 64-row tile (decode) is bound by reading K and V
+// and keeps three more blocks in flight.
+constexpr int forward_stages(int block_m) { return block_m == kForwardDecodeRows ? 4 : 2; }
+
+// ---- Forward, Hopper kernel (sm_90a: wgmma, TMA) ----
+// Written for the dense D = 128 training shapes: 128 query rows (a warpgroup
+// 64) against key tiles of 128, two K and two V buffers in flight.
+constexpr int kForwardSm90HeadDim = 128, kForwardSm90BlockM = 128, kForwardSm90BlockN = 128;
+
+// ---- Split-KV (forward) ----
+// Key splits for a grid of `ctas` CTAs over `key_blocks` key blocks: as many as
+// fill the `slots` CTAs the GPU holds at once (one wave: a second, partial wave
+// would double the time), at least 4 key blocks a split so that the partials
+// stay cheap next to the work, and at most 32.
+inline int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms, int slots) {
+  if (ctas >= sms || key_blocks < 8) return 1;
+  const std::int64_t want = std::max<std::int64_t>(1, slots / ctas);
+  return static_cast<int>(std::max<std::int64_t>(1, std::min({want, key_blocks / 4, std::int64_t{32}})));
+}
+
+// ---- Backward, sm80-class kernels (dq; dk, dv and dbias; mma.sync, 8 warps) ----
+// Head dims with a CUDA backward (CMakeLists.txt mirrors this): above 128 the
+// warps split the features in two halves of whole 32-feature swizzle atoms
+// (192 and 256).
+constexpr bool backward_compiled(int head_dim) { return head_dim <= 128 || head_dim % 64 == 0; }
+constexpr int kBackwardWarps = 8;
+// Above 128 features the accumulators of 16 rows x D a warp (dK and dV: 256
+// registers a thread at D = 256) do not fit: two warps then own the same 16
+// rows, each the accumulators of half the features.
+constexpr int backward_feature_split(int head_dim) { return head_dim > 128 ? 2 : 1; }
+// Columns a step: the accumulators of 16 x D / split rows a warp (dK and dV,
+// or dQ) and the S and dP tiles of 16 x step must fit in 255 registers; above
+// 128 features, 32-column dq steps keep shared memory within sm_80's 163 KB.
+constexpr int kBackwardDkvStep = 32;
+constexpr int backward_dq_step(int head_dim) { return head_dim > 128 ? 32 : 64; }
+// S and dP in one k-loop (two independent MMA chains): registers for two
+// k-slices; at D = 256 that spills (sm_90a, bf16: 620 / 648 B instead of 196 / 252).
+constexpr bool backward_paired_sdp(int head_dim) { return head_dim <= 192; }
+// dq by float32 atomics from the dk/dv kernel (Problem::deterministic false):
+// its dQ = dS^T K tiles are 16 queries x 16 features on 2 x 4 warps, 64
+// features a pass.
+constexpr bool backward_atomic_dq(int head_dim) { return head_dim % 64 == 0; }
+
+// ---- Backward, Hopper dk/dv kernel (sm_90a: wgmma, TMA, bulk reductions) ----
+// 128 keys a CTA (a warpgroup 64; one top-k key group) and 64-query steps at
+// D = 128: dQ of a step is one 64 x 128 float32 block (bwd/config.cuh DqBlocks).
+constexpr int kDkvSm90HeadDim = 128, kDkvSm90BlockN = 128, kDkvSm90BlockM = 64;
+
+}  // namespace dmattn::cuda

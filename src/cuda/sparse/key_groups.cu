@@ -1,0 +1,300 @@
+// Keys of a top-k interval selection grouped for the backward's dk/dv walk
+// (selection.h KeyGroups): sorted by the rows that select them, cut into
+// pieces at row segments.
+#include <algorithm>
+#include <climits>
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/device/device_radix_sort.cuh>
+
+#include "select.cuh"
+
+namespace dmattn::cuda {
+namespace {
+
+using topk::blocks_for;
+using topk::ceil_log2;
+using topk::kThreads;
+
+// ---- key groups for the backward (dk/dv) ----------------------------------
+// What the grouping kernels read: slice z = b * kv_heads + kvh uses selection
+// heads [first, last] (those of the query heads of kv head kvh); segment s of
+// it holds rows [s * segment_rows, (s + 1) * segment_rows).
+struct GroupParams {
+  const KeyRows* intervals = nullptr;
+  std::int64_t sel_heads = 0, sel_group = 1, group = 1, kv_heads = 1, seqlen_k = 0;
+  std::int64_t segments = 1, segment_rows = 0;
+  const std::int32_t* cu_seqlens_k = nullptr;
+  int end_bits = 32;  // sort key: (slice, segment) << end_bits | end in the segment; all ones: no piece
+  __host__ __device__ std::uint64_t no_end() const { return (std::uint64_t{1} << end_bits) - 1; }
+  __device__ std::int64_t sk(std::int64_t z) const {
+    const std::int64_t b = z / kv_heads;
+    return cu_seqlens_k == nullptr ? seqlen_k : cu_seqlens_k[b + 1] - cu_seqlens_k[b];
+  }
+  __device__ std::int64_t first_head(std::int64_t z) const { return z % kv_heads * group / sel_group; }
+  __device__ std::int64_t last_head(std::int64_t z) const { return (z % kv_heads * group + group - 1) / sel_group; }
+  __device__ KeyRows at(std::int64_t z, std::int64_t s, std::int64_t j) const {
+    return intervals[(z / kv_heads * sel_heads + s) * seqlen_k + j];
+  }
+  // Key j's piece in segment s: the hull of the slice's intervals within the
+  // segment ({0, 0}: no head selects j there); j in the sequence.
+  __device__ KeyRows piece(std::int64_t z, std::int64_t s, std::int64_t j) const {
+    const std::int64_t lo = s * segment_rows, hi = lo + segment_rows;
+    std::int64_t start = hi, end = lo;
+    for (std::int64_t h = first_head(z); h <= last_head(z); ++h) {
+      const KeyRows r = at(z, h, j);
+      const std::int64_t a = max(std::int64_t{r.start}, lo), e = min(std::int64_t{r.end}, hi);
+      if (a < e) start = min(start, a), end = max(end, e);
+    }
+    return start < end ? KeyRows{static_cast<std::int32_t>(start), static_cast<std::int32_t>(end)} : KeyRows{0, 0};
+  }
+  // Pieces of key j in segments [0, upto) of slice z.
+  __device__ std::int32_t pieces_before(std::int64_t z, std::int64_t j, std::int64_t upto) const {
+    if (first_head(z) == last_head(z)) {  // one interval: a piece in each segment it meets
+      const KeyRows r = at(z, first_head(z), j);
+      if (r.end <= r.start) return 0;
+      return static_cast<std::int32_t>(max(std::int64_t{0}, min(upto, (r.end - 1) / segment_rows + 1) - r.start / segment_rows));
+    }
+    std::int64_t from = upto;  // the segment of the earliest start
+    for (std::int64_t h = first_head(z); h <= last_head(z); ++h) {
+      const KeyRows r = at(z, h, j);
+      if (r.end > r.start) from = min(from, r.start / segment_rows);
+    }
+    std::int32_t n = 0;
+    for (std::int64_t s = from; s < upto; ++s) n += piece(z, s, j).end > 0;
+    return n;
+  }
+};
+
+// Sort keys, one thread per (slice, segment, key): (slice, segment) in the top
+// bits, then the end of the key's piece there (from the segment's first row)
+// in end_bits; no piece (or out of sequence): all ones there.
+__global__ void __launch_bounds__(kThreads) group_sort_keys(const GroupParams p, std::int64_t items, std::uint64_t* keys,
+                                                            std::int32_t* values) {
+  const std::int64_t e = std::int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  if (e >= items) return;
+  const std::int64_t v = e / p.seqlen_k, j = e % p.seqlen_k, z = v / p.segments, s = v % p.segments;
+  std::uint64_t end = p.no_end();
+  if (j < p.sk(z)) {
+    const KeyRows r = p.piece(z, s, j);
+    if (r.end > r.start) end = static_cast<std::uint64_t>(r.end - s * p.segment_rows);
+  }
+  keys[e] = static_cast<std::uint64_t>(v) << p.end_bits | end;
+  values[e] = static_cast<std::int32_t>(j);
+}
+
+// The number of pieces of each key, one thread per (slice, key).
+__global__ void __launch_bounds__(kThreads) count_pieces(const GroupParams p, std::int64_t items, std::int32_t* pieces) {
+  const std::int64_t e = std::int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  if (e >= items) return;
+  const std::int64_t z = e / p.seqlen_k, j = e % p.seqlen_k;
+  pieces[e] = j < p.sk(z) ? p.pieces_before(z, j, p.segments) : 0;
+}
+
+// Strips: after the sort by end, each run of kStripGroups groups of a
+// (slice, segment) is sorted again by the start of its pieces (stable; entries
+// without a piece stay last). The end alone leaves a group's starts spread
+// from the segment's first row to its end; a strip's ends stay close and its
+// groups each take a third of its starts. Fill of the dk/dv walk at S =
+// 16384, w = 1024, uniform key bias, no segments: 0.622 (end) -> 0.705 (strips
+// of 3; 2 and 4 close, 8 back to 0.62: docs/kernels.md).
+constexpr int kStripGroups = 3;
+
+// One CTA of kBlock threads per (strip, slice and segment v): kStripGroups
+// items a thread, blocked, so that the sorted strip comes back in place; then
+// the entries' keys (-1: no piece) and, with rank, the pieces' ranks.
+template <int kBlock>
+__global__ void __launch_bounds__(kBlock) sort_strips(const GroupParams p, const std::uint64_t* sorted, std::int32_t* order,
+                                                      std::int32_t* rank) {
+  using Sort = cub::BlockRadixSort<std::uint32_t, kBlock, kStripGroups, std::int32_t>;
+  __shared__ typename Sort::TempStorage storage;
+  const std::int64_t v = blockIdx.y, z = v / p.segments, s = v % p.segments;
+  const std::int64_t pos0 = std::int64_t{blockIdx.x} * kBlock * kStripGroups + threadIdx.x * kStripGroups;
+  if ((sorted[v * p.seqlen_k + std::int64_t{blockIdx.x} * kBlock * kStripGroups] & p.no_end()) == p.no_end()) {
+    for (int i = 0; i < kStripGroups; ++i)  // a strip past the pieces (most of them with many segments)
+      if (pos0 + i < p.seqlen_k) order[v * p.seqlen_k + pos0 + i] = -1;
+    return;
+  }
+  std::uint32_t start[kStripGroups];
+  std::int32_t key[kStripGroups];
+  for (int i = 0; i < kStripGroups; ++i) {
+    const std::int64_t pos = pos0 + i;
+    start[i] = 0xffffffffu, key[i] = -1;
+    if (pos >= p.seqlen_k || (sorted[v * p.seqlen_k + pos] & p.no_end()) == p.no_end()) continue;
+    key[i] = order[v * p.seqlen_k + pos];
+    start[i] = static_cast<std::uint32_t>(p.piece(z, s, key[i]).start);
+  }
+  Sort(storage).Sort(start, key);
+  for (int i = 0; i < kStripGroups; ++i) {
+    const std::int64_t at = v * p.seqlen_k + pos0 + i;
+    if (pos0 + i >= p.seqlen_k) continue;
+    order[at] = key[i];
+    if (rank != nullptr) rank[at] = key[i] >= 0 ? p.pieces_before(z, key[i], s) : 0;
+  }
+}
+
+// One CTA per slice z: the groups of its segments in order, each segment's
+// groups from its last (the latest ends) to its first; first[z * groups + g]
+// = the entry of group g's first piece, -1 past the last group. The slice's
+// groups never exceed `groups` (group_keys proves the bound).
+__global__ void group_firsts(const GroupParams p, const std::uint64_t* sorted, std::int64_t groups, std::int32_t* first) {
+  extern __shared__ std::int64_t seg_first[];  // [segments + 1]: the segments' first group
+  const std::int64_t z = blockIdx.x;
+  for (std::int64_t s = threadIdx.x; s < p.segments; s += blockDim.x) {
+    const std::uint64_t* keys = sorted + (z * p.segments + s) * p.seqlen_k;
+    std::int64_t lo = 0, hi = p.seqlen_k;  // the first entry without a piece
+    while (lo < hi) {
+      const std::int64_t mid = (lo + hi) / 2;
+      if ((keys[mid] & p.no_end()) == p.no_end()) hi = mid; else lo = mid + 1;
+    }
+    seg_first[s + 1] = (lo + kKeyGroupKeys - 1) / kKeyGroupKeys;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    seg_first[0] = 0;
+    for (std::int64_t s = 0; s < p.segments; ++s) seg_first[s + 1] += seg_first[s];
+  }
+  __syncthreads();
+  for (std::int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
+    std::int64_t s = 0;
+    while (s < p.segments && seg_first[s + 1] <= g) ++s;
+    first[z * groups + g] = s < p.segments ? static_cast<std::int32_t>((z * p.segments + s) * p.seqlen_k +
+                                                                      (seg_first[s + 1] - 1 - g) * kKeyGroupKeys)
+                                           : -1;
+  }
+}
+
+// One CTA of `block` threads per (group g, slice z): the union of the group's
+// pieces (unsorted: of its keys' intervals).
+__global__ void group_rows(const GroupParams p, const std::int32_t* order, const std::int32_t* first, std::int64_t groups,
+                           KeyRows* rows) {
+  const std::int64_t z = blockIdx.y;
+  __shared__ int lo, hi;
+  if (threadIdx.x == 0) lo = INT_MAX, hi = INT_MIN;
+  __syncthreads();
+  std::int64_t j = -1, s = 0;
+  if (first != nullptr) {
+    const std::int64_t at = first[z * groups + blockIdx.x];
+    if (at >= 0 && at % p.seqlen_k + threadIdx.x < p.seqlen_k)
+      j = order[at + threadIdx.x], s = at / p.seqlen_k % p.segments;
+  } else {
+    j = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+    if (j >= p.sk(z)) j = -1;
+  }
+  if (j >= 0) {
+    const KeyRows r = p.piece(z, s, j);
+    if (r.end > r.start) atomicMin(&lo, r.start), atomicMax(&hi, r.end);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) rows[z * groups + blockIdx.x] = lo < hi ? KeyRows{lo, hi} : KeyRows{0, 0};
+}
+
+
+}  // namespace
+
+KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                     std::int64_t seqlen_q, std::int64_t seqlen_k, const std::int32_t* cu_seqlens_k, std::int64_t w,
+                     bool sort, bool split, cudaStream_t stream) {
+  constexpr int block = kKeyGroupKeys;
+  GroupParams p;
+  p.intervals = sel.intervals;
+  p.sel_heads = sel.heads, p.sel_group = sel.group, p.group = heads / kv_heads, p.kv_heads = kv_heads;
+  p.seqlen_k = seqlen_k, p.cu_seqlens_k = cu_seqlens_k;
+  KeyGroups g;
+  const std::int64_t slices = batch * kv_heads, key_groups = (seqlen_k + block - 1) / block;
+  g.groups = key_groups;
+  if (slices * seqlen_k == 0) return g;
+  // Segments of kKeySegmentRows rows, or of a multiple of it so that there are
+  // at most kMaxKeySegments (the sort has an item a key and segment), where the
+  // sort's items and grid fit; else one segment, or unsorted.
+  const auto fits = [&](std::int64_t segments, std::int64_t rows) {
+    return slices * segments * seqlen_k <= INT_MAX && slices * segments <= 65535 &&
+           ceil_log2(rows + 2) + ceil_log2(slices * segments) <= 64;
+  };
+  p.segments = 1, p.segment_rows = std::max<std::int64_t>(seqlen_q, 1);
+  sort = sort && fits(1, p.segment_rows);
+  if (split && sort && seqlen_q > kKeySegmentRows) {
+    const std::int64_t base = (seqlen_q + kKeySegmentRows - 1) / kKeySegmentRows;  // segments of kKeySegmentRows
+    const std::int64_t rows = kKeySegmentRows * ((base + kMaxKeySegments - 1) / kMaxKeySegments);
+    const std::int64_t segments = (seqlen_q + rows - 1) / rows;
+    if (fits(segments, rows)) p.segments = segments, p.segment_rows = rows;
+  }
+  p.end_bits = ceil_log2(std::min(seqlen_q, p.segment_rows) + 2);  // ends 1..rows and the all-ones value
+  g.segments = p.segments, g.segment_rows = p.segment_rows;
+  const std::int64_t items = slices * p.segments * seqlen_k;
+  if (sort) {
+    // The dk/dv grid: a bound on the groups of a slice, known without reading
+    // the selection (no host sync). Proof: a key's piece in segment s exists
+    // iff one of the slice's selection heads selects the key in a row of s. For
+    // one head, key j's rows are one interval [start, end); it meets 1 + c
+    // segments, c the segment boundaries r (r a multiple of segment_rows,
+    // start < r < end) it crosses, and a key crossing r is selected by row r,
+    // which selects at most min(w, seqlen_k) keys. So a head has at most
+    // seqlen_k + (segments - 1) min(w, seqlen_k) pieces (varlen: fewer rows and
+    // keys), the slice at most `pieces` below (a piece of the hull is a piece of
+    // one of its heads), and at most seqlen_k in each segment. Segment s takes
+    // ceil(n_s / 128) groups; summed over the segments that is at most
+    // ceil(sum n_s / 128) + segments - 1, and at most segments ceil(seqlen_k /
+    // 128).
+    std::int64_t slice_heads = 1;  // most selection heads of a slice's query heads
+    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      slice_heads = std::max(slice_heads, (kvh * p.group + p.group - 1) / sel.group - kvh * p.group / sel.group + 1);
+    const std::int64_t pieces = std::min(p.segments * seqlen_k,
+                                         slice_heads * (seqlen_k + (p.segments - 1) * std::min(w, seqlen_k)));
+    g.groups = std::min(p.segments * key_groups, (pieces + block - 1) / block + p.segments - 1);
+  }
+  const int sort_bits = p.end_bits + ceil_log2(slices * p.segments);
+  std::size_t sort_bytes = 0;
+  if (sort)
+    check_cuda(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const std::uint64_t*>(nullptr),
+                                               static_cast<std::uint64_t*>(nullptr), static_cast<const std::int32_t*>(nullptr),
+                                               static_cast<std::int32_t*>(nullptr), static_cast<int>(items), 0,
+                                               sort_bits, stream),
+               "radix sort size");
+  const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const auto n = static_cast<std::size_t>(items), keys = static_cast<std::size_t>(slices * seqlen_k);
+  const std::size_t group_entries = static_cast<std::size_t>(slices * g.groups);
+  const std::size_t rows_bytes = aligned(group_entries * sizeof(KeyRows));
+  const std::size_t sorted_bytes =
+      sort ? aligned(n * 4) + (p.segments > 1 ? aligned(n * 4) : 0) + aligned(keys * 4) + aligned(group_entries * 4) : 0;
+  char* memory = nullptr;
+  check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&memory), rows_bytes + sorted_bytes, stream), "cudaMallocAsync");
+  g.rows = reinterpret_cast<KeyRows*>(memory);
+  if (sort) {
+    char* at = memory + rows_bytes;
+    g.order = reinterpret_cast<std::int32_t*>(at), at += aligned(n * 4);
+    if (p.segments > 1) g.rank = reinterpret_cast<std::int32_t*>(at), at += aligned(n * 4);
+    g.pieces = reinterpret_cast<std::int32_t*>(at), at += aligned(keys * 4);
+    g.first = reinterpret_cast<std::int32_t*>(at);
+    char* scratch = nullptr;
+    const std::size_t sizes[] = {aligned(n * 8), aligned(n * 8), aligned(n * 4), aligned(sort_bytes)};
+    check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&scratch), sizes[0] + sizes[1] + sizes[2] + sizes[3], stream),
+               "cudaMallocAsync");
+    auto* keys_in = reinterpret_cast<std::uint64_t*>(scratch);
+    auto* keys_out = reinterpret_cast<std::uint64_t*>(scratch + sizes[0]);
+    auto* values_in = reinterpret_cast<std::int32_t*>(scratch + sizes[0] + sizes[1]);
+    void* temp = scratch + sizes[0] + sizes[1] + sizes[2];
+    group_sort_keys<<<blocks_for(items), kThreads, 0, stream>>>(p, items, keys_in, values_in);
+    count_pieces<<<blocks_for(slices * seqlen_k), kThreads, 0, stream>>>(p, slices * seqlen_k, g.pieces);
+    check_cuda(cub::DeviceRadixSort::SortPairs(temp, sort_bytes, keys_in, keys_out, values_in, g.order,
+                                               static_cast<int>(items), 0, sort_bits, stream),
+               "radix sort");
+    const std::int64_t strips = (seqlen_k + block * kStripGroups - 1) / (block * kStripGroups);
+    sort_strips<block><<<dim3(static_cast<unsigned>(strips), static_cast<unsigned>(slices * p.segments)), block, 0, stream>>>(
+        p, keys_out, g.order, g.rank);
+    group_firsts<<<static_cast<unsigned>(slices), kThreads, static_cast<std::size_t>(p.segments + 1) * 8, stream>>>(
+        p, keys_out, g.groups, g.first);
+    check_cuda(cudaFreeAsync(scratch, stream), "cudaFreeAsync");
+  }
+  group_rows<<<dim3(static_cast<unsigned>(g.groups), static_cast<unsigned>(slices)), block, 0, stream>>>(p, g.order, g.first,
+                                                                                                         g.groups, g.rows);
+  check_cuda(cudaGetLastError(), "key group kernels");
+  return g;
+}
+
+void free_groups(KeyGroups& groups, cudaStream_t stream) {
+  if (groups.rows != nullptr) check_cuda(cudaFreeAsync(groups.rows, stream), "cudaFreeAsync");
+  groups = KeyGroups{};
+}
+
+
+}  // namespace dmattn::cuda

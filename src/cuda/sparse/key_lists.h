@@ -1,0 +1,29 @@
+// Key lists of a mask and/or a top-k selection (KeyLists) for the sm80
+// forward and the backward's dq walk, and the mask tile classes of the
+// backward's dk/dv walk: passes enqueued before those kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../params.h"
+
+namespace dmattn::cuda {
+
+// Threads of a key-list pass.
+constexpr int kListThreads = 128;
+
+// Enqueues the key-list passes of params' mask and/or top-k selection for
+// query blocks of block_m (64 or 128) rows of batch x heads into one scratch
+// buffer (params.mask_bits, the caller frees it after the kernels) and sets
+// the lists' fields. A mask alone keeps a slice per mask head (one for a mask
+// broadcast over batches); top-k a slice per selection head (or per kv head
+// with folded query heads). dtype: q's (a 16-bit bias is read in it).
+void build_key_lists(KeyListParams& params, DType dtype, int block_m, int batch, int heads, cudaStream_t stream);
+
+// Enqueues the classes of the kBackwardDkvStep x block_n (128, or 64 above 128
+// features) tiles of params' mask for batch x heads into stream-ordered
+// memory it allocates (*memory; the caller frees it).
+MaskTiles classify_mask_tiles(const AttentionParams& params, int block_n, int batch, int heads, cudaStream_t stream,
+                              std::uint8_t** memory);
+
+}  // namespace dmattn::cuda

@@ -1,0 +1,249 @@
+// Top-k by per-key row intervals (Problem::topk_by_intervals): per selection
+// head, the keys sorted by (bias, index) descending and a wavelet matrix over
+// the sorted indices give each key the rows that keep it (selection.h).
+#include <algorithm>
+#include <climits>
+#include <cub/agent/single_pass_scan_operators.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_radix_sort.cuh>
+
+#include "select.cuh"
+
+namespace dmattn::cuda::topk {
+namespace {
+
+// ---- intervals -------------------------------------------------------------
+// A chunk holds `segments` selection heads (b, s) starting at g0, each padded to
+// n keys (n % 32 == 0, n <= 2^kb). Sort key of key j of local segment t, with
+// ob = order_width(bias dtype):
+//   t << (ob + kb) | ~order_key(bias_j) << kb | (2^kb - 1 - j)     (ob-bit field)
+// so an ascending sort lists each head's keys strongest first (ties: larger j
+// first), and keys no row may see (masked, or past the sequence; order field
+// all ones) last. Every j in [0, n) appears once per segment.
+constexpr int kLevelThreads = 512, kLevelItems = 4;
+constexpr int kTile = kLevelThreads * kLevelItems;  // positions per CTA when building a wavelet level
+using TileState = cub::ScanTileState<std::uint32_t>;
+
+struct Chunk {
+  std::int64_t g0 = 0, segments = 0, n = 0;
+  int kb = 0, ob = 32;
+  __host__ __device__ std::uint32_t masked() const { return static_cast<std::uint32_t>((std::uint64_t{1} << ob) - 1); }
+  __host__ __device__ std::int64_t items() const { return segments * n; }
+  __host__ __device__ std::int64_t words() const { return items() / 32; }
+  __host__ __device__ std::int64_t tiles() const { return (n + kTile - 1) / kTile; }  // per segment
+  // Zeros of level l: the segment holds every value of [0, n) once, so this is
+  // the count of v < n whose bit kb - 1 - l is clear.
+  __device__ std::int64_t zeros(int l) const {
+    const int b = kb - 1 - l;
+    return (n >> (b + 1) << b) + min(n & ((std::int64_t{2} << b) - 1), std::int64_t{1} << b);
+  }
+};
+
+__device__ std::int64_t key_index(const Chunk& c, std::uint64_t key) {
+  const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
+  return static_cast<std::int64_t>(low - (key & low));
+}
+
+__global__ void interval_keys(Params p, Chunk c, std::uint64_t* keys) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= c.items()) return;
+  const std::int64_t t = i / c.n, j = i % c.n, g = c.g0 + t;
+  const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
+  const Sequence s(p, b);
+  std::uint32_t order = c.masked();
+  if (j < s.sk &&
+      load_mask(p.mask, b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.ks + j) * p.mask.sc))
+    order = ~order_key(p.bias, b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.ks + j) * p.bias.sc) & c.masked();
+  const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
+  keys[i] = (static_cast<std::uint64_t>(t) << (c.ob + c.kb)) | (std::uint64_t{order} << c.kb) |
+            (low - static_cast<std::uint64_t>(j));
+}
+
+// Wavelet matrix over each segment's sorted key indices (kb levels; level l
+// splits on bit kb - 1 - l; the next level's order is the stable partition,
+// zeros first). Level l is, per word of 32 positions, the bits and the ones
+// before the word in its segment: one 8-byte load per rank.
+struct Wavelet {
+  uint2* levels;  // [kb][words]: {bits, ones before}
+
+  // Ones before position pos (0..n) of segment t at level l.
+  __device__ std::int64_t rank1(const Chunk& c, int l, std::int64_t t, std::int64_t pos) const {
+    if (pos == 0) return 0;
+    if (pos == c.n) return c.n - c.zeros(l);
+    const uint2 word = levels[l * c.words() + (t * c.n + pos) / 32];
+    return word.y + __popc(word.x & ((1u << (pos % 32)) - 1));
+  }
+  // The k-th smallest (k >= 1) key index among sorted positions [0, r) of segment t.
+  __device__ std::int64_t kth_smallest(const Chunk& c, std::int64_t t, std::int64_t r, std::int64_t k) const {
+    std::int64_t lo = 0, hi = r, value = 0;
+    for (int l = 0; l < c.kb; ++l) {
+      const std::int64_t ones_lo = rank1(c, l, t, lo), ones_hi = rank1(c, l, t, hi);
+      const std::int64_t zeros = (hi - lo) - (ones_hi - ones_lo);
+      if (k <= zeros) {
+        lo -= ones_lo, hi -= ones_hi;
+      } else {
+        k -= zeros;
+        lo = c.zeros(l) + ones_lo, hi = c.zeros(l) + ones_hi;
+        value |= std::int64_t{1} << (c.kb - 1 - l);
+      }
+    }
+    return value;
+  }
+};
+
+// One level per launch: a CTA takes kTile positions of one segment, counts the
+// ones before each position, writes the level's words and counts and scatters
+// the values into the next level's order. Item k of thread x is position
+// k * kLevelThreads + x of the tile, so each warp holds one word per item; one
+// block scan of the items' bits packed in 16-bit fields counts within the tile,
+// and a single-pass scan over tiles (decoupled look-back over the segment's
+// earlier CTAs; the segment's first CTA starts the chain) adds the tiles before.
+// Level 0 reads the sorted keys; `next` is unused at the last level.
+__global__ void __launch_bounds__(kLevelThreads) wavelet_level(Chunk c, int l, TileState state, Wavelet wm,
+                                                               const std::uint64_t* keys,
+                                                               const std::uint32_t* values, std::uint32_t* next) {
+  using Scan = cub::BlockScan<std::uint64_t, kLevelThreads>;
+  using Prefix = cub::TilePrefixCallbackOp<std::uint32_t, ::cuda::std::plus<>, TileState>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ typename Prefix::TempStorage prefix_storage;
+  __shared__ std::uint32_t tile_prefix;
+  const int tile = blockIdx.x, shift = c.kb - 1 - l;
+  const std::int64_t t = tile / c.tiles(), first = tile % c.tiles() * kTile;
+  std::uint32_t v[kLevelItems];
+  std::uint64_t bits = 0;
+  for (int k = 0; k < kLevelItems; ++k) {
+    const std::int64_t pos = first + k * kLevelThreads + threadIdx.x, i = t * c.n + pos;
+    v[k] = 0;
+    if (pos < c.n) v[k] = l == 0 ? static_cast<std::uint32_t>(key_index(c, keys[i])) : values[i];
+    bits |= std::uint64_t{(v[k] >> shift) & 1u} << (16 * k);
+  }
+  std::uint64_t before = 0, rows = 0;  // per item: ones before the thread in its row; ones per row
+  Scan(scan_storage).ExclusiveSum(bits, before, rows);
+  if (threadIdx.x < 32) {
+    std::uint32_t total = 0;
+    for (int k = 0; k < kLevelItems; ++k) total += (rows >> (16 * k)) & 0xFFFFu;
+    if (tile % c.tiles() == 0) {
+      if (threadIdx.x == 0) {
+        state.SetInclusive(tile, total);
+        tile_prefix = 0;
+      }
+    } else {
+      Prefix prefix(state, prefix_storage, ::cuda::std::plus<>{}, tile);
+      const std::uint32_t earlier = prefix(total);
+      if (threadIdx.x == 0) tile_prefix = earlier;
+    }
+  }
+  __syncthreads();
+  std::uint32_t row_start = tile_prefix;
+  for (int k = 0; k < kLevelItems; ++k) {
+    const std::int64_t pos = first + k * kLevelThreads + threadIdx.x, i = t * c.n + pos;
+    if (pos < c.n) {  // whole warps: n % 32 == 0
+      const std::uint32_t bit = (bits >> (16 * k)) & 1u;
+      const std::uint32_t ones = row_start + static_cast<std::uint32_t>((before >> (16 * k)) & 0xFFFFu);
+      const std::uint32_t word = __ballot_sync(0xFFFFFFFFu, bit);
+      if (threadIdx.x % 32 == 0) wm.levels[l * c.words() + i / 32] = make_uint2(word, ones);
+      if (l + 1 < c.kb) next[t * c.n + (bit ? c.zeros(l) + ones : pos - ones)] = v[k];
+    }
+    row_start += static_cast<std::uint32_t>((rows >> (16 * k)) & 0xFFFFu);
+  }
+}
+
+__global__ void init_tile_states(char* states, std::size_t stride, int tiles) {
+  TileState state;
+  state.Init(tiles, states + blockIdx.y * stride, stride);
+  state.InitializeStatus(tiles);
+}
+
+// Key at sorted position r of its head: it has r beaters; rows stop selecting it
+// at the first row that sees the w-th smallest beater index.
+__global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t* keys, KeyRows* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= c.items()) return;
+  const std::uint64_t key = keys[i];
+  const std::int64_t t = i / c.n, r = i % c.n, j = key_index(c, key), g = c.g0 + t;
+  if (j >= p.seqlen_k) return;  // padding of the chunk layout
+  KeyRows rows{0, 0};
+  if (((key >> c.kb) & c.masked()) != c.masked()) {
+    const Sequence s(p, g / p.heads);
+    const std::int64_t start = first_row(p, s, j);
+    const std::int64_t end = r < p.w ? s.sq : first_row(p, s, wm.kth_smallest(c, t, r, p.w));
+    if (start < end) rows = {static_cast<std::int32_t>(start), static_cast<std::int32_t>(end)};
+  }
+  out[g * p.seqlen_k + j] = rows;
+}
+
+}  // namespace
+
+// Scratch: O(n log n) bits per head (the levels), 24 bytes per key besides.
+void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStream_t stream) {
+  const std::int64_t total = batch * p.heads;
+  Chunk full;
+  full.n = (std::max<std::int64_t>(p.seqlen_k, 1) + 31) / 32 * 32;
+  full.kb = std::max(ceil_log2(full.n), 1);
+  full.ob = order_width(p.bias.dtype);
+  // Segment ids take the top bits of the 64-bit sort key; items are counted in int.
+  full.segments = std::min({total, std::int64_t{1} << (64 - full.ob - full.kb), std::int64_t{INT_MAX} / full.n});
+  Chunk last = full;
+  last.segments = total % full.segments == 0 ? full.segments : total % full.segments;
+  const auto sort_bits = [](const Chunk& c) { return c.ob + c.kb + ceil_log2(c.segments); };
+
+  std::size_t sort_bytes = 0;
+  for (const Chunk& c : {full, last}) {
+    std::size_t bytes = 0;
+    check_cuda(cub::DeviceRadixSort::SortKeys(nullptr, bytes, static_cast<const std::uint64_t*>(nullptr),
+                                              static_cast<std::uint64_t*>(nullptr), static_cast<int>(c.items()), 0,
+                                              sort_bits(c), stream),
+               "radix sort size");
+    sort_bytes = std::max(sort_bytes, bytes);
+  }
+  const int tiles = static_cast<int>(full.segments * full.tiles());
+  std::size_t state_bytes = 0;
+  check_cuda(TileState::AllocationSize(tiles, state_bytes), "tile state size");
+  const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  state_bytes = aligned(state_bytes);
+  const auto items = static_cast<std::size_t>(full.items()), words = static_cast<std::size_t>(full.words());
+  const std::size_t sizes[] = {items * 8, items * 8, items * 4, items * 4, full.kb * words * sizeof(uint2),
+                               full.kb * state_bytes, sort_bytes};
+  std::size_t scratch_bytes = 0;
+  for (std::size_t s : sizes) scratch_bytes += aligned(s);
+  char* scratch = nullptr;
+  check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&scratch), scratch_bytes, stream), "cudaMallocAsync (top-k intervals)");
+  char* at = scratch;
+  const auto take = [&](std::size_t bytes) {
+    char* r = at;
+    at += aligned(bytes);
+    return r;
+  };
+  auto* keys_in = reinterpret_cast<std::uint64_t*>(take(sizes[0]));
+  auto* keys = reinterpret_cast<std::uint64_t*>(take(sizes[1]));
+  auto* values = reinterpret_cast<std::uint32_t*>(take(sizes[2]));
+  auto* next = reinterpret_cast<std::uint32_t*>(take(sizes[3]));
+  const Wavelet wm{reinterpret_cast<uint2*>(take(sizes[4]))};
+  char* states = take(sizes[5]);
+  void* sort_temp = take(sizes[6]);
+
+  for (std::int64_t g0 = 0; g0 < total; g0 += full.segments) {
+    Chunk c = g0 + full.segments >= total ? last : full;
+    c.g0 = g0;
+    const unsigned blocks = blocks_for(c.items());
+    interval_keys<<<blocks, kThreads, 0, stream>>>(p, c, keys_in);
+    std::size_t bytes = sort_bytes;
+    check_cuda(cub::DeviceRadixSort::SortKeys(sort_temp, bytes, keys_in, keys, static_cast<int>(c.items()), 0,
+                                              sort_bits(c), stream),
+               "radix sort");
+    const int chunk_tiles = static_cast<int>(c.segments * c.tiles());
+    init_tile_states<<<dim3((chunk_tiles + kThreads - 1) / kThreads, c.kb), kThreads, 0, stream>>>(
+        states, state_bytes, chunk_tiles);
+    for (int l = 0; l < c.kb; ++l) {
+      TileState state;
+      check_cuda(state.Init(chunk_tiles, states + l * state_bytes, state_bytes), "tile state");
+      wavelet_level<<<chunk_tiles, kLevelThreads, 0, stream>>>(c, l, state, wm, keys, values, next);
+      std::swap(values, next);
+    }
+    key_intervals<<<blocks, kThreads, 0, stream>>>(p, c, wm, keys, out);
+    check_cuda(cudaGetLastError(), "interval kernels");
+  }
+  check_cuda(cudaFreeAsync(scratch, stream), "cudaFreeAsync");
+}
+
+}  // namespace dmattn::cuda::topk

@@ -1,0 +1,99 @@
+// The CUDA check matrix (SPEC 5): the CUDA forward and backward against the
+// library's own float64 CPU backend, case by case. Accuracy rule: max |gpu -
+// ref| <= 2 * proxy + 1e-5 on out, where ref is the CPU backend in float64 and
+// the proxy error the larger of two: lowp, the CPU backend run on the same
+// fp16/bf16 tensors (float32 accumulation, one rounding of o), more accurate
+// than a naive computation; and, where B*H*Sq*Sk is at most 2^23, the naive
+// computations themselves (tests/reference.h: every intermediate rounded to the
+// dtype, or only what is stored), SPEC 5's own rule, run only where an error
+// exceeds the lowp bound (they are slow). lowp alone was stricter than SPEC 5:
+// a forward whose row max lags (P up to 2^8, so the largest P of a row is not
+// exactly 1) measured up to 2.3x lowp on rows of a few keys, below the naive
+// computation's error on those shapes. lse (float32): |gpu - ref| <= 2 * |lowp
+// - ref| + 1e-4, and -inf exactly where ref is -inf. Outputs are poisoned (NaN)
+// before the call, and bytes of the output buffers outside the views must stay
+// poisoned. The backward's rule: check_backward.cpp.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "device.h"
+#include "reference.h"
+
+namespace dmattn_gpu_test {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// One problem of the matrix. Mask and bias shapes are 4-D broadcast shapes
+// (batched) or (total_k, Hb) (varlen bias); empty = absent.
+struct Case {
+  std::string name;
+  DType dtype = DType::kBFloat16;
+  std::int64_t B = 1, Sq = 1, Sk = 1, H = 4, Hk = 4, D = 128;
+  std::vector<std::int64_t> seqlens_q, seqlens_k;  // varlen when not empty
+  Shape mask_shape, bias_shape;
+  Layout mask_layout, bias_layout, qkv_layout, out_layout;
+  DType bias_dtype = DType::kBFloat16;
+  double mask_density = 0.75;
+  // Structured masks that leave whole tiles empty or full: kBands allows bands of
+  // 160 rows x 96 keys (one in three), kKeyPadding a per-batch prefix of the keys.
+  enum class MaskPattern { kRandom, kBands, kKeyPadding } mask_pattern = MaskPattern::kRandom;
+  double bias_lo = -2.0, bias_hi = 2.0;
+  double bias_quantum = 0.0;  // > 0: bias values rounded down to multiples of it (ties)
+  // Not empty: each bias value is drawn from these (NaN: a draw as above). With
+  // excluded_rows, every fourth row of the bias (along its keys) is -inf throughout.
+  std::vector<double> bias_mix;
+  bool excluded_rows = false;
+  dmattn::Options options;
+  bool with_lse = true;  // false: no lse tensor (options.return_lse = false)
+  bool varlen() const { return !seqlens_q.empty(); }
+};
+
+struct Outcome {
+  bool pass = true;
+  std::string detail;
+};
+
+// Runs one case against the oracle (fresh random inputs from rng).
+Outcome run_forward_case(const Case& c, Rng& rng);
+Outcome run_backward_case(const Case& c, Rng& rng);
+// The matrices (small: the few cases compute-sanitizer runs).
+std::vector<Case> forward_matrix(bool small);
+std::vector<Case> backward_matrix(bool small);
+// The seed's failure case: 20 top-k forward + backward steps must stay finite.
+Outcome topk_nan_sweep(Rng& rng);
+extern const char* const kTopkNanSweepName;
+
+// ---- Shared by the forward and backward checks (check_forward.cpp).
+HostTensor dense_copy(const HostTensor& t, DType dtype);
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b);
+std::vector<std::int32_t> cumulative(const std::vector<std::int64_t>& lengths);
+// Shapes of q, k (and v) and lse: batched, or varlen (tokens of all sequences).
+struct CaseShapes {
+  Shape q, k, lse;
+};
+CaseShapes case_shapes(const Case& c);
+// Fresh random q, k, v and the case's mask and bias.
+struct CaseInputs {
+  HostTensor q, k, v;
+  std::optional<HostTensor> mask, bias;
+};
+CaseInputs make_inputs(const Case& c, const Shape& q_shape, const Shape& k_shape, Rng& rng);
+std::vector<dmattn_test::RefResult> naive_runs(const Case& c, const CaseInputs& inputs,
+                                               const std::optional<std::vector<double>>& dout);
+std::string bounds_text(double lowp, const std::optional<double>& naive);
+
+// ---- Shared by the two matrices (matrix_forward.cpp).
+std::string dtype_tag(DType d);
+std::vector<Shape> broadcast_shapes(std::int64_t B, std::int64_t H, std::int64_t Hk, std::int64_t Sq, std::int64_t Sk);
+void topk_per_row(Case& c, int i);
+void topk_padding(Case& c, int i);
+void topk_varlen(Case& c, int i);
+std::vector<Case> bias_magnitude_sweep(const std::string& prefix);
+void add_head_dim_64(std::vector<Case>& cases);
+
+}  // namespace dmattn_gpu_test

@@ -1,0 +1,501 @@
+// The backward check matrix: dq, dk, dv and dbias over the bias and mask
+// broadcast forms, GQA, options, top-k (key lists, key groups, pieces,
+// thresholds), varlen, head dims above 128 and the deterministic pairs.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "check.h"
+#include "device.h"
+
+namespace dmattn_gpu_test {
+
+namespace {
+
+// Top-k backward cases (keep_window_size), mirroring the forward's: key-only
+// biases (intervals: dq key lists, dk/dv key groups) causal with Sq < Sk, = Sk,
+// > Sk and not causal, bias heads 1 / Hk / H, bias batch 1 / B; w = 1, w >= Sk,
+// w = Sk - 1; ties (constant and four-valued biases); right and left windows;
+// per-row biases and masks (thresholds); key padding masks; varlen; odd sizes;
+// more than one 1024-row segment (keys cut into pieces); a bias broadcast over
+// keys (dbias summed over keys: contiguous key groups).
+template <class Make>
+std::vector<Case> topk_backward_cases(Make&& make) {
+  std::vector<Case> cases;
+  const std::int64_t sizes[][2] = {{300, 1000}, {1000, 1000}, {1000, 300}, {1, 700}, {65, 65}, {7, 7}, {1, 1}};
+  for (int i = 0; i < 7; ++i)
+    for (bool causal : {true, false}) {
+      Case c = make("top-k key-only bias", sizes[i][0], sizes[i][1], 4, 2);
+      c.options.causal = causal;
+      c.options.keep_window_size = i >= 4 ? 3 + i : 64 + 13 * i;
+      c.bias_shape = {i % 2 ? 1 : c.B, i % 3 == 0 ? c.Hk : i % 3 == 1 ? c.H : 1, 1, c.Sk};
+      c.bias_dtype = i == 2 ? DType::kFloat32 : c.dtype;
+      c.bias_layout.sliced = i == 1, c.bias_layout.permuted = i == 3;
+      c.name += " w" + std::to_string(*c.options.keep_window_size);
+      cases.push_back(c);
+    }
+  struct Variant {
+    const char* what;
+    std::int64_t w;
+    double lo, hi, quantum;
+    std::int64_t left, right;
+  };
+  const Variant variants[] = {{"w=1", 1, -2, 2, 0, -1, -1},
+                              {"w>=Sk", 5000, -2, 2, 0, -1, -1},
+                              {"w=Sk-1", 776, -2, 2, 0, -1, -1},
+                              {"constant bias (ties)", 100, 0.5, 0.5, 0, -1, -1},
+                              {"four bias values (ties)", 33, 0, 4, 1, -1, -1},
+                              {"right window 30", 50, -2, 2, 0, -1, 30},
+                              {"left window 300", 64, -2, 2, 0, 300, -1},
+                              {"window (200,0)", 90, -2, 2, 0, 200, 0}};
+  for (const Variant& t : variants) {
+    // w = 1: p = 1 on the kept key and dS = p (dp - delta) is float32 rounding
+    // noise (zero in float64): dbias's slack of sqrt(n) (run_backward_case).
+    Case c = make(std::string("top-k ") + t.what, 650, 777, 4, 2);
+    c.B = 2;
+    c.options.causal = t.right < 0;
+    c.options.keep_window_size = t.w;
+    c.options.sliding_window = {t.left, t.right};
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    c.bias_lo = t.lo, c.bias_hi = t.hi, c.bias_quantum = t.quantum;
+    cases.push_back(c);
+  }
+  {  // |lse| beyond float32's reach: the dq kernel recomputes the rows' statistics over the key lists
+    Case c = make("top-k 100 constant bias -1e30 (rows recomputed)", 650, 777, 4, 2);
+    c.options.causal = true;
+    c.options.keep_window_size = 100;
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    c.bias_dtype = DType::kFloat32;
+    c.bias_lo = c.bias_hi = -1e30;
+    cases.push_back(c);
+  }
+  for (int i = 0; i < 4; ++i) {  // per-row biases and masks: thresholds
+    Case c = make("top-k per-row bias" + std::string(i >= 2 ? " + mask" : ""), i < 2 ? 300 : 500, i < 2 ? 700 : 400, 4, 2);
+    topk_per_row(c, i);
+    cases.push_back(c);
+  }
+  for (int i = 0; i < 2; ++i) {  // key padding masks, folded into the intervals
+    Case c = make("top-k 128 + padding mask", 700, 900, 4, 2);
+    c.B = 2;
+    topk_padding(c, i);
+    cases.push_back(c);
+  }
+  for (int i = 0; i < 2; ++i) {  // varlen: intervals, and thresholds (left window)
+    Case c = make(i ? "top-k 50 varlen window (80,0)" : "top-k 50 varlen", 1, 1, 4, 2);
+    topk_varlen(c, i);
+    cases.push_back(c);
+  }
+  // More than one 1024-row segment: keys cut into pieces whose sums add up in
+  // segment order (Sq not a multiple of 1024, keys over several segments, w = 1
+  // and w >= Sk, ties, not causal: every key over every segment).
+  struct Pieces {
+    const char* what;
+    std::int64_t sq, sk, w;
+    bool causal;
+    double lo, hi, quantum;
+  };
+  const Pieces pieces[] = {{"top-k pieces", 3000, 3000, 256, true, -2, 2, 0},
+                           {"top-k pieces", 2500, 2200, 100, false, -2, 2, 0},
+                           {"top-k pieces w=1", 2100, 2100, 1, true, -2, 2, 0},
+                           {"top-k pieces w>=Sk", 2100, 1900, 4000, true, -2, 2, 0},
+                           {"top-k pieces constant bias (ties)", 2300, 2300, 300, true, 0.5, 0.5, 0},
+                           {"top-k pieces four bias values (ties)", 2050, 2050, 700, true, 0, 4, 1},
+                           {"top-k pieces of 2048 rows", 16500, 600, 50, false, -2, 2, 0}};  // > 16 segments of 1024
+  for (const Pieces& t : pieces) {
+    Case c = make(t.what, t.sq, t.sk, 4, 2);
+    c.options.causal = t.causal;
+    c.options.keep_window_size = t.w;
+    c.bias_shape = {c.B, t.causal ? c.Hk : 1, 1, c.Sk};
+    c.bias_lo = t.lo, c.bias_hi = t.hi, c.bias_quantum = t.quantum;
+    cases.push_back(c);
+  }
+  {  // GQA, several selection heads a kv head (a random key-only mask of H heads): a piece is the hull over them
+    Case c = make("top-k pieces mask heads H", 2200, 2400, 8, 2);
+    c.options.causal = true;
+    c.options.keep_window_size = 200;
+    c.mask_density = 0.7;  // a random key-only mask a query head: different intervals a head
+    c.mask_shape = {c.B, c.H, 1, c.Sk};
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    cases.push_back(c);
+  }
+  {  // several bias heads a kv head with dbias: not cut (one key dbias a slot), one CTA a group
+    Case c = make("top-k bias heads H not cut", 2100, 2100, 4, 2);
+    c.options.causal = true;
+    c.options.keep_window_size = 150;
+    c.bias_shape = {c.B, c.H, 1, c.Sk};
+    cases.push_back(c);
+  }
+  {  // varlen over several segments, an empty and a one-row sequence
+    Case c = make("top-k pieces varlen", 1, 1, 4, 2);
+    c.seqlens_q = {2100, 1, 0, 1500}, c.seqlens_k = {2300, 40, 9, 1100};
+    c.bias_shape = {3449, c.Hk};
+    c.options.causal = true;
+    c.options.keep_window_size = 180;
+    cases.push_back(c);
+  }
+  for (int i = 0; i < 2; ++i) {  // few rows over many keys: the chunked threshold search and key lists
+    Case c = make(i ? "top-k decode per-row bias" : "top-k decode", i ? 16 : 3, i ? 5000 : 9000, 4, 2);
+    c.options.causal = true;
+    c.options.keep_window_size = i ? 400 : 1500;
+    c.bias_shape = {c.B, c.Hk, i ? c.Sq : 1, c.Sk};
+    cases.push_back(c);
+  }
+  Case keys = make("top-k 50 bias over heads only", 300, 400, 4, 2);  // dbias summed over keys
+  keys.B = 2;
+  keys.options.causal = true;
+  keys.options.keep_window_size = 50;
+  keys.bias_shape = {keys.B, keys.Hk, 1, 1};
+  cases.push_back(keys);
+  return cases;
+}
+
+// dq with and without options.deterministic (the two-kernel backward, and dq by
+// float32 atomics in the dk/dv kernel): causal GQA, a mask with a per-row bias
+// (dbias per element), softcap, varlen, top-k key groups; both must pass.
+template <class Make>
+std::vector<Case> deterministic_pairs(Make&& make) {
+  std::vector<Case> cases;
+  for (bool deterministic : {false, true}) {
+    const std::string tag = deterministic ? " deterministic" : " atomic dq";
+    const auto add = [&](Case c) {
+      c.options.deterministic = deterministic;
+      cases.push_back(c);
+    };
+    Case a = make("dq" + tag, 300, 500, 8, 2);
+    a.options.causal = true;
+    add(a);
+    Case m = make("dq mask + bias softcap" + tag, 190, 130, 4, 2);
+    m.mask_shape = {m.B, 1, m.Sq, m.Sk};
+    m.bias_shape = {m.B, m.Hk, m.Sq, m.Sk};
+    m.options.softcap = 20.0;
+    add(m);
+    Case v = make("dq varlen" + tag, 1, 1, 4, 2);
+    v.seqlens_q = {70, 1, 200}, v.seqlens_k = {130, 65, 200};
+    v.bias_shape = {395, 2};
+    v.options.causal = true;
+    add(v);
+    Case t = make("dq top-k 40" + tag, 400, 400, 8, 2);
+    t.options.causal = true;
+    t.options.keep_window_size = 40;
+    t.bias_shape = {1, t.Hk, 1, t.Sk};
+    add(t);
+    Case pc = make("dq top-k 300 pieces" + tag, 2600, 2600, 8, 2);  // keys cut at 1024-row segments
+    pc.options.causal = true;
+    pc.options.keep_window_size = 300;
+    pc.bias_shape = {1, pc.Hk, 1, pc.Sk};
+    add(pc);
+  }
+  return cases;
+}
+
+// Backward case `form` of the bias broadcast forms (2 x 8/2 heads, 65 x 127):
+// bias of shape s, float32 every third, sliced or permuted, causal every other.
+template <class Make>
+Case bias_form_case(Make&& make, const Shape& s, int form) {
+  Case c = make("bias form", 65, 127, 8, 2);
+  c.B = 2;
+  c.bias_shape = s;
+  c.bias_dtype = form % 3 == 0 ? DType::kFloat32 : c.dtype;
+  c.bias_layout.sliced = form % 3 == 1;
+  c.bias_layout.permuted = form % 3 == 2;
+  c.options.causal = form % 2 == 0;
+  return c;
+}
+
+// Head dims above 128 (the backward's feature split: 64-key CTAs, two warps a
+// row block, half a top-k key group a CTA), D = 192 and 256 where
+// DMATTN_HEAD_DIMS compiles them (check() skips the others): the bias and
+// mask broadcast forms (every dbias reduction), GQA and MQA, causal, a window,
+// layouts, varlen, top-k key groups (keys cut into pieces too) and thresholds, an extreme
+// bias (the dq statistics pass), the deterministic pairs. `small`: the few
+// that compute-sanitizer runs.
+template <class Make>
+std::vector<Case> wide_head_cases(Make&& make, bool small) {
+  std::vector<Case> cases;
+  for (std::int64_t d : {192, 256}) {
+    const std::string tag = "D" + std::to_string(d) + " ";
+    const auto wide = [&](const std::string& what, std::int64_t sq, std::int64_t sk, std::int64_t h, std::int64_t hk) {
+      Case c = make(tag + what, sq, sk, h, hk);
+      c.D = d;
+      return c;
+    };
+    Case m = wide("mask + bias", 130, 200, 4, 2);
+    m.options.causal = true;
+    m.mask_shape = {m.B, 1, m.Sq, m.Sk};
+    m.bias_shape = {m.B, m.Hk, m.Sq, m.Sk};
+    cases.push_back(m);
+    Case t = wide("top-k 20", 150, 300, 4, 2);
+    t.options.causal = true;
+    t.options.keep_window_size = 20;
+    t.bias_shape = {1, t.Hk, 1, t.Sk};
+    cases.push_back(t);
+    Case det = m;
+    det.options.deterministic = true;
+    det.name += " deterministic";
+    cases.push_back(det);
+    if (small) continue;
+    const std::int64_t sizes[][2] = {{1, 1}, {7, 1}, {65, 63}, {400, 700}, {1, 1000}, {1000, 63}};
+    const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
+    for (int i = 0; i < 6; ++i)
+      for (bool causal : {false, true}) {
+        Case c = wide("sizes", sizes[i][0], sizes[i][1], heads[i % 3][0], heads[i % 3][1]);
+        c.options.causal = causal;
+        cases.push_back(c);
+      }
+    int form = 0;
+    for (const Shape& sh : broadcast_shapes(2, 8, 2, 65, 127)) {
+      Case c = bias_form_case(wide, sh, form);
+      if (form % 2 == 1) c.mask_shape = {sh[0], sh[1], 65, 127};  // a mask of the bias's batch and heads
+      cases.push_back(c);
+      ++form;
+    }
+    Case w = wide("window (30,0) softcap 30", 300, 65, 4, 2);
+    w.options.sliding_window = {30, 0};
+    w.options.softcap = 30.0;
+    w.bias_shape = {1, w.Hk, 1, w.Sk};
+    cases.push_back(w);
+    Case l = wide("layout sliced permuted", 130, 190, 4, 2);
+    l.qkv_layout.sliced = true, l.qkv_layout.permuted = true;
+    l.out_layout = l.qkv_layout;
+    l.options.causal = true;
+    cases.push_back(l);
+    Case v = wide("varlen", 1, 1, 4, 2);
+    v.seqlens_q = {128, 1, 300}, v.seqlens_k = {128, 300, 64};
+    v.bias_shape = {492, 2};
+    v.options.causal = true;
+    cases.push_back(v);
+    Case e = wide("extreme bias -1e30", 130, 100, 4, 2);
+    e.bias_dtype = DType::kFloat32;
+    e.bias_lo = -1e30, e.bias_hi = -1e30;
+    e.bias_shape = {1, 1, e.Sq, e.Sk};
+    e.options.causal = true;
+    cases.push_back(e);
+    Case tc = wide("top-k 64 pieces", 2100, 2100, 2, 1);
+    tc.B = 1;
+    tc.options.causal = true;
+    tc.options.keep_window_size = 64;
+    tc.bias_shape = {1, 1, 1, tc.Sk};
+    cases.push_back(tc);
+    Case tr = wide("top-k 100 per-row bias + mask", 300, 1000, 4, 2);
+    topk_per_row(tr, 2);
+    cases.push_back(tr);
+    for (Case& c : deterministic_pairs(wide)) cases.push_back(c);
+  }
+  return cases;
+}
+
+}  // namespace
+
+std::vector<Case> backward_matrix(bool small) {
+  std::vector<Case> cases;
+  int n = 0;
+  auto make = [&](const std::string& what, std::int64_t sq, std::int64_t sk, std::int64_t h, std::int64_t hk) {
+    Case c;
+    c.dtype = n % 2 ? DType::kFloat16 : DType::kBFloat16;
+    c.bias_dtype = c.dtype;
+    c.B = 1 + n % 2, c.Sq = sq, c.Sk = sk, c.H = h, c.Hk = hk;
+    c.name = "bwd " + what;
+    ++n;
+    return c;
+  };
+  auto finish = [](Case c) {
+    c.name += " " + dtype_tag(c.dtype) +
+              (c.varlen() ? std::string(" varlen") : " B" + std::to_string(c.B) + " Sq" + std::to_string(c.Sq) + " Sk" + std::to_string(c.Sk)) +
+              " H" + std::to_string(c.H) + "/" + std::to_string(c.Hk) + " D" + std::to_string(c.D) +
+              (c.options.causal ? " causal" : "");
+    if (!c.bias_shape.empty()) c.name += " bias " + dtype_tag(c.bias_dtype) + " " + dmattn_test::shape_str(c.bias_shape) + " " + dmattn_test::layout_str(c.bias_layout);
+    if (!c.mask_shape.empty()) c.name += " mask " + dmattn_test::shape_str(c.mask_shape) + " " + dmattn_test::layout_str(c.mask_layout);
+    return c;
+  };
+  if (small) {
+    Case a = make("small", 65, 200, 4, 2);
+    a.options.causal = true;
+    a.bias_shape = {1, 2, 1, 200};
+    a.mask_shape = {a.B, 1, 65, 200};
+    cases.push_back(finish(a));
+    Case b = make("small", 130, 70, 4, 1);
+    b.bias_shape = {b.B, 1, 130, 70};
+    b.options.softcap = 5.0;
+    cases.push_back(finish(b));
+    Case v = make("small", 1, 1, 4, 2);
+    v.seqlens_q = {5, 70}, v.seqlens_k = {9, 130};
+    v.bias_shape = {139, 1};
+    v.options.causal = true;
+    cases.push_back(finish(v));
+    for (bool per_row : {false, true}) {  // top-k: key groups (intervals), thresholds with a mask
+      Case t = make(per_row ? "small top-k 20 per-row bias + mask" : "small top-k 20", 150, 200, 4, 2);
+      t.options.causal = true;
+      t.options.keep_window_size = 20;
+      t.bias_shape = per_row ? Shape{t.B, t.Hk, t.Sq, t.Sk} : Shape{1, t.Hk, 1, t.Sk};
+      if (per_row) t.mask_shape = {t.B, 1, t.Sq, t.Sk};
+      cases.push_back(finish(t));
+    }
+    Case pieces = make("small top-k 64 pieces", 2100, 2100, 2, 1);  // keys cut at 1024-row segments
+    pieces.B = 1;
+    pieces.options.causal = true;
+    pieces.options.keep_window_size = 64;
+    pieces.bias_shape = {1, 1, 1, pieces.Sk};
+    cases.push_back(finish(pieces));
+    Case gqa = make("small top-k 100 pieces mask heads H", 1500, 1300, 4, 2);  // two selection heads a kv head
+    gqa.options.causal = true;
+    gqa.options.keep_window_size = 100;
+    gqa.mask_density = 0.7;
+    gqa.mask_shape = {gqa.B, gqa.H, 1, gqa.Sk};
+    gqa.bias_shape = {gqa.B, gqa.Hk, 1, gqa.Sk};
+    cases.push_back(finish(gqa));
+    // The Hopper dk/dv kernel's path (no mask, key-only bias, D = 128): a
+    // partial key block, a causal offset and a window edge inside the tiles.
+    Case hk = make("small key bias window", 200, 130, 4, 2);
+    hk.bias_shape = {1, 2, 1, 130};
+    hk.options.causal = true;
+    hk.options.sliding_window = {40, 0};
+    cases.push_back(finish(hk));
+    Case det = a;  // the two-kernel path (the cases above take dq by atomics)
+    det.options.deterministic = true;
+    det.name += " deterministic";
+    cases.push_back(det);
+    for (Case& c : wide_head_cases(make, true)) cases.push_back(finish(c));
+    add_head_dim_64(cases);
+    return cases;
+  }
+  // Sizes, GQA and MQA, causal or not.
+  const std::int64_t sizes[][2] = {{1, 1}, {1, 7}, {7, 1}, {7, 7}, {63, 65}, {65, 63}, {127, 127}, {1000, 1000}, {1, 1000}, {5, 3000}, {1000, 63}};
+  const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
+  for (auto& s : sizes)
+    for (bool causal : {false, true}) {
+      Case c = make("sizes", s[0], s[1], heads[n % 3][0], heads[n % 3][1]);
+      c.options.causal = causal;
+      cases.push_back(finish(c));
+    }
+  for (std::int64_t d : {32, 64, 72}) {
+    Case c = make("head_dim", 65, 130, 4, 2);
+    c.D = d;
+    c.options.causal = true;
+    c.bias_shape = {1, 2, 1, 130};
+    cases.push_back(finish(c));
+  }
+  // Every broadcast form of the bias (dbias reductions) and of the mask, in every layout.
+  int form = 0;
+  for (const Shape& s : broadcast_shapes(2, 8, 2, 65, 127)) {
+    Case c = bias_form_case(make, s, form);
+    if (form % 4 == 3) {
+      const Shape full = {2, 8, 65, 127};
+      for (int d = 0; d < 4; ++d) c.bias_layout.expanded[d] = s[d] == 1, c.bias_shape[d] = full[d];
+    }
+    cases.push_back(finish(c));
+    Case m = make("mask form", 65, 127, 8, 2);
+    m.B = 2;
+    m.mask_shape = s;
+    m.mask_layout = c.bias_layout;
+    m.mask_shape = c.bias_shape;
+    m.options.causal = form % 2 == 1;
+    cases.push_back(finish(m));
+    ++form;
+  }
+  // Mask and bias together; sparse masks with fully masked rows.
+  for (double density : {0.9, 0.3, 0.02}) {
+    Case c = make("mask+bias density " + std::to_string(density).substr(0, 4), 127, 200, 4, 2);
+    c.mask_shape = {c.B, c.H, c.Sq, c.Sk};
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    c.mask_density = density;
+    cases.push_back(finish(c));
+  }
+  // Structured masks (empty and full tiles), long sequences with a key-only bias.
+  for (int variant = 0; variant < 2; ++variant) {
+    Case c = make("mask bands", 1000, 777, 4, 2);
+    c.B = 2;
+    c.mask_pattern = variant ? Case::MaskPattern::kKeyPadding : Case::MaskPattern::kBands;
+    c.mask_shape = variant ? Shape{c.B, 1, 1, c.Sk} : Shape{c.B, c.Hk, c.Sq, c.Sk};
+    c.bias_shape = {1, c.H, 1, c.Sk};
+    c.options.causal = variant == 0;
+    cases.push_back(finish(c));
+  }
+  // Windows (a single allowed key with (0, 0)), softcap and scale, Sq != Sk both ways.
+  const std::int64_t windows[][2] = {{16, 0}, {0, 16}, {30, -1}, {0, 0}};
+  for (auto& w : windows)
+    for (int flip = 0; flip < 2; ++flip) {
+      Case c = make("window (" + std::to_string(w[0]) + "," + std::to_string(w[1]) + ")", flip ? 300 : 65, flip ? 65 : 300, 4, 2);
+      c.options.sliding_window = {w[0], w[1]};
+      c.options.causal = flip == 0;
+      c.bias_shape = {1, c.Hk, 1, c.Sk};
+      cases.push_back(finish(c));
+    }
+  // Long causal walks of the Hopper dk/dv kernel: many 64-query steps a head,
+  // a bias shared by all heads (dbias summed over kv heads through slices).
+  for (int flip = 0; flip < 2; ++flip) {
+    Case c = make("long key bias", flip ? 2100 : 2047, flip ? 1500 : 2047, 4, 2);
+    c.B = 1;
+    c.options.causal = true;
+    c.bias_shape = {1, 1, 1, c.Sk};
+    cases.push_back(finish(c));
+  }
+  for (double cap : {5.0, 30.0}) {
+    Case c = make("softcap " + std::to_string(static_cast<int>(cap)) + " scale 0.3", 100, 257, 4, 2);
+    c.options.softcap = cap, c.options.scale = 0.3, c.options.causal = cap > 10;
+    c.bias_shape = {c.B, 1, c.Sq, c.Sk};
+    cases.push_back(finish(c));
+  }
+  // Layouts of q, k, v, out and the gradients: sliced (the scalar path) and permuted.
+  for (int l = 0; l < 4; ++l) {
+    Case c = make("layout", 130, 190, 4, 2);
+    c.qkv_layout.sliced = l & 1, c.qkv_layout.permuted = l & 2;
+    c.out_layout = c.qkv_layout;
+    c.options.causal = true;
+    cases.push_back(finish(c));
+  }
+  // Varlen with a key-only bias of every head count.
+  const std::vector<std::vector<std::int64_t>> seqs_q = {{1, 65, 0, 130}, {200}, {7, 7, 7}, {128, 1, 300}};
+  const std::vector<std::vector<std::int64_t>> seqs_k = {{7, 200, 5, 130}, {200}, {1, 63, 0}, {128, 300, 64}};
+  for (std::size_t i = 0; i < seqs_q.size(); ++i) {
+    Case c = make("varlen #" + std::to_string(i), 1, 1, 4, 2);
+    c.seqlens_q = seqs_q[i], c.seqlens_k = seqs_k[i];
+    std::int64_t total = 0;
+    for (auto s : c.seqlens_k) total += s;
+    const std::int64_t hb[3] = {1, c.Hk, c.H};
+    c.bias_shape = {total, hb[i % 3]};
+    c.bias_dtype = i % 2 ? DType::kFloat32 : c.dtype;
+    c.bias_layout.sliced = i % 2;
+    c.options.causal = i % 2 == 0;
+    if (i == 3) c.options.sliding_window = {40, 10};
+    cases.push_back(finish(c));
+  }
+  // Extreme biases: -1e30 and the dtype's lowest, constant (every key ties: the
+  // float32 lse cannot hold max + log(n)) and random, with single allowed keys
+  // (window (0, 0)) and fully masked rows (causal, Sq > Sk).
+  const double lowest_bf16 = -3.3895313892515355e38, lowest_f32 = -3.4028234663852886e38;
+  struct Extreme {
+    double lo, hi;
+    DType dtype;
+  };
+  for (const Extreme& e : {Extreme{-1e30, -1e30, DType::kFloat32}, Extreme{-1e30, -5e29, DType::kFloat32},
+                           Extreme{lowest_bf16, lowest_bf16, DType::kBFloat16}, Extreme{lowest_f32, lowest_f32, DType::kFloat32},
+                           Extreme{1e30, 1e30, DType::kFloat32}})
+    for (int shape = 0; shape < 3; ++shape) {
+      Case c = make("extreme bias " + std::to_string(e.lo).substr(0, 8), 130, 100, 4, 2);
+      c.dtype = DType::kBFloat16;
+      c.bias_dtype = e.dtype;
+      c.bias_lo = e.lo, c.bias_hi = e.hi;
+      c.bias_shape = shape == 0 ? Shape{1, 1, c.Sq, c.Sk} : Shape{c.B, c.Hk, 1, c.Sk};
+      c.options.causal = shape != 1;
+      if (shape == 2) c.options.sliding_window = {0, 0};
+      c.name += shape == 2 ? " window (0,0)" : "";
+      cases.push_back(finish(c));
+    }
+  for (Case& c : bias_magnitude_sweep("bwd ")) cases.push_back(c);
+  for (Case& c : topk_backward_cases(make)) cases.push_back(finish(c));
+  for (Case& c : deterministic_pairs(make)) cases.push_back(finish(c));
+  for (Case& c : wide_head_cases(make, false)) cases.push_back(finish(c));
+  add_head_dim_64(cases);
+  return cases;
+}
+
+}  // namespace dmattn_gpu_test

@@ -1,0 +1,87 @@
+// The CUDA backend against the float64 CPU oracle (check.h: SPEC 5's rule),
+// one GoogleTest case per case of the check matrix, forward and backward, and
+// the top-k NaN sweep. Suites Full (the whole matrix; ctest -L cuda, sharded)
+// and Small (the few cases compute-sanitizer runs; ctest -L sanitizer). Every
+// case is skipped, not failed, without a GPU or where the build has no
+// instantiation for its head dim; DMATTN_CHECK_ONLY=TEXT skips the cases whose
+// name lacks TEXT. Each case prints its errors and bounds.
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "device.h"
+
+namespace dmattn_gpu_test {
+
+// GoogleTest prints a case by its name.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+namespace {
+
+// One generator for the process: fresh inputs every run, the seed printed once.
+Rng& rng() {
+  static Rng* const generator = [] {
+    auto* r = new Rng;
+    std::printf("dmattn CUDA check: %s\n", r->trace().c_str());
+    return r;
+  }();
+  return *generator;
+}
+
+// Why this process skips `name` at head dim d, or an empty string.
+std::string skip_reason(const std::string& name, std::int64_t d) {
+  if (!gpu_available()) return "no CUDA device";
+  if (!head_dim_compiled(d))
+    return std::string("head dim not compiled (DMATTN_HEAD_DIMS = ") + dmattn::build_info().head_dims + ")";
+  const char* only = std::getenv("DMATTN_CHECK_ONLY");
+  if (only != nullptr && name.find(only) == std::string::npos) return std::string("not in DMATTN_CHECK_ONLY = ") + only;
+  return "";
+}
+
+void check(const Case& c, Outcome (*runner)(const Case&, Rng&)) {
+  const std::string skip = skip_reason(c.name, c.D);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  Outcome r;
+  try {
+    r = runner(c, rng());
+  } catch (const std::exception& e) {
+    r.pass = false;
+    r.detail = std::string("threw: ") + e.what();
+  }
+  std::printf("%s  %s  %s\n", r.pass ? "PASS" : "FAIL", c.name.c_str(), r.detail.c_str());
+  EXPECT_TRUE(r.pass) << c.name << ": " << r.detail;
+}
+
+// A test name of a case: its index and its name's letters and digits.
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  std::string s = std::to_string(info.index);
+  for (const char ch : info.param.name) s += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+  return s;
+}
+
+class Forward : public testing::TestWithParam<Case> {};
+TEST_P(Forward, MatchesOracle) { check(GetParam(), run_forward_case); }
+INSTANTIATE_TEST_SUITE_P(Full, Forward, testing::ValuesIn(forward_matrix(false)), case_name);
+INSTANTIATE_TEST_SUITE_P(Small, Forward, testing::ValuesIn(forward_matrix(true)), case_name);
+
+class Backward : public testing::TestWithParam<Case> {};
+TEST_P(Backward, MatchesOracle) { check(GetParam(), run_backward_case); }
+INSTANTIATE_TEST_SUITE_P(Full, Backward, testing::ValuesIn(backward_matrix(false)), case_name);
+INSTANTIATE_TEST_SUITE_P(Small, Backward, testing::ValuesIn(backward_matrix(true)), case_name);
+
+TEST(FullTopk, NanSweep) {
+  const std::string skip = skip_reason(kTopkNanSweepName, 128);
+  if (!skip.empty()) GTEST_SKIP() << skip;
+  const Outcome r = topk_nan_sweep(rng());
+  std::printf("%s  %s  %s\n", r.pass ? "PASS" : "FAIL", kTopkNanSweepName, r.detail.c_str());
+  EXPECT_TRUE(r.pass) << r.detail;
+}
+
+}  // namespace
+}  // namespace dmattn_gpu_test
