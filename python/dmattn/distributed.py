@@ -463,14 +463,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, ring, options):
         chunk, causal = q.shape[1] // 2, options[2]
-        travelling = _travelling(k, v, mask, bias)
         out = lse = None
         block_lse = []
-        for step in range(ring.size):
-            if step + 1 < ring.size:
-                received, requests = ring.shift(travelling)
-            rows, cols, block_causal = _ring_block(ring.rank, (ring.rank - step) % ring.size, chunk, causal)
-            k_b, v_b, mask_b, bias_b = _ring_operands(travelling, mask is not None, bias is not None, cols)
+        for rows, block_causal, (k_b, v_b, mask_b, bias_b) in _ring_walk(ring, k, v, mask, bias, chunk, causal):
             out_b, lse_b = torch.ops.dmattn.fwd(q[:, rows], k_b, v_b, mask_b, _shape(mask_b), bias_b, _shape(bias_b),
                                                 options[0], options[1], block_causal, *options[3:])
             block_lse.append(lse_b)
@@ -478,9 +473,6 @@ class _RingAttention(torch.autograd.Function):
                 out, lse = out_b.to(_accumulator_dtype(q)), lse_b.clone()
             else:
                 _merge(out[:, rows], lse[..., rows], out_b, lse_b)
-            if step + 1 < ring.size:
-                _wait(requests)
-                travelling = received
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, bias, out, lse, *block_lse)
         ctx.ring, ctx.options = ring, options
@@ -493,18 +485,13 @@ class _RingAttention(torch.autograd.Function):
         ring, options = ctx.ring, ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[4]
         chunk, causal, acc = q.shape[1] // 2, options[2], _accumulator_dtype(q)
-        travelling = _travelling(k, v, mask, bias)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         # dk, dv (and dbias) of the shard at hand: they travel one hop behind the shard.
         grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v, bias if bias_grad else None)
                  if t is not None]
         pending = []
-        for step in range(ring.size):
-            if step + 1 < ring.size:
-                received, requests = ring.shift(travelling)
-            rows, cols, block_causal = _ring_block(ring.rank, (ring.rank - step) % ring.size, chunk, causal)
-            k_b, v_b, mask_b, bias_b = _ring_operands(travelling, mask is not None, bias is not None, cols)
-            lse_b = block_lse[step]
+        walk = _ring_walk(ring, k, v, mask, bias, chunk, causal, with_columns=True)
+        for lse_b, (rows, cols, block_causal, (k_b, v_b, mask_b, bias_b)) in zip(block_lse, walk):
             dq_b, dk_b, dv_b, dbias_b = torch.ops.dmattn.bwd(
                 _block_dout(dout[:, rows], lse_b, lse[..., rows]), q[:, rows], k_b, v_b, mask_b, _shape(mask_b),
                 bias_b, _shape(bias_b), out[:, rows], lse_b, options[0], options[1], block_causal, *options[3:],
@@ -516,13 +503,27 @@ class _RingAttention(torch.autograd.Function):
             if bias_grad:
                 grads[2][..., cols] += dbias_b
             grads, pending = ring.shift(grads)
-            if step + 1 < ring.size:
-                _wait(requests)
-                travelling = received
         _wait(pending)
         dk, dv = grads[0].to(k.dtype), grads[1].to(v.dtype)
         dbias = grads[2].to(bias.dtype) if bias_grad else None
         return dq.to(q.dtype), dk, dv, None, dbias, None, None
+
+
+def _ring_walk(ring, k, v, mask, bias, chunk, causal, with_columns=False):
+    """The ring's steps: yields this rank's query rows of the block, whether the block is
+    causal, and the (k, v, mask, bias) of the shard at hand restricted to its key columns
+    (with with_columns, the columns too), while the next shard is on its way; the shards
+    go one hop a step."""
+    travelling = _travelling(k, v, mask, bias)
+    for step in range(ring.size):
+        if step + 1 < ring.size:
+            received, requests = ring.shift(travelling)
+        rows, cols, block_causal = _ring_block(ring.rank, (ring.rank - step) % ring.size, chunk, causal)
+        operands = _ring_operands(travelling, mask is not None, bias is not None, cols)
+        yield (rows, cols, block_causal, operands) if with_columns else (rows, block_causal, operands)
+        if step + 1 < ring.size:
+            _wait(requests)
+            travelling = received
 
 
 def _travelling(k, v, mask, bias) -> List[Tensor]:

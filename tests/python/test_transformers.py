@@ -183,13 +183,19 @@ def test_use_dmattn_for_doge_leaves_other_models_of_the_config_alone():
     torch.testing.assert_close(first(ids).logits, before, rtol=2e-4, atol=2e-5)
 
 
-def test_llama_on_the_dmattn_attention_interface():
+def llama_pair():
+    """A tiny random eager LlamaForCausalLM and a copy of it on the "dmattn" attention implementation."""
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          attn_implementation="eager")
     stock = LlamaForCausalLM(config)
     ours = copy.deepcopy(stock)
     ours.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return stock, ours
+
+
+def test_llama_on_the_dmattn_attention_interface():
+    stock, ours = llama_pair()
     assert ours.config._attn_implementation == ATTN_IMPLEMENTATION
     assert_same_run(stock, ours, torch.randint(0, VOCAB, (3, 14)), padding_mask([14, 10, 5], 14, left=True),
                     dict(rtol=2e-4, atol=2e-5))
@@ -237,12 +243,7 @@ def test_float_mask_on_the_attention_function_matches_eager(dtype, mask_dtype):
 
 def test_llama_with_a_4d_float_mask_matches_eager():
     """The mask as a model input: transformers hands a 4-D mask to the attention function as it is."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation="eager")
-    stock = LlamaForCausalLM(config)
-    ours = copy.deepcopy(stock)
-    ours.set_attn_implementation(ATTN_IMPLEMENTATION)
+    stock, ours = llama_pair()
     ids = torch.randint(0, VOCAB, (2, 10))
     mask = float_mask(2, 10, 10, torch.float32)
     runs = []
