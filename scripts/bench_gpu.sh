@@ -6,18 +6,14 @@
 #
 #   scripts/bench_gpu.sh [bench_gpu.py run options: --deadline EPOCH, --commit SHA]
 #   env: DMATTN_CUDA_ARCHS (default 90a), DMATTN_HEAD_DIMS (default 64;128),
-#        DMATTN_CUTLASS_DIR (default .device/cutlass/include when present, else
-#        the nvidia-cutlass pip package's headers), PYTHON (default python3)
-#
-# A nanobind carried in .device/python (the version scripts/test_python.sh pins)
-# is used before the environment's own.
+#        DMATTN_CUTLASS_DIR (default: the nvidia-cutlass pip package's headers),
+#        PYTHON (default python3; its environment needs nanobind and
+#        scikit-build-core, the build tools scripts/test_python.sh pins)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python=${PYTHON:-python3}
-[ -d .device/python/nanobind ] && export PYTHONPATH=$root/.device/python${PYTHONPATH:+:$PYTHONPATH}
 cutlass=${DMATTN_CUTLASS_DIR:-}
-[ -z "$cutlass" ] && [ -f .device/cutlass/include/cute/tensor.hpp ] && cutlass=$root/.device/cutlass/include
 
 export DMATTN_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_NO_INDEX=1

@@ -23,10 +23,6 @@ build=${BUILD:-$root/build-gpu}
 logs=$(mktemp -d)/logs
 mkdir -p "$out" "$logs"
 export DMATTN_CUDA_ARCHS=${DMATTN_CUDA_ARCHS:-90a}
-if [ -z "${DMATTN_CUTLASS_DIR:-}" ] && [ -f .device/cutlass/include/cute/tensor.hpp ]; then
-  export DMATTN_CUTLASS_DIR=$root/.device/cutlass/include
-fi
-[ -d .device/python/nanobind ] && export PYTHONPATH=$root/.device/python${PYTHONPATH:+:$PYTHONPATH}
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 stages=("$@")
