@@ -120,6 +120,17 @@ void varlen_backward(const Inputs& in, const VarlenLayout& layout, const TensorV
   run_backward(make_backward_problem(in, &layout, out, dout, lse, grads, options), grads.dbias);
 }
 
+void select_topk(const Inputs& in, const Options& options, const TensorView& intervals) {
+  const Problem p = make_select_problem(in, nullptr, intervals, options);
+  backend_for(p).select(p);
+}
+
+void varlen_select_topk(const Inputs& in, const VarlenLayout& layout, const Options& options,
+                        const TensorView& intervals) {
+  const Problem p = make_select_problem(in, &layout, intervals, options);
+  backend_for(p).select(p);
+}
+
 void check_forward(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
                    const std::optional<TensorView>& lse, const Options& options) {
   backend_for(make_forward_problem(in, layout, out, lse, options, Reads::kMetadata));
@@ -128,6 +139,11 @@ void check_forward(const Inputs& in, const VarlenLayout* layout, const TensorVie
 void check_backward(const Inputs& in, const VarlenLayout* layout, const TensorView& out, const TensorView& dout,
                     const TensorView& lse, const Gradients& grads, const Options& options) {
   backend_for(make_backward_problem(in, layout, out, dout, lse, grads, options, Reads::kMetadata));
+}
+
+void check_select_topk(const Inputs& in, const VarlenLayout* layout, const Options& options,
+                       const TensorView& intervals) {
+  backend_for(make_select_problem(in, layout, intervals, options, Reads::kMetadata));
 }
 
 BuildInfo build_info() {

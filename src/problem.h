@@ -2,6 +2,7 @@
 // as plain pointers and 64-bit element strides. Backends trust it completely.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "dmattn/dmattn.h"
@@ -41,6 +42,11 @@ struct Problem {
   bool causal = false;
   std::int64_t window_left = -1, window_right = -1;
   std::int64_t keep_window_size = 0;  // 0: no top-k
+  // Top-k as per-key row intervals, int32 (batch, topk_heads(), seqlen_k, 2) contiguous:
+  // rows [start, end) of each key, given by the caller (forward, backward:
+  // Inputs::topk_intervals, user data that a backend clamps as it reads them) or
+  // written (select_topk). Absent: nullptr.
+  std::int32_t* topk_intervals = nullptr;
   bool deterministic = false;
   Device device{};
   void* stream = nullptr;
@@ -57,14 +63,23 @@ struct Problem {
   std::int64_t group() const { return heads / kv_heads; }  // query heads per kv head
   // Head of a mask or bias with `n` heads (H, Hk or 1) that query head h reads.
   std::int64_t operand_head(std::int64_t h, std::int64_t n) const { return h / (heads / n); }
-  // How top-k (keep_window_size) is selected, on every backend (SPEC 3): per-key
-  // row intervals, O(Sk log Sk) work, for a query-broadcast bias with at most a
-  // key-only mask and no left window; otherwise per-row thresholds, O(Sq * Sk)
-  // work, which is also the cheaper choice for a few query rows (decode).
+  // Selection heads: the selection of query head h depends on h only through the
+  // bias head and the mask head it reads (each H, Hk or 1), so the finer of the two
+  // decides; query head h uses selection head h / (heads / topk_heads()).
+  std::int64_t topk_heads() const { return std::max(bias_shape.heads, mask_shape.heads); }
+  // Whether per-key row intervals express the top-k selection (SPEC 3): a
+  // query-broadcast bias, at most a key-only mask, no left window (the keys a row
+  // sees only grow with the row).
+  bool topk_as_intervals() const {
+    return bias_shape.rows == 1 && (!mask.present() || mask_shape.rows == 1) && window_left < 0;
+  }
+  // How top-k (keep_window_size) is selected, on every backend: per-key row
+  // intervals, O(Sk log Sk) work, where they express it and either are given or
+  // the call has more than a decode step's rows; otherwise per-row thresholds,
+  // O(Sq * Sk) work, which is also the cheaper choice for a few query rows.
   static constexpr std::int64_t kThresholdRows = 16;
   bool topk_by_intervals() const {
-    return bias_shape.rows == 1 && (!mask.present() || mask_shape.rows == 1) && window_left < 0 &&
-           seqlen_q > kThresholdRows;
+    return topk_as_intervals() && (topk_intervals != nullptr || seqlen_q > kThresholdRows);
   }
   // Element offset of the (batch b, query head h) slice of the mask or the bias.
   std::int64_t mask_base(std::int64_t b, std::int64_t h) const {

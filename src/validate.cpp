@@ -111,6 +111,18 @@ class Arg {
     return *this;
   }
 
+  // Row-major contiguous (a dimension of one element may have any stride).
+  const Arg& contiguous() const {
+    std::int64_t expected = 1;
+    for (int d = t_.ndim - 1; d >= 0; --d) {
+      if (t_.shape[d] > 1 && t_.stride[d] != expected)
+        throw Error(Kind::kValue, name_ + ".stride[" + std::to_string(d) + "]",
+                    std::to_string(expected) + " (a contiguous tensor)", std::to_string(t_.stride[d]));
+      expected *= t_.shape[d];
+    }
+    return *this;
+  }
+
   const Arg& same_shape_as(const TensorView& ref, const std::string& ref_name) const {
     bool same = t_.ndim == ref.ndim;
     for (int d = 0; same && d < t_.ndim; ++d) same = t_.shape[d] == ref.shape[d];
@@ -208,12 +220,41 @@ std::int64_t check_cu_seqlens(const TensorView& cu, const char* name, std::int64
   return cu.shape[0] - 1;
 }
 
-// Everything about q, k, v, mask, bias and the options; fills the shared part of a Problem.
-Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options& options, Reads reads) {
+// What rules per-key row intervals out for p's top-k (Problem::topk_as_intervals), in words.
+std::string not_intervals(const Problem& p) {
+  if (p.bias_shape.rows != 1) return "a bias of " + std::to_string(p.bias_shape.rows) + " query rows";
+  if (p.mask.present() && p.mask_shape.rows != 1) return "a mask of " + std::to_string(p.mask_shape.rows) + " query rows";
+  return "sliding_window.left = " + std::to_string(p.window_left);
+}
+
+// The top-k intervals tensor `t` of p (given, or select_topk's output): a call that
+// intervals express, int32 (B, Hs, Sk, 2), contiguous, on q's device.
+void check_intervals(const TensorView& t, const std::string& name, const Problem& p, const Options& options) {
+  if (!options.keep_window_size)
+    throw Error(Kind::kValue, name, "none without keep_window_size (they are a top-k selection)", "a tensor");
+  if (!p.topk_as_intervals())
+    throw Error(Kind::kValue, name,
+                "a call whose top-k per-key row intervals express (a bias constant along queries, at most a key-only "
+                "mask, no left sliding window)",
+                not_intervals(p));
+  const bool varlen = p.varlen();
+  Arg(t, name).rank(4, "(B, Hs, Sk, 2)").dtype(DType::kInt32, "(query rows [start, end) a key)").device(p.device);
+  Arg(t, name).dim(0, {p.batch, varlen ? "sequences" : "B"})
+      .dim(1, {p.topk_heads(), "Hs = max(bias heads, mask heads)"})
+      .dim(2, {p.seqlen_k, varlen ? "max_seqlen_k" : "Sk"})
+      .dim(3, {2, "start, end"})
+      .contiguous();
+}
+
+// Everything about q, k, v, mask, bias, the top-k intervals (`intervals`, named
+// `intervals_name`; nullptr: none) and the options; fills the shared part of a
+// Problem. The data of q, k and v is the caller's to check (select_topk reads none).
+Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options& options, Reads reads,
+                     const TensorView* intervals, const char* intervals_name) {
   const bool varlen = layout != nullptr;
-  check_data(reads, {{&in.q, "q"}, {&in.k, "k"}, {&in.v, "v"}, {present(in.mask), "mask"},
-                     {present(in.bias), "bias"}, {varlen ? &layout->cu_seqlens_q : nullptr, "cu_seqlens_q"},
-                     {varlen ? &layout->cu_seqlens_k : nullptr, "cu_seqlens_k"}});
+  check_data(reads, {{present(in.mask), "mask"}, {present(in.bias), "bias"},
+                     {varlen ? &layout->cu_seqlens_q : nullptr, "cu_seqlens_q"},
+                     {varlen ? &layout->cu_seqlens_k : nullptr, "cu_seqlens_k"}, {intervals, intervals_name}});
   const TensorView& q = in.q;
   const Device device = q.device;
   const int rank = varlen ? 3 : 4;
@@ -317,10 +358,15 @@ Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options
   p.causal = options.causal;
   p.window_left = options.sliding_window.left;
   p.window_right = options.sliding_window.right;
-  // A row never has more than Sk allowed keys: a window that wide keeps them all (no top-k).
-  const std::int64_t keep = options.keep_window_size.value_or(0);
-  p.keep_window_size = keep < p.seqlen_k ? keep : 0;
   p.deterministic = options.deterministic;
+  // A row never has more than Sk allowed keys: a window that wide keeps them all
+  // (no top-k), unless the selection is given (its intervals are used as they are).
+  const std::int64_t keep = options.keep_window_size.value_or(0);
+  p.keep_window_size = keep < p.seqlen_k || intervals != nullptr ? keep : 0;
+  if (intervals != nullptr) {
+    check_intervals(*intervals, intervals_name, p, options);
+    p.topk_intervals = static_cast<std::int32_t*>(intervals->data);
+  }
   return p;
 }
 
@@ -354,8 +400,8 @@ Operand lse_operand(const TensorView& lse, const std::string& name, const Proble
 
 Problem make_forward_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
                              const std::optional<TensorView>& lse, const Options& options, Reads reads) {
-  Problem p = make_problem(in, layout, options, reads);
-  check_data(reads, {{&out, "out"}, {present(lse), "lse"}});
+  Problem p = make_problem(in, layout, options, reads, present(in.topk_intervals), "topk_intervals");
+  check_data(reads, {{&in.q, "q"}, {&in.k, "k"}, {&in.v, "v"}, {&out, "out"}, {present(lse), "lse"}});
   const bool varlen = layout != nullptr;
   check_like(out, "out", in.q, "q");
   p.out = token_operand(out, varlen);
@@ -370,9 +416,9 @@ Problem make_forward_problem(const Inputs& in, const VarlenLayout* layout, const
 Problem make_backward_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
                               const TensorView& dout, const TensorView& lse, const Gradients& grads,
                               const Options& options, Reads reads) {
-  Problem p = make_problem(in, layout, options, reads);
-  check_data(reads, {{&out, "out"}, {&dout, "dout"}, {&lse, "lse"}, {&grads.dq, "dq"}, {&grads.dk, "dk"},
-                     {&grads.dv, "dv"}, {present(grads.dbias), "dbias"}});
+  Problem p = make_problem(in, layout, options, reads, present(in.topk_intervals), "topk_intervals");
+  check_data(reads, {{&in.q, "q"}, {&in.k, "k"}, {&in.v, "v"}, {&out, "out"}, {&dout, "dout"}, {&lse, "lse"},
+                     {&grads.dq, "dq"}, {&grads.dk, "dk"}, {&grads.dv, "dv"}, {present(grads.dbias), "dbias"}});
   const bool varlen = layout != nullptr;
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{out, "out"}, {dout, "dout"}}) {
     Arg(t, name).rank(in.q.ndim, "(the rank of q)").same_shape_as(in.q, "q").device(in.q.device).last_dim_contiguous();
@@ -397,6 +443,13 @@ Problem make_backward_problem(const Inputs& in, const VarlenLayout* layout, cons
                      : Operand{db.data, db.dtype, db.stride[0], db.stride[1], db.stride[2], db.stride[3]};
   }
   return p;
+}
+
+Problem make_select_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& intervals,
+                            const Options& options, Reads reads) {
+  if (in.topk_intervals)
+    throw Error(Kind::kValue, "topk_intervals", "none (select_topk writes the intervals it selects)", "a tensor");
+  return make_problem(in, layout, options, reads, &intervals, "intervals");
 }
 
 }  // namespace dmattn

@@ -24,5 +24,8 @@ Problem make_forward_problem(const Inputs& in, const VarlenLayout* layout, const
 Problem make_backward_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& out,
                               const TensorView& dout, const TensorView& lse, const Gradients& grads,
                               const Options& options, Reads reads = Reads::kData);
+// select_topk: p.topk_intervals is the output `intervals`; q, k and v's data is not read.
+Problem make_select_problem(const Inputs& in, const VarlenLayout* layout, const TensorView& intervals,
+                            const Options& options, Reads reads = Reads::kData);
 
 }  // namespace dmattn

@@ -92,10 +92,17 @@ struct Options {
 //            batch {B, 1}, heads {H, Hk, 1}, queries {Sq, 1}, keys {Sk, 1}.
 //   varlen:  q (total_q, H, D), k and v (total_k, Hk, D), bias (total_k, Hb) with
 //            Hb in {H, Hk, 1} (a key-only bias), no mask.
+//   topk_intervals: the call's top-k selection, given rather than selected (see
+//            select_topk): only with keep_window_size, in a call whose selection
+//            intervals express. The backends use it as it is, whatever
+//            keep_window_size (even one of at least Sk), and never read or write
+//            out of bounds whatever its values; values that are not the call's
+//            selection give another (see select_topk).
 struct Inputs {
   TensorView q, k, v;
   std::optional<TensorView> mask;
   std::optional<TensorView> bias;
+  std::optional<TensorView> topk_intervals = std::nullopt;
 };
 
 // Sequence layout of the varlen entry points: cu_seqlens_* are int32 (B + 1,),
@@ -126,7 +133,35 @@ void varlen_backward(const Inputs& in, const VarlenLayout& layout, const TensorV
                      const TensorView& dout, const TensorView& lse, const Gradients& grads,
                      const Options& options);
 
-// The validation of forward / backward alone (of varlen_forward / varlen_backward when
+// The top-k selection of a call (spec §3) as per-key row intervals, written into
+// `intervals`, so that it is selected once and given to several calls
+// (Inputs::topk_intervals): the forward's selection kept for its backward, or the
+// selection of a whole sequence cut into the blocks of sequence parallelism.
+//
+//   intervals: int32 (B, Hs, Sk, 2), contiguous (row-major), on q's device. Entry
+//     (b, s, j) = {start, end}: the query rows [start, end) of batch entry b that
+//     select key j under selection head s ({0, 0}: no row). Varlen: B sequences,
+//     Sk = max_seqlen_k, rows and keys local to the sequence, keys past its length
+//     {0, 0}. Hs = max(bias heads, mask heads), each H, Hk or 1 (1 without a
+//     mask); query head h uses selection head h / (H / Hs).
+//   The call must be one that intervals express: keep_window_size given, a bias
+//     constant along queries (Sq dimension 1 or stride 0), at most a key-only mask,
+//     no left sliding window (causal and a right window are fine); any Sq and any
+//     keep_window_size (one of at least Sk keeps every allowed key). Else Error
+//     (kValue) naming `intervals` (`topk_intervals` in forward and backward).
+//   q, k, v: only their shapes, dtypes and devices are read (data may be null).
+//
+// Given intervals are trusted: a backend clamps each to its sequence's rows and
+// reads nothing else out of bounds, but intervals that are not the call's
+// selection select other keys (the CPU still applies the mask, causal and the
+// window; the CUDA kernels size their key lists and key groups for a selection of
+// at most keep_window_size keys a row, and past that drop keys from the forward
+// and may leave the gradients of some keys unwritten).
+void select_topk(const Inputs& in, const Options& options, const TensorView& intervals);
+void varlen_select_topk(const Inputs& in, const VarlenLayout& layout, const Options& options,
+                        const TensorView& intervals);
+
+// The validation of forward / backward / select_topk alone (of their varlen twins when
 // a layout is given; nullptr: batched): throws the Error the call's validation would
 // throw, and runs nothing. Only metadata is read (shapes, strides, dtypes, devices,
 // options): data pointers may be null, and the cu_seqlens values, which the call
@@ -137,6 +172,8 @@ void check_forward(const Inputs& in, const VarlenLayout* layout, const TensorVie
                    const std::optional<TensorView>& lse, const Options& options);
 void check_backward(const Inputs& in, const VarlenLayout* layout, const TensorView& out, const TensorView& dout,
                     const TensorView& lse, const Gradients& grads, const Options& options);
+void check_select_topk(const Inputs& in, const VarlenLayout* layout, const Options& options,
+                       const TensorView& intervals);
 
 // Which backends and kernels this build holds.
 struct BuildInfo {

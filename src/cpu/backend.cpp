@@ -1,5 +1,6 @@
-// The CPU backend: top-k selection once per call, then forward or backward in
-// float64 for float64 inputs and float32 for every other dtype.
+// The CPU backend: top-k selection once per call (or the caller's), then forward
+// or backward in float64 for float64 inputs and float32 for every other dtype;
+// and the top-k intervals alone (select_topk).
 #include <cstring>
 
 #include "../backend.h"
@@ -27,6 +28,8 @@ void run_backward(const Problem& p) {
   }
 }
 
+void run_select(const Problem& p) { cpu::write_intervals(p, p.topk_intervals); }
+
 // Zero bits are +0 in every float dtype.
 void fill_zeros(const TensorView& t, void*) {
   if (t.numel() == 0) return;
@@ -43,7 +46,7 @@ void fill_zeros(const TensorView& t, void*) {
 }  // namespace
 
 const Backend& cpu_backend() {
-  static const Backend backend{run_forward, run_backward, fill_zeros};
+  static const Backend backend{run_forward, run_backward, run_select, fill_zeros};
   return backend;
 }
 

@@ -210,7 +210,7 @@ std::pair<std::int64_t, std::int64_t> row_range(const Selection& sel, const Head
   if (sel.mode == Selection::kIntervals) {
     std::int64_t lo = g.sq, hi = 0;
     for (std::int64_t j : keys) {
-      const RowInterval& iv = sel.interval(b, h, j);
+      const RowInterval iv = sel.interval(b, h, j);
       if (iv.start < iv.end) lo = std::min(lo, iv.start), hi = std::max(hi, iv.end);
     }
     r0 = std::max(r0, lo), r1 = std::min(r1, hi);
@@ -224,7 +224,7 @@ void active_keys(const Selection& sel, std::int64_t b, std::int64_t h, const std
   pos.clear();
   for (std::size_t a = 0; a < keys.size(); ++a) {
     if (sel.mode == Selection::kIntervals) {
-      const RowInterval& iv = sel.interval(b, h, keys[a]);
+      const RowInterval iv = sel.interval(b, h, keys[a]);
       if (iv.end <= i0 || iv.start >= i1) continue;
     }
     pos.push_back(static_cast<std::int64_t>(a));

@@ -79,7 +79,7 @@ class HeadLogits {
     for (std::int64_t j = j0; j < j1; ++j) {
       if (key_only_mask && scratch[j - j0] == A(0)) continue;
       if (sel_.mode == Selection::kIntervals) {
-        const RowInterval& r = sel_.interval(b_, h_, j);
+        const RowInterval r = sel_.interval(b_, h_, j);
         if (r.end <= i0 || r.start >= i1) continue;
       }
       keys.push_back(j);
@@ -128,7 +128,7 @@ class HeadLogits {
       }
       if (sel_.mode == Selection::kIntervals) {
         for (std::int64_t c = 0; c < ncols; ++c) {
-          const RowInterval& r = sel_.interval(b_, h_, keys[c]);
+          const RowInterval r = sel_.interval(b_, h_, keys[c]);
           if (i < r.start || i >= r.end) l[c] = -kInf;
         }
       }

@@ -38,16 +38,17 @@ class Fenwick {
 
 bool beats(double va, std::int64_t a, double vb, std::int64_t b) { return va > vb || (va == vb && a > b); }
 
-// Per-key row intervals of one head. Keys are visited from the strongest (bias,
-// index) down; when key j is reached, the tree holds exactly the keys that beat
-// it. Row i sees the key prefix [0, hi(i)), so j stops being selected at the
-// first row that sees the w-th beater in index order.
+// Per-key row intervals of one head, {start, end} pairs of the sequence's keys
+// (the first g.sk of out's). Keys are visited from the strongest (bias, index)
+// down; when key j is reached, the tree holds exactly the keys that beat it. Row
+// i sees the key prefix [0, hi(i)), so j stops being selected at the first row
+// that sees the w-th beater in index order.
 void key_intervals(const Geometry& g, const double* bias, const double* key_mask, std::int64_t w,
-                   RowInterval* out) {
+                   std::int32_t* out) {
   std::vector<std::int64_t> order;
   order.reserve(static_cast<std::size_t>(g.sk));
   for (std::int64_t j = 0; j < g.sk; ++j) {
-    out[j] = RowInterval{};
+    out[2 * j] = out[2 * j + 1] = 0;
     if (key_mask == nullptr || key_mask[j] != 0.0) order.push_back(j);
   }
   std::sort(order.begin(), order.end(),
@@ -57,7 +58,7 @@ void key_intervals(const Geometry& g, const double* bias, const double* key_mask
     const std::int64_t j = order[n];
     const std::int64_t start = g.first_row(j);
     const std::int64_t end = static_cast<std::int64_t>(n) >= w ? g.first_row(beaters.kth(w)) : g.sq;
-    if (start < end) out[j] = RowInterval{start, end};
+    if (start < end) out[2 * j] = static_cast<std::int32_t>(start), out[2 * j + 1] = static_cast<std::int32_t>(end);
     beaters.insert(j);
   }
 }
@@ -90,37 +91,46 @@ void row_thresholds(const Problem& p, const Geometry& g, std::int64_t b, std::in
 
 }  // namespace
 
+void write_intervals(const Problem& p, std::int32_t* out) {
+  const std::int64_t heads = p.topk_heads(), group = p.heads / heads;
+  parallel_for(p.batch * heads, [&](std::int64_t task) {
+    const std::int64_t b = task / heads, h = task % heads * group;
+    const Geometry g(p, b);
+    std::int32_t* const head_out = out + 2 * task * p.seqlen_k;
+    std::fill(head_out + 2 * g.sk, head_out + 2 * p.seqlen_k, 0);  // keys past a varlen sequence
+    const std::int64_t ks = p.k_start(b);
+    std::vector<double> bias(static_cast<std::size_t>(g.sk)), mask;
+    read(p.bias.data, p.bias.dtype, p.bias_base(b, h) + ks * p.bias.sc, g.sk, Strided{p.bias.sc}, bias.data());
+    if (p.mask.present()) {
+      mask.resize(static_cast<std::size_t>(g.sk));
+      read(p.mask.data, DType::kBool, p.mask_base(b, h) + ks * p.mask.sc, g.sk, Strided{p.mask.sc}, mask.data());
+    }
+    key_intervals(g, bias.data(), p.mask.present() ? mask.data() : nullptr, p.keep_window_size, head_out);
+  });
+}
+
 Selection select_topk(const Problem& p) {
   Selection sel;
   if (p.keep_window_size == 0) return sel;
-  sel.mode = p.topk_by_intervals() ? Selection::kIntervals : Selection::kThresholds;
-  sel.heads = p.heads;
-  sel.per_head = sel.mode == Selection::kIntervals ? p.seqlen_k : p.seqlen_q;
-  const auto size = static_cast<std::size_t>(p.batch * p.heads * sel.per_head);
-  if (sel.mode == Selection::kIntervals) {
-    sel.intervals.resize(size);
-  } else {
-    sel.thresholds.resize(size);
+  sel.problem = &p;
+  sel.heads = p.topk_heads();
+  sel.group = p.heads / sel.heads;
+  if (p.topk_by_intervals()) {
+    sel.mode = Selection::kIntervals;
+    sel.per_head = p.seqlen_k;
+    sel.given = p.topk_intervals;
+    if (sel.given == nullptr) {
+      sel.computed.resize(static_cast<std::size_t>(2 * p.batch * sel.heads * p.seqlen_k));
+      write_intervals(p, sel.computed.data());
+    }
+    return sel;
   }
-  parallel_for(p.batch * p.heads, [&](std::int64_t task) {
-    const std::int64_t b = task / p.heads, h = task % p.heads;
-    const Geometry g(p, b);
-    if (sel.mode == Selection::kThresholds) {
-      row_thresholds(p, g, b, h, &sel.thresholds[static_cast<std::size_t>(task * sel.per_head)]);
-      return;
-    }
-    const std::int64_t ks = p.k_start(b);
-    std::vector<double> bias(static_cast<std::size_t>(g.sk)), mask;
-    read(p.bias.data, p.bias.dtype, p.bias_base(b, h) + ks * p.bias.sc,
-         g.sk, Strided{p.bias.sc}, bias.data());
-    if (p.mask.present()) {
-      mask.resize(static_cast<std::size_t>(g.sk));
-      read(p.mask.data, DType::kBool,
-           p.mask_base(b, h) + ks * p.mask.sc, g.sk,
-           Strided{p.mask.sc}, mask.data());
-    }
-    key_intervals(g, bias.data(), p.mask.present() ? mask.data() : nullptr, p.keep_window_size,
-                  &sel.intervals[static_cast<std::size_t>(task * sel.per_head)]);
+  sel.mode = Selection::kThresholds;
+  sel.per_head = p.seqlen_q;
+  sel.thresholds.resize(static_cast<std::size_t>(p.batch * sel.heads * p.seqlen_q));
+  parallel_for(p.batch * sel.heads, [&](std::int64_t task) {
+    const std::int64_t b = task / sel.heads, h = task % sel.heads * sel.group;
+    row_thresholds(p, Geometry(p, b), b, h, &sel.thresholds[static_cast<std::size_t>(task * p.seqlen_q)]);
   });
   return sel;
 }

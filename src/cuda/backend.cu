@@ -1,7 +1,8 @@
 // CUDA backend: plans a validated Problem (dispatch.h: the kernels of every
 // step, or a refusal, before anything is enqueued), enqueues its top-k
-// selection, then runs the planned instantiation's launcher; and the device
-// guard, side stream and zero fill around them.
+// selection (unless given), then runs the planned instantiation's launcher; the
+// top-k intervals alone (select_topk); and the device guard, side stream and zero
+// fill around them.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -106,19 +107,22 @@ void launch_then_release(Launch&& launch, Release&& release) {
   release();
 }
 
-// The top-k selection of p (the plan's mode) on `stream`, handed to the kernels in params.
-cuda::DeviceSelection select(const Problem& p, cuda::DeviceSelection::Mode mode, cudaStream_t stream,
-                             cuda::AttentionParams& params) {
-  cuda::DeviceSelection sel = cuda::select_topk(p, mode, stream);
+// The top-k selection of p as the plan has it (the caller's intervals, or
+// selected by the plan's mode on `stream`), handed to the kernels in params.
+template <class Plan>
+cuda::DeviceSelection select(const Problem& p, const Plan& plan, cudaStream_t stream, cuda::AttentionParams& params) {
+  cuda::DeviceSelection sel =
+      plan.selection_given ? cuda::given_selection(p) : cuda::select_topk(p, plan.selection, stream);
   params.topk_intervals = sel.intervals, params.topk_thresholds = sel.thresholds;
   params.topk_heads = static_cast<int>(sel.heads), params.topk_group = static_cast<int>(sel.group);
   params.keep_window_size = p.keep_window_size;
   return sel;
 }
 
-// Top-k: the selection is computed first, on the stream (no host sync), the
-// forward's key-list passes list the selected keys from it, and it is freed
-// (stream-ordered) once they are enqueued.
+// Top-k: the selection is computed first, on the stream (no host sync), unless
+// the caller gave it; the forward's key-list passes list the selected keys from
+// it, and it is freed (stream-ordered) once they are enqueued (a given one is the
+// caller's).
 void run_forward(const Problem& p) {
   const DeviceGuard guard(p.device.index);
   cuda::ForwardPlan plan = cuda::plan_forward(p);
@@ -127,7 +131,7 @@ void run_forward(const Problem& p) {
   cuda::DeviceSelection sel;
   launch_then_release(
       [&] {
-        if (plan.selection != cuda::DeviceSelection::kNone) sel = select(p, plan.selection, stream, plan.params);
+        if (plan.selection != cuda::DeviceSelection::kNone) sel = select(p, plan, stream, plan.params);
         plan.run(plan, stream);
       },
       [&] { cuda::free_selection(sel, stream); });
@@ -151,10 +155,11 @@ void run_backward(const Problem& p) {
       [&] {
         if (plan.selection != cuda::DeviceSelection::kNone) {
           const cudaStream_t on_side = side.fork(stream);
-          sel = select(p, plan.selection, on_side, params);
+          sel = select(p, plan, on_side, params);
           if (sel.intervals != nullptr) {
-            groups = cuda::group_keys(sel, p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k, p.cu_seqlens_k,
-                                      p.keep_window_size, plan.sort_groups, plan.split_groups, on_side);
+            groups = cuda::group_keys(sel, p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q,
+                                      p.cu_seqlens_k, p.keep_window_size, plan.sort_groups, plan.split_groups,
+                                      on_side);
             params.key_order = groups.order, params.key_rank = groups.rank, params.key_pieces = groups.pieces;
             params.group_first = groups.first, params.group_rows = groups.rows, params.key_groups = groups.groups;
             params.key_segments = groups.segments, params.segment_rows = groups.segment_rows;
@@ -168,6 +173,13 @@ void run_backward(const Problem& p) {
         cuda::free_groups(groups, stream);
         cuda::free_selection(sel, stream);
       });
+}
+
+// select_topk: the intervals alone, on the caller's stream.
+void run_select(const Problem& p) {
+  const DeviceGuard guard(p.device.index);
+  cuda::plan_select(p);
+  cuda::write_intervals(p, static_cast<cudaStream_t>(p.stream));
 }
 
 // Zero bits are +0 in every float dtype: one thread an element, `size` bytes.
@@ -200,7 +212,7 @@ void fill_zeros(const TensorView& t, void* stream) {
 }  // namespace
 
 const Backend* cuda_backend() {
-  static const Backend backend{run_forward, run_backward, fill_zeros};
+  static const Backend backend{run_forward, run_backward, run_select, fill_zeros};
   return &backend;
 }
 }  // namespace dmattn

@@ -13,6 +13,8 @@
 //                                     no mask or top-k intervals (their key groups), no softcap,
 //                                     batched, no bias or a key-only one, TMA-addressable q, dout
 //                  sm80 kSm80         everything else
+//   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
+//                  intervals (Problem::topk_by_intervals) or per-row thresholds
 //   refused        compute capability below 8.0; D above the largest compiled head dim; a backward
 //                  at a compiled head dim without one; a kernel's shared memory above the device's
 #include "dispatch.h"
@@ -193,10 +195,13 @@ std::int64_t fold_query_heads(const Problem& p, ForwardParams& params) {
   return p.kv_heads;
 }
 
-// The top-k selection of a call with keys and query rows.
-DeviceSelection::Mode selection_of(const Problem& p) {
-  if (p.keep_window_size == 0 || p.seqlen_k == 0 || p.seqlen_q == 0) return DeviceSelection::kNone;
-  return p.topk_by_intervals() ? DeviceSelection::kIntervals : DeviceSelection::kThresholds;
+// The top-k selection of a call with keys and query rows, and whether the
+// caller gave it (its intervals) or it is selected here: decided here alone.
+template <class Plan>
+void plan_selection(const Problem& p, Plan& plan) {
+  if (p.keep_window_size == 0 || p.seqlen_k == 0 || p.seqlen_q == 0) return;
+  plan.selection = p.topk_by_intervals() ? DeviceSelection::kIntervals : DeviceSelection::kThresholds;
+  plan.selection_given = plan.selection == DeviceSelection::kIntervals && p.topk_intervals != nullptr;
 }
 
 // ---- The Hopper kernels' conditions ---------------------------------------
@@ -261,7 +266,7 @@ ForwardPlan plan_forward(const Problem& p) {
   params.vector_bias = vector_key_bias(p, params);
   // No keys: nothing to mask or select, every row empty.
   if (p.seqlen_k == 0) params.mask.data = nullptr;
-  plan.selection = selection_of(p);
+  plan_selection(p, plan);
   plan.key_lists = params.mask.data != nullptr || plan.selection != DeviceSelection::kNone;
 
   // The sm80 tile: 64 rows for few query rows where the head dim's tile is taller.
@@ -322,7 +327,7 @@ BackwardPlan plan_backward(const Problem& p) {
   // dq by float32 atomics from the dk/dv kernel unless deterministic.
   params.atomic_dq = !p.deterministic && backward_atomic_dq(instance.head_dim) && p.seqlen_q > 0;
 
-  plan.selection = selection_of(p);
+  plan_selection(p, plan);
   const bool keys = p.seqlen_k > 0 && p.seqlen_q > 0;
   plan.key_lists = keys && (p.mask.present() || plan.selection != DeviceSelection::kNone);
   plan.mask_tiles = plan.key_lists && p.mask.present() && plan.selection != DeviceSelection::kIntervals;
@@ -337,5 +342,7 @@ BackwardPlan plan_backward(const Problem& p) {
   plan.run = instance.backward[dtype];
   return plan;
 }
+
+void plan_select(const Problem& p) { check_arch(device_info(p.device.index), p); }
 
 }  // namespace dmattn::cuda

@@ -42,6 +42,7 @@ struct ForwardPlan {
   // (set by the backend once it is enqueued) and the launcher's scratch.
   ForwardParams params;
   DeviceSelection::Mode selection = DeviceSelection::kNone;  // the top-k selection enqueued first
+  bool selection_given = false;  // ... or the caller's intervals (Problem::topk_intervals): nothing to select
   int head_dim = 0;  // the instantiation: the smallest compiled head dim >= D
   ForwardKernel kernel = ForwardKernel::kSm80;
   int block_m = 0;          // query rows a CTA of the kernel
@@ -65,6 +66,7 @@ struct BackwardPlan {
   // launcher's scratch.
   BackwardParams params;
   DeviceSelection::Mode selection = DeviceSelection::kNone;
+  bool selection_given = false;  // the caller's intervals (Problem::topk_intervals): nothing to select
   int batch = 0;
   int head_dim = 0;  // the instantiation
   DkvKernel dkv = DkvKernel::kSm80;
@@ -80,6 +82,9 @@ struct BackwardPlan {
 // lacks. The current device must be p.device.
 ForwardPlan plan_forward(const Problem& p);
 BackwardPlan plan_backward(const Problem& p);
+// select_topk (the intervals alone, sparse/selection.h write_intervals): refused
+// as every call is below compute capability 8.0; nothing else to choose.
+void plan_select(const Problem& p);
 
 // The launchers, one instantiation per compiled (dtype, head dim) and
 // direction (generated from fwd/instance.cu.in and bwd/instance.cu.in).

@@ -51,10 +51,11 @@ __device__ inline std::int64_t group_key(const BackwardParams& p, std::int64_t e
 __device__ inline int group_segment_lo(const BackwardParams& p, std::int64_t entry0) {
   return static_cast<int>(entry0 / p.seqlen_k % p.key_segments * p.segment_rows);
 }
-// The rows of selection head sh of batch b that select key `key` (>= 0),
-// within the segment from row segment_lo.
-__device__ inline KeyRows segment_key_rows(const BackwardParams& p, int b, int sh, std::int64_t key, int segment_lo) {
-  KeyRows r = p.topk_intervals[(std::int64_t{b} * p.topk_heads + sh) * p.seqlen_k + key];
+// The rows of selection head sh of batch b (sq rows) that select key `key`
+// (>= 0), within the segment from row segment_lo.
+__device__ inline KeyRows segment_key_rows(const BackwardParams& p, int b, int sh, std::int64_t key, std::int64_t sq,
+                                           int segment_lo) {
+  KeyRows r = sequence_rows(p.topk_intervals[(std::int64_t{b} * p.topk_heads + sh) * p.seqlen_k + key], sq);
   r.start = max(r.start, segment_lo);
   r.end = static_cast<std::int32_t>(min(std::int64_t{r.end}, segment_lo + p.segment_rows));
   return r;

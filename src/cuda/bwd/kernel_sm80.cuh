@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       rows_head = h / p.topk_group;
       if (tid < kBlockRows) {
         const int key = own_keys[tid];
-        own_rows[tid] = key >= 0 ? segment_key_rows(p, b, rows_head, key, segment_lo) : KeyRows{0, 0};
+        own_rows[tid] = key >= 0 ? segment_key_rows(p, b, rows_head, key, sq, segment_lo) : KeyRows{0, 0};
       }
       __syncthreads();
     }

@@ -21,11 +21,16 @@ using topk::kThreads;
 // it holds rows [s * segment_rows, (s + 1) * segment_rows).
 struct GroupParams {
   const KeyRows* intervals = nullptr;
-  std::int64_t sel_heads = 0, sel_group = 1, group = 1, kv_heads = 1, seqlen_k = 0;
+  std::int64_t sel_heads = 0, sel_group = 1, group = 1, kv_heads = 1, seqlen_q = 0, seqlen_k = 0;
   std::int64_t segments = 1, segment_rows = 0;
+  const std::int32_t* cu_seqlens_q = nullptr;
   const std::int32_t* cu_seqlens_k = nullptr;
   int end_bits = 32;  // sort key: (slice, segment) << end_bits | end in the segment; all ones: no piece
   __host__ __device__ std::uint64_t no_end() const { return (std::uint64_t{1} << end_bits) - 1; }
+  __device__ std::int64_t sq(std::int64_t z) const {
+    const std::int64_t b = z / kv_heads;
+    return cu_seqlens_q == nullptr ? seqlen_q : cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+  }
   __device__ std::int64_t sk(std::int64_t z) const {
     const std::int64_t b = z / kv_heads;
     return cu_seqlens_k == nullptr ? seqlen_k : cu_seqlens_k[b + 1] - cu_seqlens_k[b];
@@ -33,7 +38,7 @@ struct GroupParams {
   __device__ std::int64_t first_head(std::int64_t z) const { return z % kv_heads * group / sel_group; }
   __device__ std::int64_t last_head(std::int64_t z) const { return (z % kv_heads * group + group - 1) / sel_group; }
   __device__ KeyRows at(std::int64_t z, std::int64_t s, std::int64_t j) const {
-    return intervals[(z / kv_heads * sel_heads + s) * seqlen_k + j];
+    return sequence_rows(intervals[(z / kv_heads * sel_heads + s) * seqlen_k + j], sq(z));
   }
   // Key j's piece in segment s: the hull of the slice's intervals within the
   // segment ({0, 0}: no head selects j there); j in the sequence.
@@ -192,13 +197,13 @@ __global__ void group_rows(const GroupParams p, const std::int32_t* order, const
 }  // namespace
 
 KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                     std::int64_t seqlen_q, std::int64_t seqlen_k, const std::int32_t* cu_seqlens_k, std::int64_t w,
-                     bool sort, bool split, cudaStream_t stream) {
+                     std::int64_t seqlen_q, std::int64_t seqlen_k, const std::int32_t* cu_seqlens_q,
+                     const std::int32_t* cu_seqlens_k, std::int64_t w, bool sort, bool split, cudaStream_t stream) {
   constexpr int block = kKeyGroupKeys;
   GroupParams p;
   p.intervals = sel.intervals;
   p.sel_heads = sel.heads, p.sel_group = sel.group, p.group = heads / kv_heads, p.kv_heads = kv_heads;
-  p.seqlen_k = seqlen_k, p.cu_seqlens_k = cu_seqlens_k;
+  p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.cu_seqlens_q = cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_k;
   KeyGroups g;
   const std::int64_t slices = batch * kv_heads, key_groups = (seqlen_k + block - 1) / block;
   g.groups = key_groups;

@@ -352,8 +352,9 @@ __global__ void __launch_bounds__(kThreads) list_topk_chunk(const KeyListParams 
 constexpr int kIntervalWords = 32;
 
 template <int kBlockM, int kThreads>
-__device__ void write_interval_bits(const KeyListParams& p, const KeyRows* intervals, const std::int32_t* keys,
-                                    int listed, std::int64_t row0, int rows, std::uint32_t* bits0) {
+__device__ void write_interval_bits(const KeyListParams& p, const KeyRows* intervals, std::int64_t sq,
+                                    const std::int32_t* keys, int listed, std::int64_t row0, int rows,
+                                    std::uint32_t* bits0) {
   constexpr int kWarps = kThreads / 32, kWordsPerWarp = kIntervalWords / kWarps, kPartRows = kBlockM / kWarps;
   static_assert(kIntervalWords == 32 && kIntervalWords % kWarps == 0 && kBlockM % kWarps == 0, "one word a lane");
   __shared__ std::uint32_t toggles[kBlockM][kIntervalWords];
@@ -371,7 +372,7 @@ __device__ void write_interval_bits(const KeyListParams& p, const KeyRows* inter
     }
     KeyRows run[kWordsPerWarp];
 #pragma unroll
-    for (int i = 0; i < kWordsPerWarp; ++i) run[i] = key[i] >= 0 ? intervals[key[i]] : KeyRows{0, 0};
+    for (int i = 0; i < kWordsPerWarp; ++i) run[i] = key[i] >= 0 ? sequence_rows(intervals[key[i]], sq) : KeyRows{0, 0};
 #pragma unroll
     for (int i = 0; i < kWordsPerWarp; ++i) {
       const int w = warp + kWarps * i;
@@ -424,7 +425,7 @@ __global__ void __launch_bounds__(kThreads) list_topk_keys(const KeyListParams p
 #pragma unroll
       for (int c = 0; c < kBatch; ++c) {
         const std::int64_t j = first + 32 * (c0 + c) + lane;
-        const KeyRows r = j < key_end ? intervals[j] : KeyRows{0, 0};
+        const KeyRows r = j < key_end ? sequence_rows(intervals[j], s.sq) : KeyRows{0, 0};
         hit[c] = r.start < row0 + rows && r.end > row0;
       }
 #pragma unroll
@@ -436,7 +437,7 @@ __global__ void __launch_bounds__(kThreads) list_topk_keys(const KeyListParams p
     return mine;
   };
   const int listed = list_keys<kThreads>(p, block, words, any_word);
-  write_interval_bits<kBlockM, kThreads>(p, intervals, p.mask_keys + block * p.keys_stride, listed, row0, rows,
+  write_interval_bits<kBlockM, kThreads>(p, intervals, s.sq, p.mask_keys + block * p.keys_stride, listed, row0, rows,
                                          p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr);
 }
 

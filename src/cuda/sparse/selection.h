@@ -4,14 +4,16 @@
 // cudaMallocAsync/cudaFreeAsync on the stream and no call waits for the device,
 // so a CUDA graph can capture it.
 //
-// Selection heads. The selection of (b, query head h) depends on h only through
-// the bias head and the mask head it reads; with head counts in {1, Hk, H}, the
-// finer of the two decides, so there are `heads` = max(bias heads, mask heads)
-// selection heads and query head h uses selection head h / group.
+// Selection heads (Problem::topk_heads). The selection of (b, query head h)
+// depends on h only through the bias head and the mask head it reads; with head
+// counts in {1, Hk, H}, the finer of the two decides, so there are `heads` =
+// max(bias heads, mask heads) selection heads and query head h uses selection
+// head h / group.
 //
 // Intervals (query-broadcast bias, causal / right-window limits, at most a
-// key-only mask, more than 16 query rows: Problem::topk_by_intervals): rows
-// [start, end) of (b, s) select key j. Per head an ascending radix sort of the
+// key-only mask, more than 16 query rows or given: Problem::topk_by_intervals):
+// rows [start, end) of (b, s) select key j, the caller's (given_selection) or
+// computed. Per head an ascending radix sort of the
 // keys by (bias, index) descending, then a wavelet matrix over the sorted key
 // indices answers "the w-th smallest index among the r strongest keys" in
 // O(log Sk) per key: O(Sk log Sk) work and O(Sk log Sk) bits of scratch per
@@ -37,6 +39,16 @@ struct KeyRows {
   std::int32_t start, end;  // rows [start, end) select the key; {0, 0}: none
 };
 
+// The rows of interval r as every reader of an interval selection takes them:
+// within the sequence's rows [0, sq), {0, 0} when that leaves none. The identity
+// on a computed selection; given intervals (Problem::topk_intervals) are user
+// data, and through this nothing addresses a row outside the sequence whatever
+// their values.
+__host__ __device__ inline KeyRows sequence_rows(KeyRows r, std::int64_t sq) {
+  const std::int64_t start = r.start > 0 ? r.start : 0, end = r.end < sq ? r.end : sq;
+  return start < end ? KeyRows{static_cast<std::int32_t>(start), static_cast<std::int32_t>(end)} : KeyRows{0, 0};
+}
+
 struct RowThreshold {
   float value;        // a bias value (exact in float32 for every bias dtype)
   std::int32_t key;   // local key index; -1 with value -inf: every allowed key
@@ -45,6 +57,7 @@ struct RowThreshold {
 struct DeviceSelection {
   enum Mode { kNone, kIntervals, kThresholds };
   Mode mode = kNone;
+  bool given = false;         // intervals are the caller's (Problem::topk_intervals): not freed here
   std::int64_t heads = 0;     // selection heads per batch
   std::int64_t group = 1;     // query head h uses selection head h / group
   std::int64_t per_head = 0;  // entries per (b, selection head): seqlen_k keys or seqlen_q rows
@@ -62,7 +75,13 @@ struct DeviceSelection {
 // dispatch's: Problem::topk_by_intervals) on `stream`. The arrays are
 // allocated on that stream; release them with free_selection.
 DeviceSelection select_topk(const Problem& p, DeviceSelection::Mode mode, cudaStream_t stream);
+// The caller's intervals of p (Problem::topk_intervals), as they are: nothing is
+// enqueued, allocated or freed.
+DeviceSelection given_selection(const Problem& p);
 void free_selection(DeviceSelection& sel, cudaStream_t stream);
+// Enqueues the intervals of p (Problem::topk_as_intervals) into
+// p.topk_intervals on `stream` (select_topk of the API).
+void write_intervals(const Problem& p, cudaStream_t stream);
 
 // Keys of an interval selection grouped for the backward's dk/dv walk, per
 // (b, kv head) slice z = b * kv_heads + kvh over the union of the slice's
@@ -92,13 +111,13 @@ struct KeyGroups {
 };
 
 // Enqueues the grouping of sel (kIntervals) on stream. `heads` / `kv_heads`
-// query / kv heads, seqlen_q, seqlen_k and cu_seqlens_k as in the Problem
-// (device, varlen only), w the keep window. split: cut at kKeySegmentRows, or
+// query / kv heads, seqlen_q, seqlen_k, cu_seqlens_q and cu_seqlens_k as in the
+// Problem (device, varlen only), w the keep window. split: cut at kKeySegmentRows, or
 // at a multiple of it for more than kMaxKeySegments segments (the partial
 // dk/dv of a key's pieces are then added in order; needs sort).
 KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
-                     std::int64_t seqlen_q, std::int64_t seqlen_k, const std::int32_t* cu_seqlens_k, std::int64_t w,
-                     bool sort, bool split, cudaStream_t stream);
+                     std::int64_t seqlen_q, std::int64_t seqlen_k, const std::int32_t* cu_seqlens_q,
+                     const std::int32_t* cu_seqlens_k, std::int64_t w, bool sort, bool split, cudaStream_t stream);
 void free_groups(KeyGroups& groups, cudaStream_t stream);
 
 }  // namespace dmattn::cuda
