@@ -6,6 +6,12 @@ which have fake (meta) kernels and autograd formulas, so autograd,
 `torch.compile(fullgraph=True)` and CUDA-graph capture see one opaque op each
 way, with no graph break and no host synchronisation.
 
+Top-k, planned once: where a backward will follow and the keep window's
+selection is per-key row intervals (`_plans_topk`), `dmattn::select` (or
+`dmattn::varlen_select`) selects first, and the forward and the backward both
+take its intervals (the autograd context keeps them, O(Sk) int32 pairs a
+selection head), so that the backward does not select again.
+
 Outputs are allocated here (so the fake kernels can describe them) and written
 by the core in place; every tensor is passed as a zero-copy DLPack capsule. On
 CUDA the core runs on the caller's current stream (and makes q's device current
@@ -124,6 +130,10 @@ def _options(scale, softcap, causal, window_left, window_right, keep_window_size
                 window_right=window_right, keep_window_size=keep_window_size, deterministic=deterministic)
 
 
+def _select_options(causal, window_left, window_right, keep_window_size):
+    return dict(causal=causal, window_left=window_left, window_right=window_right, keep_window_size=keep_window_size)
+
+
 def _run(entry: str, q: Tensor, args, options) -> None:
     """A real kernel: the core's `entry` (dmattn._C.forward, ...) on args, on the caller's stream."""
     getattr(_C, entry)(*map(_dl, args), stream=_stream(q), **options)
@@ -169,6 +179,58 @@ def _broadcast_grad(dbias: Tensor, bias: Tensor) -> Tensor:
     return (dbias / aliases if aliases > 1 else dbias).expand(bias.shape)
 
 
+# --------------------------------------------------------------------------- top-k selection
+
+
+def _new_intervals(q: Tensor, batch, keys, heads) -> Tensor:
+    """The intervals output of a selection: int32 (batch, heads, keys, 2) on q's device."""
+    return q.new_empty((batch, heads, keys, 2), dtype=torch.int32)
+
+
+def _selection_heads(mask_shape: Optional[List[int]], bias_shape: Optional[List[int]], head_dim: int):
+    """Hs = max(bias heads, mask heads) (Problem::topk_heads) from the heads dimension of the shapes."""
+    return max(1 if shape is None else shape[head_dim] for shape in (mask_shape, bias_shape))
+
+
+def _plans_topk(tensors, keep_window_size: Optional[int], keys, window_left: int, key_only: bool) -> bool:
+    """Whether a call selects its top-k once, for its forward and its backward: a keep window below the keys
+    whose selection per-key row intervals express (Problem::topk_as_intervals: a bias and at most a mask
+    constant along queries (`key_only`), no left window), and a backward to follow (a tensor of `tensors`
+    requires grad). A forward alone selects inside its op, where the backend picks per-row thresholds for a
+    few query rows (decode)."""
+    if keep_window_size is None or window_left >= 0 or not key_only or keep_window_size >= keys:
+        return False
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+@torch.library.custom_op("dmattn::select", mutates_args=())
+def _select(
+    q: Tensor, k: Tensor,
+    mask: Optional[Tensor], mask_shape: Optional[List[int]],
+    bias: Optional[Tensor], bias_shape: Optional[List[int]],
+    causal: bool, window_left: int, window_right: int, keep_window_size: int,
+) -> Tensor:
+    intervals, args, options = _select_call(q, k, mask, mask_shape, bias, bias_shape, causal, window_left,
+                                            window_right, keep_window_size)
+    _run("select_topk", q, args, options)
+    return intervals
+
+
+def _select_call(q, k, mask, mask_shape, bias, bias_shape, *options):
+    """dmattn::select's new intervals (B, Hs, Sk, 2), and the arguments and options of its core call. q and k
+    are read for their shapes, dtypes and devices alone: expanded views of one element do (the ring's)."""
+    batch, keys = (q.shape[0], k.shape[1]) if q.dim() == 4 and k.dim() == 4 else (0, 0)
+    intervals = _new_intervals(q, batch, keys, _selection_heads(mask_shape, bias_shape, 1))
+    return intervals, (q, k, _reduce(mask, mask_shape), _reduce(bias, bias_shape), intervals), _select_options(*options)
+
+
+@_select.register_fake
+def _select_fake(*inputs):
+    intervals, args, options = _select_call(*inputs)
+    _check("select_topk", args, options)
+    return intervals
+
+
 # --------------------------------------------------------------------------- batched
 
 
@@ -177,19 +239,21 @@ def _fwd(
     q: Tensor, k: Tensor, v: Tensor,
     mask: Optional[Tensor], mask_shape: Optional[List[int]],
     bias: Optional[Tensor], bias_shape: Optional[List[int]],
+    topk_intervals: Optional[Tensor],
     scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
     keep_window_size: Optional[int], deterministic: bool,
 ) -> Tuple[Tensor, Tensor]:
-    outputs, args, options = _fwd_call(q, k, v, mask, mask_shape, bias, bias_shape, scale, softcap, causal,
-                                       window_left, window_right, keep_window_size, deterministic)
+    outputs, args, options = _fwd_call(q, k, v, mask, mask_shape, bias, bias_shape, topk_intervals, scale, softcap,
+                                       causal, window_left, window_right, keep_window_size, deterministic)
     _run("forward", q, args, options)
     return outputs
 
 
-def _fwd_call(q, k, v, mask, mask_shape, bias, bias_shape, *options):
+def _fwd_call(q, k, v, mask, mask_shape, bias, bias_shape, topk_intervals, *options):
     """dmattn::fwd's new outputs, and the arguments and options of its core call."""
     out, lse = q.new_empty(q.shape), _new_lse(q, varlen=False)
-    return (out, lse), (q, k, v, _reduce(mask, mask_shape), _reduce(bias, bias_shape), out, lse), _options(*options)
+    args = (q, k, v, _reduce(mask, mask_shape), _reduce(bias, bias_shape), out, lse, topk_intervals)
+    return (out, lse), args, _options(*options)
 
 
 @_fwd.register_fake
@@ -204,12 +268,12 @@ def _bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
     mask: Optional[Tensor], mask_shape: Optional[List[int]],
     bias: Optional[Tensor], bias_shape: Optional[List[int]],
-    out: Tensor, lse: Tensor,
+    topk_intervals: Optional[Tensor], out: Tensor, lse: Tensor,
     scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
     keep_window_size: Optional[int], deterministic: bool, bias_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    outputs, args, options = _bwd_call(dout, q, k, v, mask, mask_shape, bias, bias_shape, out, lse, scale,
-                                       softcap, causal, window_left, window_right, keep_window_size,
+    outputs, args, options = _bwd_call(dout, q, k, v, mask, mask_shape, bias, bias_shape, topk_intervals, out, lse,
+                                       scale, softcap, causal, window_left, window_right, keep_window_size,
                                        deterministic, bias_grad)
     _run("backward", q, args, options)
     return outputs
@@ -221,12 +285,12 @@ def _new_grads(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], bias_sha
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
-def _bwd_call(dout, q, k, v, mask, mask_shape, bias, bias_shape, out, lse, *options_and_bias_grad):
+def _bwd_call(dout, q, k, v, mask, mask_shape, bias, bias_shape, topk_intervals, out, lse, *options_and_bias_grad):
     """dmattn::bwd's new outputs, and the arguments and options of its core call."""
     *options, bias_grad = options_and_bias_grad
     dq, dk, dv, dbias = grads = _new_grads(q, k, v, bias, bias_shape, bias_grad)
     args = (q, k, v, _reduce(mask, mask_shape), _reduce(bias, bias_shape), out, _last_dim_contiguous(dout), lse,
-            dq, dk, dv, dbias if bias_grad else None)
+            dq, dk, dv, dbias if bias_grad else None, topk_intervals)
     return grads, args, _options(*options)
 
 
@@ -238,20 +302,20 @@ def _bwd_fake(*inputs):
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, mask, mask_shape, bias, bias_shape, *options = inputs
+    q, k, v, mask, mask_shape, bias, bias_shape, topk_intervals, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+    ctx.save_for_backward(q, k, v, mask, bias, topk_intervals, out, lse)
     ctx.mask_shape, ctx.bias_shape, ctx.options = mask_shape, bias_shape, options
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
-    q, k, v, mask, bias, out, lse = ctx.saved_tensors
+    q, k, v, mask, bias, topk_intervals, out, lse = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[5]
-    dq, dk, dv, dbias = _bwd(dout, q, k, v, mask, ctx.mask_shape, bias, ctx.bias_shape, out, lse,
+    dq, dk, dv, dbias = _bwd(dout, q, k, v, mask, ctx.mask_shape, bias, ctx.bias_shape, topk_intervals, out, lse,
                              *ctx.options, bias_grad)
     dbias = _broadcast_grad(dbias, bias) if bias_grad else None
-    return (dq, dk, dv, None, None, dbias, None) + (None,) * len(ctx.options)
+    return (dq, dk, dv, None, None, dbias, None, None) + (None,) * len(ctx.options)
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -260,25 +324,56 @@ _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 # --------------------------------------------------------------------------- varlen
 
 
+@torch.library.custom_op("dmattn::varlen_select", mutates_args=())
+def _varlen_select(
+    q: Tensor, k: Tensor,
+    bias: Optional[Tensor], bias_shape: Optional[List[int]],
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    causal: bool, window_left: int, window_right: int, keep_window_size: int,
+) -> Tensor:
+    intervals, args, options = _varlen_select_call(q, k, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, causal, window_left, window_right, keep_window_size)
+    _run("varlen_select_topk", q, args, options)
+    return intervals
+
+
+def _varlen_select_call(q, k, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
+    """dmattn::varlen_select's new intervals (sequences, Hb, max_seqlen_k, 2), and its core call."""
+    sequences = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else 0
+    intervals = _new_intervals(q, max(sequences, 0), max_seqlen_k, _selection_heads(None, bias_shape, 1))
+    args = (q, k, _reduce(bias, bias_shape), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, intervals)
+    return intervals, args, _select_options(*options)
+
+
+@_varlen_select.register_fake
+def _varlen_select_fake(*inputs):
+    intervals, args, options = _varlen_select_call(*inputs)
+    _check("varlen_select_topk", args, options)
+    return intervals
+
+
 @torch.library.custom_op("dmattn::varlen_fwd", mutates_args=())
 def _varlen_fwd(
     q: Tensor, k: Tensor, v: Tensor,
     bias: Optional[Tensor], bias_shape: Optional[List[int]],
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    topk_intervals: Optional[Tensor],
     scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
     keep_window_size: Optional[int], deterministic: bool,
 ) -> Tuple[Tensor, Tensor]:
     outputs, args, options = _varlen_fwd_call(q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k,
-                                              max_seqlen_q, max_seqlen_k, scale, softcap, causal, window_left,
-                                              window_right, keep_window_size, deterministic)
+                                              max_seqlen_q, max_seqlen_k, topk_intervals, scale, softcap, causal,
+                                              window_left, window_right, keep_window_size, deterministic)
     _run("varlen_forward", q, args, options)
     return outputs
 
 
-def _varlen_fwd_call(q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
+def _varlen_fwd_call(q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     topk_intervals, *options):
     """dmattn::varlen_fwd's new outputs, and the arguments and options of its core call."""
     out, lse = q.new_empty(q.shape), _new_lse(q, varlen=True)
-    args = (q, k, v, _reduce(bias, bias_shape), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse)
+    args = (q, k, v, _reduce(bias, bias_shape), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
+            topk_intervals)
     return (out, lse), args, _options(*options)
 
 
@@ -294,24 +389,25 @@ def _varlen_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
     bias: Optional[Tensor], bias_shape: Optional[List[int]],
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-    out: Tensor, lse: Tensor,
+    topk_intervals: Optional[Tensor], out: Tensor, lse: Tensor,
     scale: Optional[float], softcap: float, causal: bool, window_left: int, window_right: int,
     keep_window_size: Optional[int], deterministic: bool, bias_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     outputs, args, options = _varlen_bwd_call(dout, q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k,
-                                              max_seqlen_q, max_seqlen_k, out, lse, scale, softcap, causal,
-                                              window_left, window_right, keep_window_size, deterministic, bias_grad)
+                                              max_seqlen_q, max_seqlen_k, topk_intervals, out, lse, scale, softcap,
+                                              causal, window_left, window_right, keep_window_size, deterministic,
+                                              bias_grad)
     _run("varlen_backward", q, args, options)
     return outputs
 
 
-def _varlen_bwd_call(dout, q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
-                     lse, *options_and_bias_grad):
+def _varlen_bwd_call(dout, q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     topk_intervals, out, lse, *options_and_bias_grad):
     """dmattn::varlen_bwd's new outputs, and the arguments and options of its core call."""
     *options, bias_grad = options_and_bias_grad
     dq, dk, dv, dbias = grads = _new_grads(q, k, v, bias, bias_shape, bias_grad)
     args = (q, k, v, _reduce(bias, bias_shape), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
-            _last_dim_contiguous(dout), lse, dq, dk, dv, dbias if bias_grad else None)
+            _last_dim_contiguous(dout), lse, dq, dk, dv, dbias if bias_grad else None, topk_intervals)
     return grads, args, _options(*options)
 
 
@@ -323,20 +419,20 @@ def _varlen_bwd_fake(*inputs):
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options = inputs
+    q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk_intervals, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, out, lse)
+    ctx.save_for_backward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, topk_intervals, out, lse)
     ctx.bias_shape, ctx.max_seqlens, ctx.options = bias_shape, (max_seqlen_q, max_seqlen_k), options
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_backward(ctx, dout, _dlse):
-    q, k, v, bias, cu_seqlens_q, cu_seqlens_k, out, lse = ctx.saved_tensors
+    q, k, v, bias, cu_seqlens_q, cu_seqlens_k, topk_intervals, out, lse = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = _varlen_bwd(dout, q, k, v, bias, ctx.bias_shape, cu_seqlens_q, cu_seqlens_k,
-                                    *ctx.max_seqlens, out, lse, *ctx.options, bias_grad)
+                                    *ctx.max_seqlens, topk_intervals, out, lse, *ctx.options, bias_grad)
     dbias = _broadcast_grad(dbias, bias) if bias_grad else None
-    return (dq, dk, dv, dbias) + (None,) * (5 + len(ctx.options))
+    return (dq, dk, dv, dbias) + (None,) * (6 + len(ctx.options))
 
 
 _varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -413,7 +509,16 @@ def attention(
     checked("mask", mask, Tensor, optional=True)
     checked("bias", bias, Tensor, optional=True)
     options = _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic, return_lse)
-    out, lse = _fwd(q, k, v, mask, _broadcast_shape(mask), bias, _broadcast_shape(bias), *options)
+    mask_shape, bias_shape = _broadcast_shape(mask), _broadcast_shape(bias)
+    causal, window_left, window_right, keep_window_size = options[2:6]
+    key_only = bias is not None and all(shape is None or (len(shape) == 4 and shape[2] == 1)
+                                        for shape in (mask_shape, bias_shape))
+    intervals = None
+    if q.dim() == 4 and k.dim() == 4 and _plans_topk((q, k, v, bias), keep_window_size, k.shape[1], window_left,
+                                                     key_only):
+        intervals = _select(q, k, mask, mask_shape, bias, bias_shape, causal, window_left, window_right,
+                            keep_window_size)
+    out, lse = _fwd(q, k, v, mask, mask_shape, bias, bias_shape, intervals, *options)
     return (out, lse) if return_lse else out
 
 
@@ -452,7 +557,13 @@ def varlen_attention(
         checked(name, t, Tensor)
     checked("bias", bias, Tensor, optional=True)
     options = _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic, return_lse)
-    out, lse = _varlen_fwd(q, k, v, bias, _broadcast_shape(bias), cu_seqlens_q, cu_seqlens_k,
-                           checked("max_seqlen_q", max_seqlen_q, int), checked("max_seqlen_k", max_seqlen_k, int),
-                           *options)
+    bias_shape = _broadcast_shape(bias)
+    max_seqlen_q, max_seqlen_k = checked("max_seqlen_q", max_seqlen_q, int), checked("max_seqlen_k", max_seqlen_k, int)
+    causal, window_left, window_right, keep_window_size = options[2:6]
+    intervals = None
+    if _plans_topk((q, k, v, bias), keep_window_size, max_seqlen_k, window_left, bias is not None):
+        intervals = _varlen_select(q, k, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   causal, window_left, window_right, keep_window_size)
+    out, lse = _varlen_fwd(q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           intervals, *options)
     return (out, lse) if return_lse else out

@@ -8,7 +8,7 @@
 //
 // Each entry point has a check_ twin (check_forward, ...) over array metadata
 // alone, tuples (dtype name, device type, device index, shape, strides): it runs
-// the core's validation of the call (dmattn::check_forward / check_backward) and
+// the core's validation of the call (dmattn::check_forward, ...) and
 // nothing else, for shape inference without data (torch's fake kernels).
 //
 // dmattn::Error becomes ValueError (Kind::kValue), TypeError (Kind::kType) or
@@ -157,10 +157,11 @@ struct OptionArgs {
 // The entry points, over arrays (In, Out: run) or over metadata (Meta: validate only).
 template <typename In, typename Out>
 void forward(In q, In k, In v, std::optional<In> mask, std::optional<In> bias, Out out, std::optional<Out> lse,
-             std::optional<double> scale, double softcap, bool causal, std::int64_t window_left,
-             std::int64_t window_right, std::optional<std::int64_t> keep_window_size, bool deterministic,
-             std::uintptr_t stream) {
-  const dmattn::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), view(mask, "mask"), view(bias, "bias")};
+             std::optional<In> topk_intervals, std::optional<double> scale, double softcap, bool causal,
+             std::int64_t window_left, std::int64_t window_right, std::optional<std::int64_t> keep_window_size,
+             bool deterministic, std::uintptr_t stream) {
+  const dmattn::Inputs in{view(q, "q"),       view(k, "k"),       view(v, "v"),
+                          view(mask, "mask"), view(bias, "bias"), view(topk_intervals, "topk_intervals")};
   const TensorView o = view(out, "out");
   const std::optional<TensorView> l = view(lse, "lse");
   const dmattn::Options opts =
@@ -176,10 +177,11 @@ void forward(In q, In k, In v, std::optional<In> mask, std::optional<In> bias, O
 
 template <typename In, typename Out>
 void backward(In q, In k, In v, std::optional<In> mask, std::optional<In> bias, In out, In dout, In lse, Out dq,
-              Out dk, Out dv, std::optional<Out> dbias, std::optional<double> scale, double softcap, bool causal,
-              std::int64_t window_left, std::int64_t window_right, std::optional<std::int64_t> keep_window_size,
-              bool deterministic, std::uintptr_t stream) {
-  const dmattn::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), view(mask, "mask"), view(bias, "bias")};
+              Out dk, Out dv, std::optional<Out> dbias, std::optional<In> topk_intervals, std::optional<double> scale,
+              double softcap, bool causal, std::int64_t window_left, std::int64_t window_right,
+              std::optional<std::int64_t> keep_window_size, bool deterministic, std::uintptr_t stream) {
+  const dmattn::Inputs in{view(q, "q"),       view(k, "k"),       view(v, "v"),
+                          view(mask, "mask"), view(bias, "bias"), view(topk_intervals, "topk_intervals")};
   const dmattn::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv"), view(dbias, "dbias")};
   const TensorView o = view(out, "out"), d = view(dout, "dout"), l = view(lse, "lse");
   const dmattn::Options opts =
@@ -203,10 +205,11 @@ dmattn::VarlenLayout layout(const In& cu_seqlens_q, const In& cu_seqlens_k, std:
 template <typename In, typename Out>
 void varlen_forward(In q, In k, In v, std::optional<In> bias, In cu_seqlens_q, In cu_seqlens_k,
                     std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, Out out, std::optional<Out> lse,
-                    std::optional<double> scale, double softcap, bool causal, std::int64_t window_left,
-                    std::int64_t window_right, std::optional<std::int64_t> keep_window_size, bool deterministic,
-                    std::uintptr_t stream) {
-  const dmattn::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, view(bias, "bias")};
+                    std::optional<In> topk_intervals, std::optional<double> scale, double softcap, bool causal,
+                    std::int64_t window_left, std::int64_t window_right, std::optional<std::int64_t> keep_window_size,
+                    bool deterministic, std::uintptr_t stream) {
+  const dmattn::Inputs in{view(q, "q"),  view(k, "k"),       view(v, "v"),
+                          std::nullopt, view(bias, "bias"), view(topk_intervals, "topk_intervals")};
   const dmattn::VarlenLayout lay = layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   const TensorView o = view(out, "out");
   const std::optional<TensorView> l = view(lse, "lse");
@@ -224,10 +227,11 @@ void varlen_forward(In q, In k, In v, std::optional<In> bias, In cu_seqlens_q, I
 template <typename In, typename Out>
 void varlen_backward(In q, In k, In v, std::optional<In> bias, In cu_seqlens_q, In cu_seqlens_k,
                      std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, In out, In dout, In lse, Out dq, Out dk,
-                     Out dv, std::optional<Out> dbias, std::optional<double> scale, double softcap, bool causal,
-                     std::int64_t window_left, std::int64_t window_right,
+                     Out dv, std::optional<Out> dbias, std::optional<In> topk_intervals, std::optional<double> scale,
+                     double softcap, bool causal, std::int64_t window_left, std::int64_t window_right,
                      std::optional<std::int64_t> keep_window_size, bool deterministic, std::uintptr_t stream) {
-  const dmattn::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, view(bias, "bias")};
+  const dmattn::Inputs in{view(q, "q"),  view(k, "k"),       view(v, "v"),
+                          std::nullopt, view(bias, "bias"), view(topk_intervals, "topk_intervals")};
   const dmattn::VarlenLayout lay = layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   const dmattn::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv"), view(dbias, "dbias")};
   const TensorView o = view(out, "out"), d = view(dout, "dout"), l = view(lse, "lse");
@@ -239,6 +243,45 @@ void varlen_backward(In q, In k, In v, std::optional<In> bias, In cu_seqlens_q, 
   } else {
     nb::gil_scoped_release release;
     dmattn::varlen_backward(in, lay, o, d, l, grads, opts);
+  }
+}
+
+// select_topk: q and k are read for their shapes, dtypes and devices alone (k stands for v too).
+template <typename In, typename Out>
+void select_topk(In q, In k, std::optional<In> mask, std::optional<In> bias, Out intervals,
+                 std::optional<double> scale, double softcap, bool causal, std::int64_t window_left,
+                 std::int64_t window_right, std::optional<std::int64_t> keep_window_size, bool deterministic,
+                 std::uintptr_t stream) {
+  const dmattn::Inputs in{view(q, "q"), view(k, "k"), view(k, "v"), view(mask, "mask"), view(bias, "bias")};
+  const TensorView i = view(intervals, "intervals");
+  const dmattn::Options opts =
+      OptionArgs{scale, softcap, causal, window_left, window_right, keep_window_size, deterministic, stream}
+          .options(false);
+  if constexpr (kCheckOnly<In>) {
+    dmattn::check_select_topk(in, nullptr, opts, i);
+  } else {
+    nb::gil_scoped_release release;
+    dmattn::select_topk(in, opts, i);
+  }
+}
+
+template <typename In, typename Out>
+void varlen_select_topk(In q, In k, std::optional<In> bias, In cu_seqlens_q, In cu_seqlens_k,
+                        std::int64_t max_seqlen_q, std::int64_t max_seqlen_k, Out intervals,
+                        std::optional<double> scale, double softcap, bool causal, std::int64_t window_left,
+                        std::int64_t window_right, std::optional<std::int64_t> keep_window_size, bool deterministic,
+                        std::uintptr_t stream) {
+  const dmattn::Inputs in{view(q, "q"), view(k, "k"), view(k, "v"), std::nullopt, view(bias, "bias")};
+  const dmattn::VarlenLayout lay = layout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  const TensorView i = view(intervals, "intervals");
+  const dmattn::Options opts =
+      OptionArgs{scale, softcap, causal, window_left, window_right, keep_window_size, deterministic, stream}
+          .options(false);
+  if constexpr (kCheckOnly<In>) {
+    dmattn::check_select_topk(in, &lay, opts, i);
+  } else {
+    nb::gil_scoped_release release;
+    dmattn::varlen_select_topk(in, lay, opts, i);
   }
 }
 
@@ -289,26 +332,41 @@ NB_MODULE(_C, m) {
   };
   const auto in = [](const char* name) { return nb::arg(name).noconvert(); };
   const auto opt = [](const char* name) { return nb::arg(name).noconvert().none(); };
+  // The top-k selection given (select_topk's intervals), last and optional: None selects it in the call.
+  const auto intervals = [] { return nb::arg("topk_intervals").noconvert().none() = nb::none(); };
   def_both("forward", "check_forward", &forward<In, Out>, &forward<Meta, Meta>,
-           "forward(q, k, v, mask, bias, out, lse, *, options): writes out (like q) and lse "
+           "forward(q, k, v, mask, bias, out, lse, topk_intervals=None, *, options): writes out (like q) and lse "
            "((B, H, Sq) float32, or float64 for float64 inputs; None to skip).",
-           in("q"), in("k"), in("v"), opt("mask"), opt("bias"), in("out"), opt("lse"));
+           in("q"), in("k"), in("v"), opt("mask"), opt("bias"), in("out"), opt("lse"), intervals());
   def_both("backward", "check_backward", &backward<In, Out>, &backward<Meta, Meta>,
-           "backward(q, k, v, mask, bias, out, dout, lse, dq, dk, dv, dbias, *, options): writes dq, dk, dv "
-           "and dbias (shaped like bias: the sum over every dimension the bias broadcasts; None to skip).",
+           "backward(q, k, v, mask, bias, out, dout, lse, dq, dk, dv, dbias, topk_intervals=None, *, options): "
+           "writes dq, dk, dv and dbias (shaped like bias: the sum over every dimension the bias broadcasts; None "
+           "to skip).",
            in("q"), in("k"), in("v"), opt("mask"), opt("bias"), in("out"), in("dout"), in("lse"), in("dq"),
-           in("dk"), in("dv"), opt("dbias"));
+           in("dk"), in("dv"), opt("dbias"), intervals());
   def_both("varlen_forward", "check_varlen_forward", &varlen_forward<In, Out>, &varlen_forward<Meta, Meta>,
            "varlen_forward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse, "
-           "*, options): q (total_q, H, D), k and v (total_k, Hk, D), bias (total_k, Hb), lse (H, total_q).",
+           "topk_intervals=None, *, options): q (total_q, H, D), k and v (total_k, Hk, D), bias (total_k, Hb), "
+           "lse (H, total_q).",
            in("q"), in("k"), in("v"), opt("bias"), in("cu_seqlens_q"), in("cu_seqlens_k"),
-           nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), in("out"), opt("lse"));
+           nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), in("out"), opt("lse"), intervals());
   def_both("varlen_backward", "check_varlen_backward", &varlen_backward<In, Out>, &varlen_backward<Meta, Meta>,
            "varlen_backward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, dout, "
-           "lse, dq, dk, dv, dbias, *, options).",
+           "lse, dq, dk, dv, dbias, topk_intervals=None, *, options).",
            in("q"), in("k"), in("v"), opt("bias"), in("cu_seqlens_q"), in("cu_seqlens_k"),
            nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"), in("out"), in("dout"), in("lse"), in("dq"),
-           in("dk"), in("dv"), opt("dbias"));
+           in("dk"), in("dv"), opt("dbias"), intervals());
+  def_both("select_topk", "check_select_topk", &select_topk<In, Out>, &select_topk<Meta, Meta>,
+           "select_topk(q, k, mask, bias, intervals, *, options): writes the top-k selection as per-key row "
+           "intervals, int32 (B, Hs, Sk, 2) with Hs = max(bias heads, mask heads), for forward and backward's "
+           "topk_intervals. q and k are read for their shapes, dtypes and devices alone.",
+           in("q"), in("k"), opt("mask"), opt("bias"), in("intervals"));
+  def_both("varlen_select_topk", "check_varlen_select_topk", &varlen_select_topk<In, Out>,
+           &varlen_select_topk<Meta, Meta>,
+           "varlen_select_topk(q, k, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, intervals, *, "
+           "options): intervals int32 (B, Hb, max_seqlen_k, 2).",
+           in("q"), in("k"), opt("bias"), in("cu_seqlens_q"), in("cu_seqlens_k"), nb::arg("max_seqlen_q"),
+           nb::arg("max_seqlen_k"), in("intervals"));
   m.def("build_info", &build_info,
         "Which backends this build holds: version, cuda (bool), cuda_architectures, head_dims.");
 }

@@ -41,32 +41,45 @@ def test_gradcheck_varlen():
         (q, k, v, bias), eps=1e-6, atol=1e-8)
 
 
-def test_opcheck_batched_ops():
-    """Schema, fake kernels, autograd registration and AOT dispatch of dmattn::fwd / dmattn::bwd."""
+@pytest.mark.parametrize("given", [False, True], ids=["selected", "given_intervals"])
+def test_opcheck_batched_ops(given):
+    """Schema, fake kernels, autograd registration and AOT dispatch of dmattn::select / dmattn::fwd /
+    dmattn::bwd, with the selection given or made inside the ops."""
     q, k, v, mask, bias = _inputs(dtype=torch.float32)
     options = [None, 0.0, True, -1, -1, 3, False]
-    torch.library.opcheck(torch.ops.dmattn.fwd.default, (q, k, v, mask, [2, 1, 1, 9], bias, [2, 2, 1, 9], *options))
-    out, lse = torch.ops.dmattn.fwd(q, k, v, mask, [2, 1, 1, 9], bias, [2, 2, 1, 9], *options)
+    select_args = (q, k, mask, [2, 1, 1, 9], bias, [2, 2, 1, 9], True, -1, -1, 3)
+    torch.library.opcheck(torch.ops.dmattn.select.default, select_args)
+    intervals = torch.ops.dmattn.select(*select_args) if given else None
+    assert intervals is None or (intervals.shape, intervals.dtype) == ((2, 2, 9, 2), torch.int32)
+    shapes = (mask, [2, 1, 1, 9], bias, [2, 2, 1, 9], intervals)
+    torch.library.opcheck(torch.ops.dmattn.fwd.default, (q, k, v, *shapes, *options))
+    out, lse = torch.ops.dmattn.fwd(q, k, v, *shapes, *options)
     # The backward op has no autograd formula of its own (no double backward): plain tensors.
     q, k, v, bias, out = (t.detach() for t in (q, k, v, bias, out))
-    torch.library.opcheck(torch.ops.dmattn.bwd.default,
-                          (torch.randn_like(out), q, k, v, mask, [2, 1, 1, 9], bias, [2, 2, 1, 9], out, lse,
-                           *options, True))
+    shapes = (mask, [2, 1, 1, 9], bias, [2, 2, 1, 9], intervals)
+    torch.library.opcheck(torch.ops.dmattn.bwd.default, (torch.randn_like(out), q, k, v, *shapes, out, lse, *options,
+                                                         True))
 
 
-def test_opcheck_varlen_ops():
+@pytest.mark.parametrize("given", [False, True], ids=["selected", "given_intervals"])
+def test_opcheck_varlen_ops(given):
     cu_q = torch.tensor([0, 5, 8], dtype=torch.int32)
     cu_k = torch.tensor([0, 6, 9], dtype=torch.int32)
     q = torch.randn(8, 4, 8, requires_grad=True)
     k, v = (torch.randn(9, 2, 8, requires_grad=True) for _ in range(2))
     bias = torch.randn(9, 1, requires_grad=True)
     options = [None, 0.0, True, -1, -1, 2, False]
-    args = (q, k, v, bias, [9, 1], cu_q, cu_k, 5, 6, *options)
+    select_args = (q, k, bias, [9, 1], cu_q, cu_k, 5, 6, True, -1, -1, 2)
+    torch.library.opcheck(torch.ops.dmattn.varlen_select.default, select_args)
+    intervals = torch.ops.dmattn.varlen_select(*select_args) if given else None
+    assert intervals is None or (intervals.shape, intervals.dtype) == ((2, 1, 6, 2), torch.int32)
+    args = (q, k, v, bias, [9, 1], cu_q, cu_k, 5, 6, intervals, *options)
     torch.library.opcheck(torch.ops.dmattn.varlen_fwd.default, args)
     out, lse = torch.ops.dmattn.varlen_fwd(*args)
     q, k, v, bias, out = (t.detach() for t in (q, k, v, bias, out))
     torch.library.opcheck(torch.ops.dmattn.varlen_bwd.default,
-                          (torch.randn_like(out), q, k, v, bias, [9, 1], cu_q, cu_k, 5, 6, out, lse, *options, True))
+                          (torch.randn_like(out), q, k, v, bias, [9, 1], cu_q, cu_k, 5, 6, intervals, out, lse,
+                           *options, True))
 
 
 def _loss(q, k, v, mask, bias):

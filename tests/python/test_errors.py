@@ -66,8 +66,8 @@ def test_backward_op_errors_name_the_argument(fake):
         dout, q_, k_, v_, out_, lse = args
         with pytest.raises(ValueError, match=re.escape("dmattn: dout.shape: expected (2, 5, 4, 8) (the shape of q), "
                                                        "got (2, 5, 4, 7)")):
-            torch.ops.dmattn.bwd(dout, q_, k_, v_, None, None, None, None, out_, lse, None, 0.0, False, -1, -1, None,
-                                 False, False)
+            torch.ops.dmattn.bwd(dout, q_, k_, v_, None, None, None, None, None, out_, lse, None, 0.0, False, -1, -1,
+                                 None, False, False)
     assert q.grad is None
 
 
