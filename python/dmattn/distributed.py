@@ -34,10 +34,12 @@ exp(lse_block - lse) (`_block_dout`). The block's own lse, not the global one: a
 backend may recompute the block's softmax statistics from its keys (the CPU backend
 does), which then agree with it. The dk, dv and dbias accumulators
 (float32, float64 for float64 inputs) travel with their shard and arrive at their
-owner after P hops. The ring cannot run a top-k keep window below the global
-sequence length (the selection of row i is a top-w over every key, which no block
-call can express): it raises NotImplementedError and recommends mode="ulysses".
-Nor does it take a sliding window.
+owner after P hops. A top-k keep window below the sequence length is exact: row i's
+top-w is chosen over every key, so every rank all-gathers the key-only bias and mask
+(one value a key and head) and selects once for the whole sequence (dmattn::select,
+per-key row intervals, O(S) a head), and each block's forward and backward take the
+intervals of its keys restricted to its rows (`_block_intervals`). The ring takes no
+sliding window.
 
 Packed (varlen) sequences are not split across shards: 3-D q is refused.
 """
@@ -46,7 +48,7 @@ import contextlib
 import functools
 import math
 import types
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -375,7 +377,8 @@ class _UlyssesAttention(torch.autograd.Function):
 
         def attend(c, q_c, k_c, v_c):
             mask_c, bias_c = _chunk_heads(mask_h, c, chunks), _chunk_heads(bias_h, c, chunks)
-            out_c, lse_c = torch.ops.dmattn.fwd(q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), *options)
+            out_c, lse_c = torch.ops.dmattn.fwd(q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), None,
+                                                *options)
             lses.append(lse_c)
             return [out_c]
 
@@ -404,7 +407,7 @@ class _UlyssesAttention(torch.autograd.Function):
         def differentiate(c, q_c, k_c, v_c, out_c, dout_c):
             mask_c, bias_c = _chunk_heads(mask_h, c, chunks), _chunk_heads(bias_h, c, chunks)
             dq_c, dk_c, dv_c, dbias_c = torch.ops.dmattn.bwd(
-                dout_c, q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), out_c, lses[c], *options,
+                dout_c, q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), None, out_c, lses[c], *options,
                 bias_grad)
             dbias_h.append(dbias_c)
             return [dq_c, dk_c, dv_c]
@@ -441,7 +444,8 @@ class _Ring:
 
 def _ring_block(rank: int, src: int, chunk: int, causal: bool):
     """(query rows, key columns, causal) of rank `rank`'s block against the kv shard of
-    rank `src`, on zigzag shards of 2 * chunk tokens (chunks rank, 2P-1-rank)."""
+    rank `src`, on zigzag shards of 2 * chunk tokens (chunks rank, 2P-1-rank): slices of
+    the shards."""
     everything = slice(None)
     if not causal:
         return everything, everything, False
@@ -458,30 +462,34 @@ def _accumulator_dtype(t: Tensor) -> torch.dtype:
 
 class _RingAttention(torch.autograd.Function):
     """Ring attention on zigzag shards. `options` is dmattn::fwd's option tuple; mask
-    and bias are key-only and in their reduced shape (no stride-0 dims)."""
+    and bias are key-only and in their reduced shape (no stride-0 dims). A keep window
+    below the sequence length is selected once, for the whole sequence
+    (`_ring_selection`), and kept for the backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, ring, options):
         chunk, causal = q.shape[1] // 2, options[2]
+        selection = _ring_selection(q, k, mask, bias, ring, options)
         out = lse = None
         block_lse = []
-        for rows, block_causal, (k_b, v_b, mask_b, bias_b) in _ring_walk(ring, k, v, mask, bias, chunk, causal):
-            out_b, lse_b = torch.ops.dmattn.fwd(q[:, rows], k_b, v_b, mask_b, _shape(mask_b), bias_b, _shape(bias_b),
-                                                options[0], options[1], block_causal, *options[3:])
+        for block, (k_b, v_b, mask_b, bias_b) in _ring_walk(ring, k, v, mask, bias, chunk, causal):
+            out_b, lse_b = torch.ops.dmattn.fwd(q[:, block.rows], k_b, v_b, mask_b, _shape(mask_b), bias_b,
+                                                _shape(bias_b), _block_intervals(selection, block, chunk),
+                                                options[0], options[1], block.causal, *options[3:])
             block_lse.append(lse_b)
             if out is None:
                 out, lse = out_b.to(_accumulator_dtype(q)), lse_b.clone()
             else:
-                _merge(out[:, rows], lse[..., rows], out_b, lse_b)
+                _merge(out[:, block.rows], lse[..., block.rows], out_b, lse_b)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, mask, bias, out, lse, *block_lse)
+        ctx.save_for_backward(q, k, v, mask, bias, selection, out, lse, *block_lse)
         ctx.ring, ctx.options = ring, options
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, mask, bias, out, lse, *block_lse = ctx.saved_tensors
+        q, k, v, mask, bias, selection, out, lse, *block_lse = ctx.saved_tensors
         ring, options = ctx.ring, ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[4]
         chunk, causal, acc = q.shape[1] // 2, options[2], _accumulator_dtype(q)
@@ -490,12 +498,13 @@ class _RingAttention(torch.autograd.Function):
         grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v, bias if bias_grad else None)
                  if t is not None]
         pending = []
-        walk = _ring_walk(ring, k, v, mask, bias, chunk, causal, with_columns=True)
-        for lse_b, (rows, cols, block_causal, (k_b, v_b, mask_b, bias_b)) in zip(block_lse, walk):
+        walk = _ring_walk(ring, k, v, mask, bias, chunk, causal)
+        for lse_b, (block, (k_b, v_b, mask_b, bias_b)) in zip(block_lse, walk):
+            rows, cols = block.rows, block.cols
             dq_b, dk_b, dv_b, dbias_b = torch.ops.dmattn.bwd(
                 _block_dout(dout[:, rows], lse_b, lse[..., rows]), q[:, rows], k_b, v_b, mask_b, _shape(mask_b),
-                bias_b, _shape(bias_b), out[:, rows], lse_b, options[0], options[1], block_causal, *options[3:],
-                bias_grad)
+                bias_b, _shape(bias_b), _block_intervals(selection, block, chunk), out[:, rows], lse_b, options[0],
+                options[1], block.causal, *options[3:], bias_grad)
             dq[:, rows] += dq_b
             _wait(pending)
             grads[0][:, cols] += dk_b
@@ -509,21 +518,77 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, dbias, None, None
 
 
-def _ring_walk(ring, k, v, mask, bias, chunk, causal, with_columns=False):
-    """The ring's steps: yields this rank's query rows of the block, whether the block is
-    causal, and the (k, v, mask, bias) of the shard at hand restricted to its key columns
-    (with with_columns, the columns too), while the next shard is on its way; the shards
-    go one hop a step."""
+class _Block(NamedTuple):
+    """A ring step's block: this rank's query rows and the key columns of the shard at
+    hand (slices of the shards), whether it is causal, and the global chunks its rows
+    and its keys are, in order."""
+    rows: slice
+    cols: slice
+    causal: bool
+    row_chunks: List[int]
+    key_chunks: List[int]
+
+
+def _ring_walk(ring, k, v, mask, bias, chunk, causal):
+    """The ring's steps: yields the block (`_Block`) and the (k, v, mask, bias) of the
+    shard at hand restricted to its key columns, while the next shard is on its way; the
+    shards go one hop a step."""
     travelling = _travelling(k, v, mask, bias)
     for step in range(ring.size):
         if step + 1 < ring.size:
             received, requests = ring.shift(travelling)
-        rows, cols, block_causal = _ring_block(ring.rank, (ring.rank - step) % ring.size, chunk, causal)
-        operands = _ring_operands(travelling, mask is not None, bias is not None, cols)
-        yield (rows, cols, block_causal, operands) if with_columns else (rows, block_causal, operands)
+        src = (ring.rank - step) % ring.size
+        rows, cols, block_causal = _ring_block(ring.rank, src, chunk, causal)
+        held = [_chunks(r, ring.size, "ring")[1] for r in (ring.rank, src)]
+        block = _Block(rows, cols, block_causal, *(h[_chunk_slice(part, chunk)] for h, part in zip(held, (rows, cols))))
+        yield block, _ring_operands(travelling, mask is not None, bias is not None, cols)
         if step + 1 < ring.size:
             _wait(requests)
             travelling = received
+
+
+def _chunk_slice(part: slice, chunk: int) -> slice:
+    """The chunks of a zigzag shard (two of `chunk` tokens) that the token slice `part` covers."""
+    return slice(None if part.start is None else part.start // chunk, None if part.stop is None else part.stop // chunk)
+
+
+def _ring_selection(q, k, mask, bias, ring, options) -> Optional[Tensor]:
+    """The top-k selection of the whole sequence, per-key row intervals (B, Hs, S, 2), on every
+    rank: the key-only bias and mask all-gathered (one value a key and head), then
+    dmattn::select on the whole sequence's shapes (q and k as expanded views of one token:
+    it reads their shapes, not their data). None without a keep window below S."""
+    keep_window_size, length = options[5], ring.size * q.shape[1]
+    if keep_window_size is None or keep_window_size >= length:
+        return None
+    gather = functools.partial(gather_sequence, dim=3, group=ring.group, mode="ring")
+    mask_all = None if mask is None else gather(mask.view(torch.uint8)).view(torch.bool)
+    bias_all = None if bias is None else gather(bias)
+    q_all = q[:, :1].expand(q.shape[0], length, *q.shape[2:])
+    k_all = k[:, :1].expand(k.shape[0], length, *k.shape[2:])
+    return torch.ops.dmattn.select(q_all, k_all, mask_all, _shape(mask_all), bias_all, _shape(bias_all), options[2],
+                                   options[3], options[4], keep_window_size)
+
+
+def _block_intervals(selection: Optional[Tensor], block: _Block, chunk: int) -> Optional[Tensor]:
+    """The top-k intervals of a ring block, from the whole sequence's (B, Hs, S, 2): those of
+    the block's keys, restricted to its rows and in its row numbering. The block's rows are
+    global chunks in ascending order, one after the other; a key's global rows are one
+    interval, which meets the chunks between the first and the last it meets in full, so its
+    rows in the block are one interval too: from its start in the first chunk it meets to its
+    end in the last."""
+    if selection is None:
+        return None
+    keys = torch.cat([selection[:, :, c * chunk:(c + 1) * chunk] for c in block.key_chunks], 2)
+    start, end = keys[..., 0], keys[..., 1]
+    block_start, block_end = torch.zeros_like(start), torch.zeros_like(end)
+    found = torch.zeros_like(start, dtype=torch.bool)
+    for i, c in enumerate(block.row_chunks):
+        first, last = ((x - c * chunk).clamp(0, chunk) + i * chunk for x in (start, end))
+        meets = last > first
+        block_start = torch.where(meets & ~found, first, block_start)
+        block_end = torch.where(meets, last, block_end)
+        found |= meets
+    return torch.stack((block_start, block_end), -1)
 
 
 def _travelling(k, v, mask, bias) -> List[Tensor]:
@@ -610,12 +675,6 @@ def _check_ring(q: Tensor, k: Tensor, options, size: int, head_chunks):
     if options[3:5] != (-1, -1):
         raise NotImplementedError(f"dmattn: sliding_window: expected None with mode='ring' (use mode='ulysses'), got "
                                   f"{options[3:5]}")
-    keep_window_size, length = options[5], size * q.shape[1]
-    if keep_window_size is not None and keep_window_size < length:
-        raise NotImplementedError(
-            f"dmattn: keep_window_size: expected None or >= the sequence length {length} with mode='ring' (a row's "
-            f"top-k is chosen from every key's bias, which no block of the ring sees; mode='ulysses' runs the exact "
-            f"top-k), got {keep_window_size}")
 
 
 def attention(
@@ -649,8 +708,7 @@ def attention(
         group: the torch.distributed process group (default: the world). NCCL groups
             take CUDA tensors, gloo groups CPU tensors.
         mode: "ulysses" (H divisible by the group size; every option) or "ring"
-            (Sk_local == S_local, even; no sliding window, no keep window below the
-            sequence length).
+            (Sk_local == S_local, even; no sliding window).
         head_chunks: "ulysses" only: the number C of chunks each rank's heads are cut
             into, one dmattn call each; the all-to-alls of one chunk overlap the
             attention of the next, and the buffers in use at a time shrink with C.
@@ -690,8 +748,7 @@ def use_sequence_parallel_for_doge(model, *, group=None, mode: str = "ulysses"):
     (`shard_sequence` of input_ids, and of position_ids = arange(S), which the rotary
     embedding needs) and use_cache=False; the rest of a Doge layer works token by
     token. Parameter gradients are partial sums: all-reduce them over the group (as
-    data parallelism does). Doge's keep_window_size below the sequence length needs
-    mode="ulysses". Returns the model.
+    data parallelism does). Returns the model.
     """
     from transformers.models.doge.modeling_doge import DogeAttention
 

@@ -69,14 +69,25 @@ CASES = {
     "ring_keep_window_covers_sequence": dict(mode="ring", kv_heads=2, bias=(B, "Hk"),
                                              options=dict(causal=True, keep_window_size=1000)),
     "ring_subgroup": dict(mode="ring", kv_heads=2, bias=(B, "Hk"), subgroup=True, options=dict(causal=True)),
+    "ring_topk_ties": dict(mode="ring", kv_heads=2, bias=(B, "Hk", "tied"),
+                           options=dict(causal=True, keep_window_size=5)),
+    "ring_topk_one_key": dict(mode="ring", kv_heads=3, bias=(B, "H"), options=dict(causal=True, keep_window_size=1)),
+    "ring_topk_mask_heads_ties": dict(mode="ring", kv_heads=2, bias=(1, 1, "tied"), mask="H",
+                                      options=dict(causal=True, keep_window_size=4, deterministic=True)),
+    "ring_topk_not_causal_ties": dict(mode="ring", kv_heads=2, bias=(B, "Hk", "tied"), mask=True,
+                                      options=dict(keep_window_size=7, softcap=2.0)),
+    "ring_topk_window_above_block": dict(mode="ring", kv_heads=2, bias=(B, "Hk", "tied"), mask=True,
+                                         options=dict(causal=True, keep_window_size=20)),
+    "ring_topk_expanded_bias": dict(mode="ring", kv_heads=1, bias=(B, 1, "tied"), expand=True,
+                                    options=dict(causal=True, keep_window_size=3)),
+    "ring_topk_subgroup": dict(mode="ring", kv_heads=2, bias=(B, "Hk", "tied"), subgroup=True,
+                               options=dict(causal=True, keep_window_size=5)),
 }
 
 # Refusals: mode, (q, k, v) shapes given the local length s, extra arguments, error, message start.
 ERRORS = {
     "ring_odd_length": ("ring", lambda s: ((B, s - 1, H, D), (B, s - 1, 2, D)), {}, ValueError,
                         "dmattn: q.shape[1]: expected a local sequence length divisible by 2"),
-    "ring_topk": ("ring", None, dict(keep_window_size=4), NotImplementedError,
-                  "dmattn: keep_window_size: expected None or >= the sequence length"),
     "ring_sliding_window": ("ring", None, dict(sliding_window=(3, 0)), NotImplementedError,
                             "dmattn: sliding_window: expected None with mode='ring'"),
     "ring_unequal_lengths": ("ring", lambda s: ((B, s, H, D), (B, s + 2, 2, D)), {}, ValueError,
@@ -102,7 +113,7 @@ ERRORS = {
 MEMORY = {"memory_whole_kv_heads": {2: 2, 3: 2}, "memory_query_head_chunks": {2: 6, 3: 4},
           "memory_one_chunk": {2: 1, 3: 1}}
 
-DOGE = {"doge_ulysses_topk": ("ulysses", 5), "doge_ring": ("ring", 64)}
+DOGE = {"doge_ulysses_topk": ("ulysses", 5), "doge_ring": ("ring", 64), "doge_ring_topk": ("ring", 5)}
 
 
 def _generator(name):
