@@ -68,11 +68,9 @@ struct Problem {
   // decides; query head h uses selection head h / (heads / topk_heads()).
   std::int64_t topk_heads() const { return std::max(bias_shape.heads, mask_shape.heads); }
   // Whether per-key row intervals express the top-k selection (SPEC 3): a
-  // query-broadcast bias, at most a key-only mask, no left window (the keys a row
-  // sees only grow with the row).
-  bool topk_as_intervals() const {
-    return bias_shape.rows == 1 && (!mask.present() || mask_shape.rows == 1) && window_left < 0;
-  }
+  // query-broadcast bias, at most a key-only mask (no mask: mask_shape is all
+  // ones), no left window (the keys a row sees only grow with the row).
+  bool topk_as_intervals() const { return bias_shape.rows == 1 && mask_shape.rows == 1 && window_left < 0; }
   // How top-k (keep_window_size) is selected, on every backend: per-key row
   // intervals, O(Sk log Sk) work, where they express it and either are given or
   // the call has more than a decode step's rows; otherwise per-row thresholds,

@@ -223,13 +223,14 @@ std::int64_t check_cu_seqlens(const TensorView& cu, const char* name, std::int64
 // What rules per-key row intervals out for p's top-k (Problem::topk_as_intervals), in words.
 std::string not_intervals(const Problem& p) {
   if (p.bias_shape.rows != 1) return "a bias of " + std::to_string(p.bias_shape.rows) + " query rows";
-  if (p.mask.present() && p.mask_shape.rows != 1) return "a mask of " + std::to_string(p.mask_shape.rows) + " query rows";
+  if (p.mask_shape.rows != 1) return "a mask of " + std::to_string(p.mask_shape.rows) + " query rows";
   return "sliding_window.left = " + std::to_string(p.window_left);
 }
 
 // The top-k intervals tensor `t` of p (given, or select_topk's output): a call that
 // intervals express, int32 (B, Hs, Sk, 2), contiguous, on q's device.
-void check_intervals(const TensorView& t, const std::string& name, const Problem& p, const Options& options) {
+void check_intervals(const TensorView& t, const std::string& name, const Problem& p, bool varlen,
+                     const Options& options) {
   if (!options.keep_window_size)
     throw Error(Kind::kValue, name, "none without keep_window_size (they are a top-k selection)", "a tensor");
   if (!p.topk_as_intervals())
@@ -237,7 +238,6 @@ void check_intervals(const TensorView& t, const std::string& name, const Problem
                 "a call whose top-k per-key row intervals express (a bias constant along queries, at most a key-only "
                 "mask, no left sliding window)",
                 not_intervals(p));
-  const bool varlen = p.varlen();
   Arg(t, name).rank(4, "(B, Hs, Sk, 2)").dtype(DType::kInt32, "(query rows [start, end) a key)").device(p.device);
   Arg(t, name).dim(0, {p.batch, varlen ? "sequences" : "B"})
       .dim(1, {p.topk_heads(), "Hs = max(bias heads, mask heads)"})
@@ -364,7 +364,7 @@ Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options
   const std::int64_t keep = options.keep_window_size.value_or(0);
   p.keep_window_size = keep < p.seqlen_k || intervals != nullptr ? keep : 0;
   if (intervals != nullptr) {
-    check_intervals(*intervals, intervals_name, p, options);
+    check_intervals(*intervals, intervals_name, p, varlen, options);
     p.topk_intervals = static_cast<std::int32_t*>(intervals->data);
   }
   return p;
@@ -449,6 +449,8 @@ Problem make_select_problem(const Inputs& in, const VarlenLayout* layout, const 
                             const Options& options, Reads reads) {
   if (in.topk_intervals)
     throw Error(Kind::kValue, "topk_intervals", "none (select_topk writes the intervals it selects)", "a tensor");
+  if (!options.keep_window_size)
+    throw Error(Kind::kValue, "keep_window_size", "a key count (select_topk selects the top-k)", "none");
   return make_problem(in, layout, options, reads, &intervals, "intervals");
 }
 

@@ -170,6 +170,7 @@ dmattn::Inputs Instance::inputs() const {
   dmattn::Inputs in{q.view(), k.view(), v.view(), std::nullopt, std::nullopt};
   if (mask) in.mask = mask->view();
   if (bias) in.bias = bias->view();
+  if (topk_intervals) in.topk_intervals = topk_intervals->view();
   return in;
 }
 
@@ -224,6 +225,7 @@ void run_backward(const Instance& in, Results& r, bool with_dbias) {
 dmattn::Inputs VarlenInstance::inputs() const {
   dmattn::Inputs in{q.view(), k.view(), v.view(), std::nullopt, std::nullopt};
   if (bias) in.bias = bias->view();
+  if (topk_intervals) in.topk_intervals = topk_intervals->view();
   return in;
 }
 

@@ -55,11 +55,12 @@ std::string describe(const Case& c);
 // B = 2, H = 4, Hk = 2, no mask, bias or options.
 Case make_case(DType dtype, std::int64_t Sq, std::int64_t Sk, std::int64_t D);
 
-// Random inputs of a batched case (fresh draws, never zero tensors).
+// Random inputs of a batched case (fresh draws, never zero tensors), and the
+// top-k selection its calls are given (Inputs::topk_intervals; none: selected).
 struct Instance {
   Case c;
   HostTensor q, k, v, dout;
-  std::optional<HostTensor> mask, bias;
+  std::optional<HostTensor> mask, bias, topk_intervals;
 
   dmattn::Inputs inputs() const;
   RefProblem problem() const;  // float64 copies for the oracle, with c.options
@@ -96,7 +97,7 @@ std::string describe(const VarlenCase& c);
 struct VarlenInstance {
   VarlenCase c;
   HostTensor q, k, v, dout, cu_seqlens_q, cu_seqlens_k;
-  std::optional<HostTensor> bias;
+  std::optional<HostTensor> bias, topk_intervals;
   std::int64_t max_seqlen_q = 0, max_seqlen_k = 0;
 
   dmattn::Inputs inputs() const;

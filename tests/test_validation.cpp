@@ -6,6 +6,7 @@
 #include <functional>
 #include <limits>
 #include <set>
+#include <tuple>
 
 #include "harness.h"
 
@@ -22,7 +23,10 @@ constexpr std::int64_t B = 2, Sq = 5, Sk = 6, H = 4, Hk = 2, D = 8;
 const std::vector<std::int32_t> kCuQ{0, 2, 2, 5}, kCuK{0, 3, 4, 6};
 constexpr std::int64_t kTotalQ = 5, kTotalK = 6;
 
-enum class Entry { kForward, kBackward, kVarlenForward, kVarlenBackward };
+enum class Entry { kForward, kBackward, kVarlenForward, kVarlenBackward, kSelect, kVarlenSelect };
+
+bool is_varlen(Entry e) { return e == Entry::kVarlenForward || e == Entry::kVarlenBackward || e == Entry::kVarlenSelect; }
+bool is_select(Entry e) { return e == Entry::kSelect || e == Entry::kVarlenSelect; }
 
 // Every tensor a valid call uses; outputs poisoned.
 struct Tensors {
@@ -47,6 +51,7 @@ struct Call {
   TensorView out, dout;
   std::optional<TensorView> lse;
   dmattn::Gradients grads;
+  TensorView intervals;  // select_topk's output
   dmattn::Options options;
   Tensors* tensors = nullptr;
   Rng* rng = nullptr;
@@ -68,14 +73,16 @@ Call valid_call(Entry entry, Tensors& t, Rng& rng) {
   c.entry = entry;
   c.tensors = &t, c.rng = &rng;
   const DType f32 = DType::kFloat32;
-  const bool varlen = entry == Entry::kVarlenForward || entry == Entry::kVarlenBackward;
+  const bool varlen = is_varlen(entry), select = is_select(entry);
+  // select_topk takes a call whose top-k intervals express: key-only mask and bias.
+  const std::int64_t rows = select ? 1 : Sq;
   const Shape q_shape = varlen ? Shape{kTotalQ, H, D} : Shape{B, Sq, H, D};
   const Shape k_shape = varlen ? Shape{kTotalK, Hk, D} : Shape{B, Sk, Hk, D};
-  const Shape bias_shape = varlen ? Shape{kTotalK, Hk} : Shape{B, Hk, Sq, Sk};
+  const Shape bias_shape = varlen ? Shape{kTotalK, Hk} : Shape{B, Hk, rows, Sk};
   c.in.q = t.add(f32, q_shape, rng, false).view();
   c.in.k = t.add(f32, k_shape, rng, false).view();
   c.in.v = t.add(f32, k_shape, rng, false).view();
-  if (!varlen) c.in.mask = t.add(DType::kBool, {B, 1, Sq, Sk}, rng, false).view();
+  if (!varlen) c.in.mask = t.add(DType::kBool, {B, 1, rows, Sk}, rng, false).view();
   c.in.bias = t.add(f32, bias_shape, rng, false).view();
   c.out = t.add(f32, q_shape, rng, true).view();
   c.lse = t.add(f32, varlen ? Shape{H, kTotalQ} : Shape{B, H, Sq}, rng, true).view();
@@ -91,9 +98,22 @@ Call valid_call(Entry entry, Tensors& t, Rng& rng) {
     }
     c.layout = {t.all[t.all.size() - 2].view(), t.all.back().view(), 3, 3};
   }
+  c.intervals = t.add(DType::kInt32, {varlen ? 3 : B, Hk, varlen ? 3 : Sk, 2}, rng, true).view();
   c.options.causal = true;
   c.options.keep_window_size = 2;
   return c;
+}
+
+// Makes a forward or backward call one whose top-k intervals express (key-only
+// mask and bias) and gives it intervals: int32 (B, Hs = Hk, Sk, 2), varlen (3
+// sequences, Hk, max_seqlen_k = 3, 2).
+void give_intervals(Call& c) {
+  if (!is_varlen(c.entry)) {
+    c.in.mask = c.make(DType::kBool, {B, 1, 1, Sk});
+    c.in.bias = c.make(DType::kFloat32, {B, Hk, 1, Sk});
+    c.grads.dbias = c.make(DType::kFloat32, {B, Hk, 1, Sk});
+  }
+  c.in.topk_intervals = c.make(DType::kInt32, {is_varlen(c.entry) ? 3 : B, Hk, is_varlen(c.entry) ? 3 : Sk, 2});
 }
 
 void invoke(const Call& c) {
@@ -104,6 +124,8 @@ void invoke(const Call& c) {
     case Entry::kVarlenBackward:
       dmattn::varlen_backward(c.in, c.layout, c.out, c.dout, *c.lse, c.grads, c.options);
       return;
+    case Entry::kSelect: dmattn::select_topk(c.in, c.options, c.intervals); return;
+    case Entry::kVarlenSelect: dmattn::varlen_select_topk(c.in, c.layout, c.options, c.intervals); return;
   }
 }
 
@@ -133,7 +155,8 @@ struct BadCase {
 };
 
 std::vector<BadCase> bad_cases() {
-  const Entry F = Entry::kForward, Bw = Entry::kBackward, VF = Entry::kVarlenForward, VB = Entry::kVarlenBackward;
+  const Entry F = Entry::kForward, Bw = Entry::kBackward, VF = Entry::kVarlenForward, VB = Entry::kVarlenBackward,
+              S = Entry::kSelect, VS = Entry::kVarlenSelect;
   const DType f32 = DType::kFloat32, f64 = DType::kFloat64;
   return {
       // rank
@@ -338,6 +361,64 @@ std::vector<BadCase> bad_cases() {
        "expected a length >= 0, got -1"},
       {"varlen_mask", VF, [](Call& c) { c.in.mask = c.make(DType::kBool, {1, 1, kTotalQ, kTotalK}); },
        Kind::kValue, "mask", "expected no mask for varlen"},
+      // the top-k selection given (Inputs::topk_intervals)
+      {"topk_intervals_dtype", F, [f32](Call& c) { give_intervals(c), c.in.topk_intervals = c.make(f32, {B, Hk, Sk, 2}); },
+       Kind::kType, "topk_intervals.dtype", "expected int32 (query rows [start, end) a key), got float32"},
+      {"topk_intervals_rank", Bw,
+       [](Call& c) { give_intervals(c), c.in.topk_intervals = c.make(DType::kInt32, {B, Hk, 2 * Sk}); }, Kind::kValue,
+       "topk_intervals", "expected rank 4 (B, Hs, Sk, 2), got rank 3"},
+      {"topk_intervals_batch", F, [](Call& c) { give_intervals(c), c.in.topk_intervals->shape[0] = 1; }, Kind::kValue,
+       "topk_intervals.shape[0]", "expected 2 (B), got 1"},
+      {"topk_intervals_heads", F, [](Call& c) { give_intervals(c), c.in.topk_intervals->shape[1] = 1; }, Kind::kValue,
+       "topk_intervals.shape[1]", "expected 2 (Hs = max(bias heads, mask heads)), got 1"},
+      {"topk_intervals_mask_heads", Bw,
+       [](Call& c) { give_intervals(c), c.in.mask = c.make(DType::kBool, {B, H, 1, Sk}); }, Kind::kValue,
+       "topk_intervals.shape[1]", "expected 4 (Hs = max(bias heads, mask heads)), got 2"},
+      {"topk_intervals_keys", Bw, [](Call& c) { give_intervals(c), c.in.topk_intervals->shape[2] = 5; }, Kind::kValue,
+       "topk_intervals.shape[2]", "expected 6 (Sk), got 5"},
+      {"topk_intervals_pairs", F, [](Call& c) { give_intervals(c), c.in.topk_intervals->shape[3] = 3; }, Kind::kValue,
+       "topk_intervals.shape[3]", "expected 2 (start, end), got 3"},
+      {"topk_intervals_strided", F, [](Call& c) { give_intervals(c), c.in.topk_intervals->stride[2] = 4; },
+       Kind::kValue, "topk_intervals.stride[2]", "expected 2 (a contiguous tensor), got 4"},
+      {"topk_intervals_on_cuda", F, [](Call& c) { give_intervals(c), c.in.topk_intervals->device = kCuda0; },
+       Kind::kValue, "topk_intervals.device", "expected cpu (the device of q), got cuda:0"},
+      {"topk_intervals_null_data", Bw, [](Call& c) { give_intervals(c), c.in.topk_intervals->data = nullptr; },
+       Kind::kValue, "topk_intervals.data", "expected a non-null pointer"},
+      {"topk_intervals_without_keep_window", F, [](Call& c) { give_intervals(c), c.options.keep_window_size.reset(); },
+       Kind::kValue, "topk_intervals", "expected none without keep_window_size (they are a top-k selection)"},
+      {"topk_intervals_per_row_bias", Bw,
+       [f32](Call& c) { give_intervals(c), c.in.bias = c.grads.dbias = c.make(f32, {B, Hk, Sq, Sk}); }, Kind::kValue,
+       "topk_intervals", "expected a call whose top-k per-key row intervals express (a bias constant along queries, "
+       "at most a key-only mask, no left sliding window), got a bias of 5 query rows"},
+      {"topk_intervals_per_row_mask", F,
+       [](Call& c) { give_intervals(c), c.in.mask = c.make(DType::kBool, {B, 1, Sq, Sk}); }, Kind::kValue,
+       "topk_intervals", "got a mask of 5 query rows"},
+      {"topk_intervals_left_window", F, [](Call& c) { give_intervals(c), c.options.sliding_window.left = 2; },
+       Kind::kValue, "topk_intervals", "got sliding_window.left = 2"},
+      {"varlen_topk_intervals_sequences", VB, [](Call& c) { give_intervals(c), c.in.topk_intervals->shape[0] = 4; },
+       Kind::kValue, "topk_intervals.shape[0]", "expected 3 (sequences), got 4"},
+      {"varlen_topk_intervals_keys", VF, [](Call& c) { give_intervals(c), c.in.topk_intervals->shape[2] = 6; },
+       Kind::kValue, "topk_intervals.shape[2]", "expected 3 (max_seqlen_k), got 6"},
+      // select_topk
+      {"select_intervals_heads", S, [](Call& c) { c.intervals.shape[1] = 4; }, Kind::kValue, "intervals.shape[1]",
+       "expected 2 (Hs = max(bias heads, mask heads)), got 4"},
+      {"select_intervals_dtype", S, [f32](Call& c) { c.intervals = c.make(f32, {B, Hk, Sk, 2}); }, Kind::kType,
+       "intervals.dtype", "expected int32"},
+      {"select_intervals_broadcast", S, [](Call& c) { c.intervals.stride[0] = 0; }, Kind::kValue,
+       "intervals.stride[0]", "expected 24 (a contiguous tensor), got 0"},
+      {"select_null_intervals", S, [](Call& c) { c.intervals.data = nullptr; }, Kind::kValue, "intervals.data",
+       "expected a non-null pointer"},
+      {"select_without_keep_window", S, [](Call& c) { c.options.keep_window_size.reset(); }, Kind::kValue,
+       "keep_window_size", "expected a key count (select_topk selects the top-k), got none"},
+      {"select_without_bias", S, [](Call& c) { c.in.bias.reset(); }, Kind::kValue, "keep_window_size",
+       "top-k needs a bias"},
+      {"select_per_row_bias", S, [f32](Call& c) { c.in.bias = c.make(f32, {B, Hk, Sq, Sk}); }, Kind::kValue,
+       "intervals", "got a bias of 5 query rows"},
+      {"select_given_intervals", S, [](Call& c) { c.in.topk_intervals = c.intervals; }, Kind::kValue,
+       "topk_intervals", "expected none (select_topk writes the intervals it selects), got a tensor"},
+      {"select_q_dtype", S, [](Call& c) { c.in.q.dtype = DType::kBool; }, Kind::kType, "q.dtype", "got bool"},
+      {"varlen_select_intervals_keys", VS, [](Call& c) { c.intervals.shape[2] = 6; }, Kind::kValue,
+       "intervals.shape[2]", "expected 3 (max_seqlen_k), got 6"},
   };
 }
 
@@ -374,9 +455,10 @@ INSTANTIATE_TEST_SUITE_P(All, Validation, ::testing::ValuesIn(bad_cases()),
 // dmattn::check_forward / check_backward on the same calls with every data pointer
 // null: the same error, but for the cases that only the data shows (cu_seqlens values).
 void check_only(const Call& c) {
-  const dmattn::VarlenLayout* layout = c.entry == Entry::kVarlenForward || c.entry == Entry::kVarlenBackward
-                                           ? &c.layout : nullptr;
-  if (c.entry == Entry::kForward || c.entry == Entry::kVarlenForward)
+  const dmattn::VarlenLayout* layout = is_varlen(c.entry) ? &c.layout : nullptr;
+  if (is_select(c.entry))
+    dmattn::check_select_topk(c.in, layout, c.options, c.intervals);
+  else if (c.entry == Entry::kForward || c.entry == Entry::kVarlenForward)
     dmattn::check_forward(c.in, layout, c.out, c.lse, c.options);
   else
     dmattn::check_backward(c.in, layout, c.out, c.dout, *c.lse, c.grads, c.options);
@@ -384,9 +466,9 @@ void check_only(const Call& c) {
 
 void drop_data(Call& c) {
   for (TensorView* t : {&c.in.q, &c.in.k, &c.in.v, &c.out, &c.dout, &c.grads.dq, &c.grads.dk, &c.grads.dv,
-                        &c.layout.cu_seqlens_q, &c.layout.cu_seqlens_k})
+                        &c.layout.cu_seqlens_q, &c.layout.cu_seqlens_k, &c.intervals})
     t->data = nullptr;
-  for (auto* t : {&c.in.mask, &c.in.bias, &c.lse, &c.grads.dbias})
+  for (auto* t : {&c.in.mask, &c.in.bias, &c.in.topk_intervals, &c.lse, &c.grads.dbias})
     if (*t) (*t)->data = nullptr;
 }
 
@@ -394,8 +476,9 @@ class CheckOnly : public Validation {};
 
 TEST_P(CheckOnly, ThrowsWhatTheCallThrowsWithoutData) {
   const BadCase& bad = GetParam();
-  const std::set<std::string> data_cases{"null_data",      "cu_seqlens_first",       "cu_seqlens_decreasing",
-                                         "cu_seqlens_last", "max_seqlen_q_too_small", "max_seqlen_k_too_small"};
+  const std::set<std::string> data_cases{"null_data",          "cu_seqlens_first",       "cu_seqlens_decreasing",
+                                         "cu_seqlens_last",    "max_seqlen_q_too_small", "max_seqlen_k_too_small",
+                                         "topk_intervals_null_data", "select_null_intervals"};
   const bool data_only = data_cases.count(bad.name) > 0;
   Tensors tensors;
   Call call = valid_call(bad.entry, tensors, rng);
@@ -473,12 +556,39 @@ TEST_F(ValidCalls, CudaTensorsWithoutCudaBackend) {
 
 // The valid calls pass their checks, without data.
 TEST_F(ValidCalls, CheckOnlyPasses) {
-  for (Entry entry : {Entry::kForward, Entry::kBackward, Entry::kVarlenForward, Entry::kVarlenBackward}) {
+  for (Entry entry : {Entry::kForward, Entry::kBackward, Entry::kVarlenForward, Entry::kVarlenBackward, Entry::kSelect,
+                      Entry::kVarlenSelect}) {
     Tensors tensors;
     Call call = valid_call(entry, tensors, rng);
     drop_data(call);
     EXPECT_NO_THROW(check_only(call));
   }
+}
+
+// select_topk writes every entry of its intervals, and reads no data of q, k
+// and v; forward and backward take what it wrote, batched and varlen, whatever
+// keep_window_size (one of at least Sk included) and however few query rows.
+TEST_F(ValidCalls, SelectedIntervalsAreTaken) {
+  for (const auto& [select, forward, backward] :
+       {std::tuple<Entry, Entry, Entry>{Entry::kSelect, Entry::kForward, Entry::kBackward},
+        {Entry::kVarlenSelect, Entry::kVarlenForward, Entry::kVarlenBackward}})
+    for (std::int64_t w : {2, 100}) {
+      Tensors tensors;
+      Call call = valid_call(select, tensors, rng);
+      call.options.keep_window_size = w;
+      for (TensorView* t : {&call.in.q, &call.in.k, &call.in.v}) t->data = nullptr;
+      ASSERT_NO_THROW(invoke(call));
+      for (std::int64_t e = 0; e < call.intervals.numel(); ++e)
+        EXPECT_NE(static_cast<const std::int32_t*>(call.intervals.data)[e], -1) << "entry " << e << " unwritten";
+      const TensorView intervals = call.intervals;
+      call = valid_call(forward, tensors, rng);
+      call.options.keep_window_size = w;
+      give_intervals(call);
+      call.in.topk_intervals = intervals;
+      ASSERT_NO_THROW(invoke(call));
+      call.entry = backward;
+      ASSERT_NO_THROW(invoke(call));
+    }
 }
 
 }  // namespace
