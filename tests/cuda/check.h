@@ -50,6 +50,9 @@ struct Case {
   bool excluded_rows = false;
   dmattn::Options options;
   bool with_lse = true;  // false: no lse tensor (options.return_lse = false)
+  // The top-k selection given to the GPU calls (Inputs::topk_intervals): the CPU's
+  // select_topk, which the GPU's select_topk must write byte for byte.
+  bool given_intervals = false;
   bool varlen() const { return !seqlens_q.empty(); }
 };
 
@@ -67,6 +70,9 @@ std::vector<Case> backward_matrix(bool small);
 // The seed's failure case: 20 top-k forward + backward steps must stay finite.
 Outcome topk_nan_sweep(Rng& rng);
 extern const char* const kTopkNanSweepName;
+// Wild given intervals: forward and backward finish and stay in bounds.
+Outcome wild_intervals(Rng& rng);
+extern const char* const kWildIntervalsName;
 
 // ---- Shared by the forward and backward checks (check_forward.cpp).
 HostTensor dense_copy(const HostTensor& t, DType dtype);
@@ -86,6 +92,18 @@ CaseInputs make_inputs(const Case& c, const Shape& q_shape, const Shape& k_shape
 std::vector<dmattn_test::RefResult> naive_runs(const Case& c, const CaseInputs& inputs,
                                                const std::optional<std::vector<double>>& dout);
 std::string bounds_text(double lowp, const std::optional<double>& naive);
+// The varlen layout of a case, its cu_seqlens in `storage` (host) or copied to
+// `device_storage` (2 (B + 1) int32) where that is given.
+dmattn::VarlenLayout varlen_layout(const Case& c, std::vector<std::int32_t>& storage, void* device_storage);
+// Case::given_intervals: the CPU's select_topk of the case's inputs on the
+// device, and whether the GPU's select_topk (of gpu_in and gpu_layout, the GPU
+// calls' own; nullptr: batched) wrote the same. Without given_intervals: none.
+struct GivenIntervals {
+  std::optional<DeviceTensor> device;
+  bool gpu_equal = true;
+};
+GivenIntervals given_intervals(const Case& c, const CaseInputs& inputs, const dmattn::Inputs& gpu_in,
+                               const dmattn::VarlenLayout* gpu_layout);
 
 // ---- Shared by the two matrices (matrix_forward.cpp).
 std::string dtype_tag(DType d);
@@ -93,6 +111,7 @@ std::vector<Shape> broadcast_shapes(std::int64_t B, std::int64_t H, std::int64_t
 void topk_per_row(Case& c, int i);
 void topk_padding(Case& c, int i);
 void topk_varlen(Case& c, int i);
+std::vector<Case> given_interval_cases();
 std::vector<Case> bias_magnitude_sweep(const std::string& prefix);
 void add_head_dim_64(std::vector<Case>& cases);
 

@@ -40,25 +40,6 @@ struct Gradients {
   std::vector<double> dq, dk, dv, dbias;
 };
 
-// The varlen layout of a case, its cu_seqlens in `storage` (host) or `device_storage`.
-dmattn::VarlenLayout varlen_layout(const Case& c, std::vector<std::int32_t>& storage, void* device_storage) {
-  storage = cumulative(c.seqlens_q);
-  const std::vector<std::int32_t> ck = cumulative(c.seqlens_k);
-  storage.insert(storage.end(), ck.begin(), ck.end());
-  const std::int64_t nb = static_cast<std::int64_t>(c.seqlens_q.size()) + 1;
-  std::int32_t* cu = storage.data();
-  dmattn::Device device{};
-  if (device_storage != nullptr) {
-    check_cuda(cudaMemcpy(device_storage, storage.data(), storage.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
-    cu = static_cast<std::int32_t*>(device_storage);
-    device = {dmattn::DeviceType::kCUDA, 0};
-  }
-  return {dmattn::TensorView::contiguous(cu, DType::kInt32, {nb}, device),
-          dmattn::TensorView::contiguous(cu + nb, DType::kInt32, {nb}, device),
-          *std::max_element(c.seqlens_q.begin(), c.seqlens_q.end()),
-          *std::max_element(c.seqlens_k.begin(), c.seqlens_k.end())};
-}
-
 // dbias: the bias's shape and layout, never a broadcast (stride-0) view.
 Layout dbias_layout(const Case& c) {
   Layout l = c.bias_layout;
@@ -148,6 +129,8 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
     cu_dev.reset(p);
     layout = varlen_layout(c, cu, p);
   }
+  const GivenIntervals given = given_intervals(c, inputs, in, layout ? &*layout : nullptr);
+  if (given.device) in.topk_intervals = given.device->view();
   bool untouched = true;
   auto gpu_grads = [&]() {
     HostTensor dq_host(c.dtype, q_shape, c.qkv_layout), dk_host(c.dtype, k_shape, c.qkv_layout),
@@ -178,8 +161,8 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
     return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0);
   };
   Outcome r;
-  r.pass = untouched;
-  std::string detail;
+  r.pass = untouched && given.gpu_equal;
+  std::string detail = given.gpu_equal ? "" : "GPU SELECT_TOPK DIFFERS FROM THE CPU'S  ";
   const char* names[4] = {"dq", "dk", "dv", "dbias"};
   const std::vector<double>* g[4] = {&gpu.dq, &gpu.dk, &gpu.dv, &gpu.dbias};
   const std::vector<double>* rf[4] = {&ref.dq, &ref.dk, &ref.dv, &ref.dbias};
@@ -258,6 +241,51 @@ Outcome topk_nan_sweep(Rng& rng) {
     }
   }
   if (r.pass) r.detail = "20 steps, all finite";
+  return r;
+}
+
+const char* const kWildIntervalsName = "top-k wild given intervals bf16 B2 S2100 H4/2 D128 w64 causal";
+
+// Given intervals are user data (Inputs::topk_intervals): wild values (negative,
+// past the rows, start after end, the int32 extremes) select other keys, past
+// the bounds the kernels size their key lists and key groups by (keys dropped,
+// the gradients of some keys unwritten), but the forward and the backward finish
+// without a CUDA error, write nothing outside their views and, under
+// compute-sanitizer (the Small suite), read and write nothing out of bounds.
+Outcome wild_intervals(Rng& rng) {
+  const std::int64_t B = 2, S = 2100, H = 4, Hk = 2, D = 128;
+  const Layout sliced{true, false, {}};
+  HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D}),
+      dout(DType::kBFloat16, {B, S, H, D}), bias(DType::kBFloat16, {B, Hk, 1, S}), intervals(DType::kInt32, {B, Hk, S, 2});
+  for (HostTensor* t : {&q, &k, &v, &dout, &bias}) t->fill([&](std::int64_t) { return rng.uniform(-2.0, 2.0); });
+  const double extremes[] = {std::numeric_limits<std::int32_t>::min(), -1, 0, 1, S - 1, S, S + 1,
+                             std::numeric_limits<std::int32_t>::max()};
+  intervals.fill([&](std::int64_t) {
+    return rng.bernoulli(0.5) ? extremes[rng.integer(0, 7)] : static_cast<double>(rng.integer(-5, S + 5));
+  });
+  HostTensor out(DType::kBFloat16, {B, S, H, D}, sliced), lse(DType::kFloat32, {B, H, S}, sliced),
+      dq(DType::kBFloat16, {B, S, H, D}, sliced), dk(DType::kBFloat16, {B, S, Hk, D}, sliced),
+      dv(DType::kBFloat16, {B, S, Hk, D}, sliced), dbias(DType::kBFloat16, {B, Hk, 1, S}, sliced);
+  for (HostTensor* t : {&out, &lse, &dq, &dk, &dv, &dbias}) t->poison();
+  const DeviceTensor gq(q), gk(k), gv(v), gdout(dout), gbias(bias), gintervals(intervals), gout(out), glse(lse), gdq(dq),
+      gdk(dk), gdv(dv), gdbias(dbias);
+  dmattn::Options o;
+  o.causal = true;
+  o.keep_window_size = 64;
+  dmattn::Inputs in{gq.view(), gk.view(), gv.view(), std::nullopt, gbias.view()};
+  in.topk_intervals = gintervals.view();
+  dmattn::forward(in, gout.view(), glse.view(), o);
+  dmattn::backward(in, gout.view(), gdout.view(), glse.view(), {gdq.view(), gdk.view(), gdv.view(), gdbias.view()}, o);
+  check_cuda(cudaDeviceSynchronize(), "top-k forward + backward with wild intervals");
+  Outcome r;
+  const char* names[6] = {"out", "lse", "dq", "dk", "dv", "dbias"};
+  const DeviceTensor* outputs[6] = {&gout, &glse, &gdq, &gdk, &gdv, &gdbias};
+  for (int t = 0; t < 6; ++t) {
+    bool untouched = true;
+    outputs[t]->values(&untouched);
+    if (!untouched) r.pass = false, r.detail += std::string(names[t]) + " WROTE OUTSIDE THE VIEW  ";
+  }
+  if (r.pass) r.detail = "forward and backward finished, nothing written outside the views";
   return r;
 }
 

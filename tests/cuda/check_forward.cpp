@@ -146,6 +146,53 @@ std::vector<dmattn_test::RefResult> naive_runs(const Case& c, const CaseInputs& 
   return runs;
 }
 
+dmattn::VarlenLayout varlen_layout(const Case& c, std::vector<std::int32_t>& storage, void* device_storage) {
+  storage = cumulative(c.seqlens_q);
+  const std::vector<std::int32_t> ck = cumulative(c.seqlens_k);
+  storage.insert(storage.end(), ck.begin(), ck.end());
+  const std::int64_t nb = static_cast<std::int64_t>(c.seqlens_q.size()) + 1;
+  std::int32_t* cu = storage.data();
+  dmattn::Device device{};
+  if (device_storage != nullptr) {
+    check_cuda(cudaMemcpy(device_storage, storage.data(), storage.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    cu = static_cast<std::int32_t*>(device_storage);
+    device = {dmattn::DeviceType::kCUDA, 0};
+  }
+  return {dmattn::TensorView::contiguous(cu, DType::kInt32, {nb}, device),
+          dmattn::TensorView::contiguous(cu + nb, DType::kInt32, {nb}, device),
+          *std::max_element(c.seqlens_q.begin(), c.seqlens_q.end()),
+          *std::max_element(c.seqlens_k.begin(), c.seqlens_k.end())};
+}
+
+GivenIntervals given_intervals(const Case& c, const CaseInputs& inputs, const dmattn::Inputs& gpu_in,
+                               const dmattn::VarlenLayout* gpu_layout) {
+  GivenIntervals given;
+  if (!c.given_intervals) return given;
+  std::vector<std::int32_t> cu;
+  const std::optional<dmattn::VarlenLayout> layout =
+      c.varlen() ? std::optional<dmattn::VarlenLayout>(varlen_layout(c, cu, nullptr)) : std::nullopt;
+  const std::int64_t heads = std::max(c.bias_shape[1], c.mask_shape.empty() ? std::int64_t{1} : c.mask_shape[1]);
+  HostTensor host(DType::kInt32, {layout ? static_cast<std::int64_t>(c.seqlens_q.size()) : c.B, heads,
+                                  layout ? layout->max_seqlen_k : c.Sk, 2});
+  host.poison();
+  const DeviceTensor gpu(host);
+  dmattn::Inputs in{inputs.q.view(), inputs.k.view(), inputs.v.view(), std::nullopt, std::nullopt};
+  if (inputs.mask) in.mask = inputs.mask->view();
+  if (inputs.bias) in.bias = inputs.bias->view();
+  if (layout) {
+    dmattn::varlen_select_topk(in, *layout, c.options, host.view());
+    dmattn::varlen_select_topk(gpu_in, *gpu_layout, c.options, gpu.view());
+  } else {
+    dmattn::select_topk(in, c.options, host.view());
+    dmattn::select_topk(gpu_in, c.options, gpu.view());
+  }
+  check_cuda(cudaDeviceSynchronize(), "select_topk");
+  bool untouched = true;
+  given.gpu_equal = gpu.values(&untouched) == host.values() && untouched;
+  given.device.emplace(host);
+  return given;
+}
+
 // "lowp X" and, where the naive computations ran, "naive Y": the errors a bound is taken from.
 std::string bounds_text(double lowp, const std::optional<double>& naive) {
   char buf[64];
@@ -211,24 +258,20 @@ Outcome run_forward_case(const Case& c, Rng& rng) {
   const std::optional<dmattn::TensorView> gpu_lse_view =
       c.with_lse ? std::optional<dmattn::TensorView>(dlse.view()) : std::nullopt;
   std::unique_ptr<void, decltype(&cudaFree)> cu_dev(nullptr, cudaFree);
+  std::vector<std::int32_t> cu;
+  std::optional<dmattn::VarlenLayout> layout;
   if (varlen) {
-    std::vector<std::int32_t> cu = cumulative(c.seqlens_q);
-    const std::vector<std::int32_t> ck = cumulative(c.seqlens_k);
-    cu.insert(cu.end(), ck.begin(), ck.end());
     void* p = nullptr;
-    check_cuda(cudaMalloc(&p, cu.size() * 4), "cudaMalloc");
+    check_cuda(cudaMalloc(&p, 2 * (c.seqlens_q.size() + 1) * 4), "cudaMalloc");
     cu_dev.reset(p);
-    check_cuda(cudaMemcpy(p, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
-    const std::int64_t nb = static_cast<std::int64_t>(c.seqlens_q.size()) + 1;
-    auto* cq = static_cast<std::int32_t*>(p);
-    dmattn::VarlenLayout layout{dmattn::TensorView::contiguous(cq, DType::kInt32, {nb}, {dmattn::DeviceType::kCUDA, 0}),
-                                dmattn::TensorView::contiguous(cq + nb, DType::kInt32, {nb}, {dmattn::DeviceType::kCUDA, 0}),
-                                *std::max_element(c.seqlens_q.begin(), c.seqlens_q.end()),
-                                *std::max_element(c.seqlens_k.begin(), c.seqlens_k.end())};
-    dmattn::varlen_forward(in, layout, dout.view(), gpu_lse_view, options);
-  } else {
-    dmattn::forward(in, dout.view(), gpu_lse_view, options);
+    layout = varlen_layout(c, cu, p);
   }
+  const GivenIntervals given = given_intervals(c, inputs, in, layout ? &*layout : nullptr);
+  if (given.device) in.topk_intervals = given.device->view();
+  if (varlen)
+    dmattn::varlen_forward(in, *layout, dout.view(), gpu_lse_view, options);
+  else
+    dmattn::forward(in, dout.view(), gpu_lse_view, options);
   check_cuda(cudaDeviceSynchronize(), "forward kernel");
   bool out_pad = true, lse_pad = true;
   const std::vector<double> gpu_out = dout.values(&out_pad), gpu_lse = dlse.values(&lse_pad);
@@ -248,10 +291,11 @@ Outcome run_forward_case(const Case& c, Rng& rng) {
   const double lerr = c.with_lse ? lse_error(gpu_lse, ref_lse) : 0.0, lp_lerr = lse_error(lp_lse, ref_lse);
   Outcome r;
   r.pass = err <= 2.0 * std::max(lp_err, naive_err.value_or(0.0)) + 1e-5 && lerr <= 2.0 * lp_lerr + 1e-4 && out_pad &&
-           lse_pad && lse_untouched;
+           lse_pad && lse_untouched && given.gpu_equal;
   char buf[256];
-  std::snprintf(buf, sizeof buf, "out err %.3g (%s)  lse err %.3g (lowp %.3g)%s", err, bounds_text(lp_err, naive_err).c_str(),
-                lerr, lp_lerr, out_pad && lse_pad ? "" : "  WROTE OUTSIDE THE VIEW");
+  std::snprintf(buf, sizeof buf, "out err %.3g (%s)  lse err %.3g (lowp %.3g)%s%s", err, bounds_text(lp_err, naive_err).c_str(),
+                lerr, lp_lerr, out_pad && lse_pad ? "" : "  WROTE OUTSIDE THE VIEW",
+                given.gpu_equal ? "" : "  GPU SELECT_TOPK DIFFERS FROM THE CPU'S");
   r.detail = buf;
   return r;
 }

@@ -83,6 +83,11 @@ class DeviceTensor {
 
  private:
   static double decode(DType dtype, const unsigned char* p) {
+    if (dtype == DType::kInt32) {
+      std::int32_t i;
+      std::memcpy(&i, p, 4);
+      return i;
+    }
     if (dtype == DType::kFloat32) {
       float f;
       std::memcpy(&f, p, 4);

@@ -149,6 +149,10 @@ std::vector<Case> topk_backward_cases(Make&& make) {
     c.bias_shape = {c.B, c.Hk, i ? c.Sq : 1, c.Sk};
     cases.push_back(c);
   }
+  for (Case c : given_interval_cases()) {
+    c.name = "bwd top-k given intervals " + c.name;
+    cases.push_back(c);
+  }
   Case keys = make("top-k 50 bias over heads only", 300, 400, 4, 2);  // dbias summed over keys
   keys.B = 2;
   keys.options.causal = true;
@@ -345,6 +349,10 @@ std::vector<Case> backward_matrix(bool small) {
     pieces.options.keep_window_size = 64;
     pieces.bias_shape = {1, 1, 1, pieces.Sk};
     cases.push_back(finish(pieces));
+    Case given = pieces;  // the same, its selection given (the CPU's select_topk)
+    given.given_intervals = true;
+    given.name += " given intervals";
+    cases.push_back(given);
     Case gqa = make("small top-k 100 pieces mask heads H", 1500, 1300, 4, 2);  // two selection heads a kv head
     gqa.options.causal = true;
     gqa.options.keep_window_size = 100;

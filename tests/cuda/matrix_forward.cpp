@@ -59,6 +59,42 @@ void topk_varlen(Case& c, int i) {
   if (i) c.options.sliding_window = {80, 0};
 }
 
+// Calls given their top-k selection (Case::given_intervals), forward and
+// backward alike, named by what they cover: a key-only bias of Hk heads, causal
+// (key lists, key groups); a padding mask of H heads (H selection heads);
+// varlen; 1 and 8 query rows (the selection given is intervals however few the
+// rows); w >= Sk (applied, not dropped); a right window, not causal, ties; more
+// than one 1024-row segment (keys cut into pieces); the Hopper dk/dv kernel's
+// key groups (bf16, D = 128, one batch entry, no mask).
+std::vector<Case> given_interval_cases() {
+  std::vector<Case> cases;
+  const auto add = [&](const char* what, std::int64_t sq, std::int64_t sk, DType dtype, std::int64_t w) {
+    Case c;
+    c.name = what;
+    c.dtype = c.bias_dtype = dtype;
+    c.B = 2, c.Sq = sq, c.Sk = sk, c.H = 8, c.Hk = 2;
+    c.options.causal = true;
+    c.options.keep_window_size = w;
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    c.given_intervals = true;
+    cases.push_back(c);
+    return &cases.back();
+  };
+  add("key-only bias", 1000, 1000, DType::kBFloat16, 100);
+  topk_padding(*add("padding mask heads H", 700, 900, DType::kFloat16, 128), 1);
+  topk_varlen(*add("varlen", 1, 1, DType::kBFloat16, 50), 0);
+  add("one row", 1, 3000, DType::kFloat16, 200);
+  add("eight rows", 8, 2000, DType::kBFloat16, 300);
+  add("w>=Sk", 650, 777, DType::kFloat16, 5000);
+  Case* r = add("right window 30 not causal, four bias values (ties)", 650, 777, DType::kBFloat16, 50);
+  r->options.causal = false, r->options.sliding_window = {-1, 30};
+  r->bias_lo = 0.0, r->bias_hi = 4.0, r->bias_quantum = 1.0;
+  add("pieces", 3000, 2500, DType::kFloat16, 256);
+  Case* h = add("Hopper key groups", 2048, 2048, DType::kBFloat16, 256);
+  h->B = 1, h->H = 4, h->bias_shape = {1, h->Hk, 1, h->Sk};
+  return cases;
+}
+
 // The bias magnitude sweep (SPEC 2 and 5), forward and backward alike:
 // magnitudes (ordinary; -1e30; the bias dtype's lowest; -inf exclusions, with
 // every fourth bias row wholly -inf; -1e30 and lowest mixed; all of them mixed
@@ -518,6 +554,10 @@ std::vector<Case> forward_matrix(bool small) {
     c.bias_quantum = f.quantum, c.bias_lo = f.lo, c.bias_hi = f.hi;
     if (!f.mask.empty()) c.mask_pattern = Case::MaskPattern::kKeyPadding, c.mask_shape = f.mask;
     c.name = name(c, std::string("top-k decode ") + f.what);
+    cases.push_back(c);
+  }
+  for (Case& c : given_interval_cases()) {
+    c.name = name(c, "top-k given intervals " + c.name);
     cases.push_back(c);
   }
   add_head_dim_64(cases);

@@ -1,7 +1,8 @@
 // The CUDA backend against the float64 CPU oracle (check.h: SPEC 5's rule),
-// one GoogleTest case per case of the check matrix, forward and backward, and
-// the top-k NaN sweep. Suites Full (the whole matrix; ctest -L cuda, sharded)
-// and Small (the few cases compute-sanitizer runs; ctest -L sanitizer). Every
+// one GoogleTest case per case of the check matrix, forward and backward, the
+// top-k NaN sweep and wild given top-k intervals. Suites Full (the whole matrix;
+// ctest -L cuda, sharded) and Small (the few cases compute-sanitizer runs;
+// ctest -L sanitizer). Every
 // case is skipped, not failed, without a GPU or where the build has no
 // instantiation for its head dim; DMATTN_CHECK_ONLY=TEXT skips the cases whose
 // name lacks TEXT. Each case prints its errors and bounds.
@@ -75,13 +76,17 @@ TEST_P(Backward, MatchesOracle) { check(GetParam(), run_backward_case); }
 INSTANTIATE_TEST_SUITE_P(Full, Backward, testing::ValuesIn(backward_matrix(false)), case_name);
 INSTANTIATE_TEST_SUITE_P(Small, Backward, testing::ValuesIn(backward_matrix(true)), case_name);
 
-TEST(FullTopk, NanSweep) {
-  const std::string skip = skip_reason(kTopkNanSweepName, 128);
+void check_one(const char* name, Outcome (*runner)(Rng&)) {
+  const std::string skip = skip_reason(name, 128);
   if (!skip.empty()) GTEST_SKIP() << skip;
-  const Outcome r = topk_nan_sweep(rng());
-  std::printf("%s  %s  %s\n", r.pass ? "PASS" : "FAIL", kTopkNanSweepName, r.detail.c_str());
+  const Outcome r = runner(rng());
+  std::printf("%s  %s  %s\n", r.pass ? "PASS" : "FAIL", name, r.detail.c_str());
   EXPECT_TRUE(r.pass) << r.detail;
 }
+
+TEST(FullTopk, NanSweep) { check_one(kTopkNanSweepName, topk_nan_sweep); }
+TEST(FullTopk, WildGivenIntervals) { check_one(kWildIntervalsName, wild_intervals); }
+TEST(SmallTopk, WildGivenIntervals) { check_one(kWildIntervalsName, wild_intervals); }
 
 }  // namespace
 }  // namespace dmattn_gpu_test
