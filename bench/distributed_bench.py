@@ -9,8 +9,8 @@
 Shapes: B=1, 32 query heads, 8 kv heads, D=128, bf16, causal, a key-only bias
 (1, 8, 1, S) in bf16 with a gradient; dense, and with keep_window_size (256 in the
 check, 2048 in the timing). Modes: Ulysses (its default head chunks, and a row for each
-count in --head-chunks, e.g. 8,16: smaller chunks, less memory) and ring (the ring
-refuses a keep window below the sequence length: that row is recorded as refused).
+count in --head-chunks, e.g. 8,16: smaller chunks, less memory) and ring (its top-k
+selected once for the whole sequence, from the all-gathered bias).
 
 check: every rank draws the same whole-sequence inputs, runs its shard, and rank 0
 gathers the output and every gradient (dq, dk, dv, dbias) and compares them with a
@@ -45,7 +45,7 @@ MODES = ("ulysses", "ring")
 
 
 def volume(mode, P, S, H=HEADS, Hk=KV_HEADS, D=HEAD_DIM, element=2, bias_heads=KV_HEADS, bias_batch=1,
-           bias_element=2, accumulator=4, chunks=1):
+           bias_element=2, accumulator=4, chunks=1, topk=False):
     """Bytes each rank sends in one step, (forward, backward), for B=1 q/k/v of `element`
     bytes and a key-only bias (bias_batch, bias_heads, 1, S) with a gradient, no mask.
 
@@ -53,8 +53,9 @@ def volume(mode, P, S, H=HEADS, Hk=KV_HEADS, D=HEAD_DIM, element=2, bias_heads=K
     bias heads are replicated to lcm(heads, P chunks) first. Forward q, k, v and the bias
     in, out back; backward q, k, v, out and dout in (nothing head-sharded is kept from the
     forward), dq, dk, dv and dbias back.
-    Ring: forward P-1 hops of the k, v, bias shard; backward the same P-1 hops plus P
-    hops of the float32 dk, dv and dbias accumulators.
+    Ring: forward P-1 hops of the k, v, bias shard, and with a keep window below S (topk)
+    the all-gather of the bias (its shard to each of the P-1 others); backward the same
+    P-1 hops plus P hops of the float32 dk, dv and dbias accumulators.
     """
     tokens = B * S // P
     if mode == "ulysses":
@@ -63,9 +64,10 @@ def volume(mode, P, S, H=HEADS, Hk=KV_HEADS, D=HEAD_DIM, element=2, bias_heads=K
         forward = f * (tokens * (2 * H + 2 * kv) * D * element + bias_bytes)
         backward = f * (tokens * (4 * H + 4 * kv) * D * element + bias_bytes)
         return int(forward), int(backward)
-    shard = tokens * 2 * Hk * D * element + bias_batch * bias_heads * S // P * bias_element
+    bias_shard = bias_batch * bias_heads * S // P * bias_element
+    shard = tokens * 2 * Hk * D * element + bias_shard
     grads = tokens * 2 * Hk * D * accumulator + bias_batch * bias_heads * S // P * accumulator
-    return (P - 1) * shard, (P - 1) * shard + P * grads
+    return (P - 1) * (shard + (bias_shard if topk else 0)), (P - 1) * shard + P * grads
 
 
 def _variants(args):
@@ -129,12 +131,8 @@ def check(args):
         names = ("q", "k", "v", "bias")
         local = {n: sp.shard_sequence(whole[n], 3 if n == "bias" else 1, mode=mode).detach().requires_grad_()
                  for n in names}
-        try:
-            out = sp.attention(local["q"], local["k"], local["v"], bias=local["bias"], causal=True,
-                               keep_window_size=w, mode=mode, head_chunks=chunks)
-        except NotImplementedError as err:
-            rows.append(dict(case=name, refused=str(err)))
-            continue
+        out = sp.attention(local["q"], local["k"], local["v"], bias=local["bias"], causal=True, keep_window_size=w,
+                           mode=mode, head_chunks=chunks)
         out.backward(sp.shard_sequence(whole["dout"], mode=mode))
         gathered = dict(out=sp.gather_sequence(out, mode=mode))
         gathered.update({f"d{n}": sp.gather_sequence(local[n].grad, 3 if n == "bias" else 1, mode=mode)
@@ -144,10 +142,10 @@ def check(args):
             rows.append(dict(case=name, **errors, ok=all(e["ok"] for e in errors.values())))
             print(_check_line(rows[-1]), flush=True)
         dist.barrier()
-    passed = all(r.get("ok", True) for r in rows)
+    passed = all(r["ok"] for r in rows)
     if rank == 0:
         _write("check", dict(kind="check", seq=S, **_device_info(torch, dist), rows=rows))
-        print(f"check: {'PASS' if passed else 'FAIL'} ({sum('ok' in r for r in rows)} cases, S={S}, P={P})")
+        print(f"check: {'PASS' if passed else 'FAIL'} ({len(rows)} cases, S={S}, P={P})")
     dist.destroy_process_group()
     if not passed:
         sys.exit(1)
@@ -273,11 +271,8 @@ def _time_parallel(torch, dist, sp, mode, chunks, S, w, reps):
     dout = local.pop("dout")
     leaves = {n: t.requires_grad_() for n, t in local.items()}
     attention = functools.partial(sp.attention, causal=True, keep_window_size=w, mode=mode, head_chunks=chunks)
-    sent_fwd, sent_bwd = volume(mode, P, S, chunks=sp._ulysses_chunks(HEADS, KV_HEADS, P, chunks))
-    try:
-        _step(attention, leaves, dout)
-    except NotImplementedError as err:
-        return dict(refused=str(err))
+    sent_fwd, sent_bwd = volume(mode, P, S, chunks=sp._ulysses_chunks(HEADS, KV_HEADS, P, chunks),
+                                topk=w is not None and w < S)
     times, peak = _measure(torch, functools.partial(_step, attention, leaves, dout), reps, sync=dist.barrier)
     slowest = torch.tensor(times, device=DEVICE)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -287,8 +282,6 @@ def _time_parallel(torch, dist, sp, mode, chunks, S, w, reps):
 
 
 def _time_line(row):
-    if "refused" in row:
-        return f"{row['case']}: refused ({row['refused'].split(' (')[0]})"
     peaks = "/".join(f"{p:.1f}" for p in row["peak_gib"])
     return (f"{row['case']} S={row['seq']}: {row['ms']:.1f} ms fwd+bwd, peak {peaks} GiB, sent per rank "
             f"{row['sent_fwd'] / 2**20:.0f} + {row['sent_bwd'] / 2**20:.0f} MiB (fwd + bwd)")
@@ -298,9 +291,6 @@ def _check_table(result):
     lines = [f"| check, S={result['seq']}, {result['gpus']} GPUs: max abs error / bound | out | dq | dk | dv | dbias |",
              "|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        if "refused" in row:
-            lines.append(f"| {row['case']}: refused (keep window needs mode='ulysses') | | | | | |")
-            continue
         cells = [f"{row[k]['parallel']:.1e} / {row[k]['bound']:.1e}" + ("" if row[k]["ok"] else " FAIL")
                  for k in ("out", "dq", "dk", "dv", "dbias")]
         lines.append(f"| {row['case']}: {'PASS' if row['ok'] else 'FAIL'} | " + " | ".join(cells) + " |")
@@ -312,9 +302,6 @@ def _time_table(result):
              "per rank fwd / bwd |", "|---|---|---|---|---|---|"]
     one_gpu = {row["window"]: row["ms"] for row in result["rows"] if row["case"].startswith("1 GPU")}
     for row in result["rows"]:
-        if "refused" in row:
-            lines.append(f"| {row['case']} | {row['seq']} | refused (keep window needs mode='ulysses') | | | |")
-            continue
         peaks = " / ".join(f"{p:.1f}" for p in row["peak_gib"])
         lines.append(f"| {row['case']} | {row['seq']} | {row['ms']:.1f} | {one_gpu[row['window']] / row['ms']:.2f} | "
                      f"{peaks} | {row['sent_fwd'] / 2**20:.0f} / {row['sent_bwd'] / 2**20:.0f} |")

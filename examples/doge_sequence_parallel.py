@@ -11,8 +11,7 @@ DogeAttention runs on `dmattn.distributed.attention` over the group, its key-onl
 bias and keep window included. The loss is summed over the local tokens and divided
 by the global token count, so the parameter gradients are partial sums: they are
 all-reduced (summed) over the group before the optimizer step, as data parallelism
-would. Doge's top-k (keep_window_size below the sequence length) needs
---mode ulysses; ring mode takes --keep-window 0 (dense).
+would. Both modes run Doge's top-k exactly (--keep-window 0: dense).
 
 NCCL on GPUs (bf16), gloo on CPUs (float32). With --check, rank 0 also computes the
 first step's loss on the whole sequence in one process and prints both.
