@@ -160,6 +160,16 @@ def _check(entry: str, args, options) -> None:
         getattr(_C, "check_" + entry)(*map(_meta, args), **{key: _meta(n) for key, n in options.items()})
 
 
+def _fake(call, entry: str):
+    """A fake kernel: the new outputs of `call` (an op's `_*_call`), after the core's validation of `entry`
+    (`_check`) on the metadata of its arguments."""
+    def fake(*inputs):
+        outputs, args, options = call(*inputs)
+        _check(entry, args, options)
+        return outputs
+    return fake
+
+
 def _last_dim_contiguous(t: Tensor) -> Tensor:
     # clone, not contiguous(): an empty expanded tensor counts as contiguous with its stride-0 last dim.
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.clone(memory_format=torch.contiguous_format)
@@ -224,11 +234,7 @@ def _select_call(q, k, mask, mask_shape, bias, bias_shape, *options):
     return intervals, (q, k, _reduce(mask, mask_shape), _reduce(bias, bias_shape), intervals), _select_options(*options)
 
 
-@_select.register_fake
-def _select_fake(*inputs):
-    intervals, args, options = _select_call(*inputs)
-    _check("select_topk", args, options)
-    return intervals
+_select.register_fake(_fake(_select_call, "select_topk"))
 
 
 # --------------------------------------------------------------------------- batched
@@ -256,11 +262,7 @@ def _fwd_call(q, k, v, mask, mask_shape, bias, bias_shape, topk_intervals, *opti
     return (out, lse), args, _options(*options)
 
 
-@_fwd.register_fake
-def _fwd_fake(*inputs):
-    outputs, args, options = _fwd_call(*inputs)
-    _check("forward", args, options)
-    return outputs
+_fwd.register_fake(_fake(_fwd_call, "forward"))
 
 
 @torch.library.custom_op("dmattn::bwd", mutates_args=())
@@ -294,11 +296,7 @@ def _bwd_call(dout, q, k, v, mask, mask_shape, bias, bias_shape, topk_intervals,
     return grads, args, _options(*options)
 
 
-@_bwd.register_fake
-def _bwd_fake(*inputs):
-    outputs, args, options = _bwd_call(*inputs)
-    _check("backward", args, options)
-    return outputs
+_bwd.register_fake(_fake(_bwd_call, "backward"))
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -345,11 +343,7 @@ def _varlen_select_call(q, k, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_
     return intervals, args, _select_options(*options)
 
 
-@_varlen_select.register_fake
-def _varlen_select_fake(*inputs):
-    intervals, args, options = _varlen_select_call(*inputs)
-    _check("varlen_select_topk", args, options)
-    return intervals
+_varlen_select.register_fake(_fake(_varlen_select_call, "varlen_select_topk"))
 
 
 @torch.library.custom_op("dmattn::varlen_fwd", mutates_args=())
@@ -377,11 +371,7 @@ def _varlen_fwd_call(q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_
     return (out, lse), args, _options(*options)
 
 
-@_varlen_fwd.register_fake
-def _varlen_fwd_fake(*inputs):
-    outputs, args, options = _varlen_fwd_call(*inputs)
-    _check("varlen_forward", args, options)
-    return outputs
+_varlen_fwd.register_fake(_fake(_varlen_fwd_call, "varlen_forward"))
 
 
 @torch.library.custom_op("dmattn::varlen_bwd", mutates_args=())
@@ -411,11 +401,7 @@ def _varlen_bwd_call(dout, q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k
     return grads, args, _options(*options)
 
 
-@_varlen_bwd.register_fake
-def _varlen_bwd_fake(*inputs):
-    outputs, args, options = _varlen_bwd_call(*inputs)
-    _check("varlen_backward", args, options)
-    return outputs
+_varlen_bwd.register_fake(_fake(_varlen_bwd_call, "varlen_backward"))
 
 
 def _varlen_setup_context(ctx, inputs, output):
