@@ -145,7 +145,7 @@ void varlen_backward(const Inputs& in, const VarlenLayout& layout, const TensorV
 //     {0, 0}. Hs = max(bias heads, mask heads), each H, Hk or 1 (1 without a
 //     mask); query head h uses selection head h / (H / Hs).
 //   The call must be one that intervals express: keep_window_size given, a bias
-//     constant along queries (Sq dimension 1 or stride 0), at most a key-only mask,
+//     constant along queries (its Sq dimension 1), at most a key-only mask,
 //     no left sliding window (causal and a right window are fine); any Sq and any
 //     keep_window_size (one of at least Sk keeps every allowed key). Else Error
 //     (kValue) naming `intervals` (`topk_intervals` in forward and backward).
