@@ -12,16 +12,19 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
 ]
 
-# name: (B, Sq, Sk, H, Hk, mask shape, bias shape). The mask case exercises the
-# tile-class pre-pass, the decode case the split-KV partials and their combine.
+# name: (B, Sq, Sk, H, Hk, mask shape, bias shape, keep_window_size). The mask case
+# exercises the tile-class pre-pass, the decode case the split-KV partials and their
+# combine, the top-k case the selection (with a backward: dmattn::select, its
+# intervals given to the forward and the backward).
 CASES = {
-    "mask_bias": (2, 300, 333, 4, 2, (2, 2, 300, 333), (2, 4, 1, 333)),
-    "decode_split": (1, 1, 8191, 8, 2, None, (1, 2, 1, 8191)),
+    "mask_bias": (2, 300, 333, 4, 2, (2, 2, 300, 333), (2, 4, 1, 333), None),
+    "decode_split": (1, 1, 8191, 8, 2, None, (1, 2, 1, 8191), None),
+    "topk_padding_mask": (2, 300, 333, 4, 2, (2, 1, 1, 333), (2, 2, 1, 333), 40),
 }
 
 
 def _static_inputs(case, requires_grad):
-    B, sq, sk, H, Hk, mask_shape, bias_shape = CASES[case]
+    B, sq, sk, H, Hk, mask_shape, bias_shape, _ = CASES[case]
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(B, sq, H, 64, device=dev, dtype=dt)
     k = torch.randn(B, sk, Hk, 64, device=dev, dtype=dt)
@@ -58,7 +61,8 @@ def test_forward_replays_with_new_inputs(case):
     q, k, v, mask, bias, _ = _static_inputs(case, requires_grad=False)
 
     def call():
-        return dmattn.attention(q, k, v, mask=mask, bias=bias, causal=True, return_lse=True)
+        return dmattn.attention(q, k, v, mask=mask, bias=bias, causal=True, keep_window_size=CASES[case][-1],
+                                return_lse=True)
 
     _warm_up(call)
     graph = torch.cuda.CUDAGraph()
@@ -79,7 +83,8 @@ def test_forward_backward_replays_with_new_inputs(case):
     grad_out = torch.randn(q.shape, device="cuda", dtype=q.dtype)
 
     def call():
-        out = dmattn.attention(q, k, v, mask=mask, bias=bias, causal=True, deterministic=True)
+        out = dmattn.attention(q, k, v, mask=mask, bias=bias, causal=True, keep_window_size=CASES[case][-1],
+                               deterministic=True)
         return torch.autograd.grad(out, leaves, grad_out)
 
     _warm_up(call)
