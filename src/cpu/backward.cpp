@@ -182,7 +182,7 @@ struct BiasGradSlice {
            std::int64_t na, const A* dS) {
     const std::int64_t hb = p.operand_head(h, p.bias_shape.heads) - hb0;
     for (std::int64_t r = 0; r < nr; ++r) {
-      A* dst = &acc[static_cast<std::size_t>((hb * rows + (rows == 1 ? 0 : i0 + r)) * cols)];
+      A* dst = acc.data() + (hb * rows + (rows == 1 ? 0 : i0 + r)) * cols;
       for (std::int64_t a = 0; a < na; ++a) dst[pos[a]] += dS[r * kBlockKeys + a];
     }
   }
@@ -194,7 +194,7 @@ struct BiasGradSlice {
     for (std::int64_t hb = 0; hb < nhb; ++hb)
       for (std::int64_t i = 0; i < rows; ++i) {
         const std::int64_t base = b_bias * db.sb + (hb0 + hb) * db.sh + i * db.sr;
-        const A* src = &acc[static_cast<std::size_t>((hb * rows + i) * cols)];
+        const A* src = acc.data() + (hb * rows + i) * cols;  // acc may be empty (no keys): no operator[]
         write(db.data, db.dtype, base + ks * db.sc, cols, Gathered{keys.data(), db.sc}, src);
       }
   }

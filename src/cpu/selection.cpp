@@ -130,7 +130,7 @@ Selection select_topk(const Problem& p) {
   sel.thresholds.resize(static_cast<std::size_t>(p.batch * sel.heads * p.seqlen_q));
   parallel_for(p.batch * sel.heads, [&](std::int64_t task) {
     const std::int64_t b = task / sel.heads, h = task % sel.heads * sel.group;
-    row_thresholds(p, Geometry(p, b), b, h, &sel.thresholds[static_cast<std::size_t>(task * p.seqlen_q)]);
+    row_thresholds(p, Geometry(p, b), b, h, sel.thresholds.data() + task * p.seqlen_q);
   });
   return sel;
 }
