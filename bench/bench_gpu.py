@@ -1,40 +1,40 @@
 #!/usr/bin/env python3
 """GPU benchmark: dmattn against torch SDPA and FlexAttention, same inputs, one process.
 
-Cases (issue 4, item 6): B=1, 32 query heads, 8 kv heads, D=128, bf16, causal,
-S in {4096, 16384}: no mask; key-only bias (B, 8, 1, S); key-only bias plus a
-(B, 8, S, S) bool mask holding the top-1024 keys of every row (by the causal-
-masked bias); and decode (Sq=1, Sk=131072, B=4), without and with the key bias.
-Top-k cases (issue 6), dmattn only (no peer selects keys per row from a bias:
-the top-1024 mask case is what they run instead): the key bias with
-keep_window_size = 1024 at S = 16384 (selection included in every call), the
-same with w = 2048 at S = 16384, 65536 and 131072 (scaling in S at fixed w),
-and decode (Sq=1, Sk=131072, B=4) with w = 2048 against dmattn's dense decode.
+Three suites, each a list of cases (Spec below) with the systems that can run them:
 
-Systems: dmattn; torch SDPA with one backend forced (flash, cuDNN, efficient;
-a bias or mask is given to SDPA as a materialised (B, 32, Sq, Sk) additive
-bias with -inf where a key is not allowed); FlexAttention (torch.compile,
-score_mod adding the key bias, block mask for causal or reading the bool mask).
-A system that errors or runs out of memory is skipped with the reason.
+- main: B=1, 32 query heads, 8 kv heads, D=128, bf16, causal, S in {4096, 16384}: no mask; a key-only
+  bias (B, 8, 1, S); the key bias plus a (B, 8, S, S) bool mask holding the top-1024 keys of every row
+  (by the causal-masked bias); decode (Sq=1, Sk=131072, B=4) without and with the key bias; dmattn's own
+  top-k (keep_window_size, selection included in every call) at S = 16384 to 131072.
+- shapes: the training shapes of the Hopper issue (head dims 64-256, short sequences in large batches,
+  packed varlen, softcap, deterministic, a random bool mask, the seed's flash_dmattn_func with a top-1024
+  mask, a full 4-D bias with its gradient, a sliding window), each beside its best peer and the target.
+- topk: dmattn's top-k against its own dense path on the same shape and bias, for S in {2048 .. 65536}
+  and w in {256, 1024, 2048}, batched, varlen, D=64 and S=131072, with the ideal work ratio.
 
-Reported per call: median ms over several timed reps (CUDA events, after a
-warm-up), TFLOP/s counted on allowed entries only (4 * D * allowed (query, key)
-pairs summed over batch and query heads; fwd+bwd counts 3.5 times that), GB/s
-of K and V read for decode, and the peak memory a system allocates beyond the
-shared inputs (what it builds for itself, a materialised bias or a block mask,
-included). The max |difference| of each peer's output from dmattn's is recorded
-as a check.
+Systems: dmattn; torch SDPA with one backend forced (flash = FA2, cuDNN, efficient; a bias or mask is
+given to SDPA as a materialised (B, H, Sq, Sk) additive bias with -inf where a key is not allowed);
+FlexAttention (torch.compile; score_mod adds the bias and applies softcap, mask_mod holds causal, the
+window and the bool mask). A system that errors or runs out of memory is skipped with the reason.
 
-    python3 bench/bench_gpu.py run --out DIR [--deadline EPOCH] [--commit SHA] [--only TEXT]
+Reported per call: median ms over several timed reps (CUDA events, after a warm-up), TFLOP/s counted on
+allowed entries only (4 * D * allowed (query, key) pairs; fwd+bwd counts 3.5 times that), GB/s of K and
+V read for decode, and the peak memory a system allocates beyond the shared inputs (a materialised bias
+or a block mask included). The max |difference| of each peer's output from dmattn's is recorded as a
+check.
+
+    python3 bench/bench_gpu.py run --out DIR [--suite main,shapes,topk] [--deadline EPOCH] [--commit SHA]
+                                   [--only TEXT]
     python3 bench/bench_gpu.py report DIR/performance.json --out docs
 
-`run` writes DIR/performance.json after every case, then the markdown table
-DIR/performance.md and the plot DIR/performance.png; `report` rewrites
-the last two from a JSON. Past --deadline, what is left is recorded as not run;
---only runs the cases whose name contains TEXT (e.g. "keep": the top-k cases).
+`run` writes DIR/performance.json after every case (keeping the suites it does not run from an existing
+JSON there), then DIR/performance.md and the plots; `report` rewrites the last from a JSON. Past
+--deadline, what is left is recorded as not run; --only runs the cases whose name contains TEXT.
 """
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -43,29 +43,105 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Optional, Tuple
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-GROUP = HEADS // KV_HEADS
+FWD_BWD_FLOP_FACTOR = 3.5  # backward = 2.5 forwards (five matrix products against two)
 TOP_K = 1024
 SCALING_W = 2048
 DECODE_BATCH, DECODE_KEYS = 4, 131072
-FWD_BWD_FLOP_FACTOR = 3.5  # backward = 2.5 forwards (five matrix products against two)
-CASES = [  # (kind, batch, query length, key length): the long ones first, so a deadline cuts the short ones
-    ("no mask", 1, 16384, 16384),
-    ("key bias", 1, 16384, 16384),
-    ("key bias + top-1024 mask", 1, 16384, 16384),
-    ("decode", DECODE_BATCH, 1, DECODE_KEYS),
-    ("decode + key bias", DECODE_BATCH, 1, DECODE_KEYS),
-    ("key bias, keep 1024", 1, 16384, 16384),
-    ("key bias, keep 2048", 1, 16384, 16384),
-    ("key bias, keep 2048", 1, 65536, 65536),
-    ("key bias, keep 2048", 1, 131072, 131072),
-    ("decode + key bias, keep 2048", DECODE_BATCH, 1, DECODE_KEYS),
-    ("no mask", 1, 4096, 4096),
-    ("key bias", 1, 4096, 4096),
-    ("key bias + top-1024 mask", 1, 4096, 4096),
+SDPA = ("SDPA flash", "SDPA cuDNN", "SDPA efficient")
+ALL = ("dmattn",) + SDPA + ("FlexAttention",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One case: the shapes and options every system of `systems` runs on the same inputs."""
+
+    case: str
+    batch: int = 1
+    sq: int = 16384
+    sk: int = 0  # 0: sq
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    bias: str = ""  # "": none, "key": (B, Hk, 1, Sk), "full": (B, Hk, Sq, Sk); differentiable
+    mask: str = ""  # "": none, "top": the top-1024 keys of each row by the bias, "random": ~50% of the keys
+    keep: Optional[int] = None  # dmattn's keep_window_size
+    varlen: int = 0  # sequences of sq tokens packed along the tokens (batch 1)
+    softcap: float = 0.0
+    deterministic: bool = False
+    window: Optional[Tuple[int, int]] = None
+    api: str = "attention"  # or "flash_dmattn_func" (the seed's entry point)
+    systems: Tuple[str, ...] = ALL
+
+    @property
+    def keys(self):
+        return self.sk or self.sq
+
+    @property
+    def decode(self):
+        return self.sq == 1
+
+    @property
+    def causal(self):
+        return not self.decode  # one query row at the end sees every key: causal changes nothing
+
+    @property
+    def group(self):
+        return self.heads // self.kv_heads
+
+
+def _main_suite():
+    dense = ("key bias", "key bias + top-1024 mask")
+    cases = [Spec("no mask"), Spec("key bias", bias="key"), Spec(dense[1], bias="key", mask="top")]
+    cases += [Spec("decode", batch=DECODE_BATCH, sq=1, sk=DECODE_KEYS),
+              Spec("decode + key bias", batch=DECODE_BATCH, sq=1, sk=DECODE_KEYS, bias="key")]
+    cases += [Spec("key bias, keep 1024", bias="key", keep=1024, systems=("dmattn",))]
+    cases += [Spec(f"key bias, keep {SCALING_W}", sq=s, bias="key", keep=SCALING_W, systems=("dmattn",))
+              for s in (16384, 65536, 131072)]
+    cases += [Spec(f"decode + key bias, keep {SCALING_W}", batch=DECODE_BATCH, sq=1, sk=DECODE_KEYS, bias="key",
+                   keep=SCALING_W, systems=("dmattn",))]
+    cases += [Spec("no mask", sq=4096), Spec("key bias", sq=4096, bias="key"),
+              Spec(dense[1], sq=4096, bias="key", mask="top")]
+    return cases
+
+
+PEERS = ("dmattn", "SDPA cuDNN", "SDPA flash")  # FlexAttention only where it is the row's peer: it compiles
+SHAPES = [  # the Hopper issue's table, in its order
+    Spec("D=128, 32/8 heads, S=16384", systems=PEERS),
+    Spec("D=128, 32/8 heads, B=16, S=2048", batch=16, sq=2048, systems=PEERS),
+    Spec("D=64, 32/8 heads, S=16384", head_dim=64, systems=PEERS),
+    Spec("D=64, 16/4 heads, B=16, S=2048", batch=16, sq=2048, heads=16, kv_heads=4, head_dim=64, systems=PEERS),
+    *(Spec(f"D={d}, 32/8 heads, S=8192", sq=8192, head_dim=d, systems=PEERS) for d in (96, 192, 256)),
+    Spec("key bias, varlen 8 x 2048", sq=2048, varlen=8, bias="key", systems=("dmattn",)),
+    Spec("key bias, B=8, S=2048", batch=8, sq=2048, bias="key", systems=("dmattn",)),
+    Spec("key bias, S=16384", bias="key", systems=("dmattn",)),
+    Spec("softcap 30 + key bias, S=16384", bias="key", softcap=30.0, systems=("dmattn",)),
+    Spec("deterministic, key bias, S=16384", bias="key", deterministic=True, systems=("dmattn",)),
+    Spec("bool mask ~50% + key bias, (1, 8, 8192, 8192)", sq=8192, bias="key", mask="random",
+         systems=("dmattn", "FlexAttention")),
+    Spec("flash_dmattn_func, top-1024 mask + key bias, S=16384", bias="key", mask="top", api="flash_dmattn_func",
+         systems=("dmattn",)),
+    Spec("no bias, S=8192", sq=8192, systems=("dmattn",)),
+    Spec("full 4-D bias (1, 8, 8192, 8192) with dbias", sq=8192, bias="full", systems=("dmattn",)),
+    Spec("sliding window (1023, 0) + key bias, S=16384", bias="key", window=(1023, 0),
+         systems=("dmattn", "FlexAttention")),
 ]
-SYSTEMS = ["dmattn", "SDPA flash", "SDPA cuDNN", "SDPA efficient", "FlexAttention"]
+TOPK = [
+    *(Spec(f"key bias, keep {w}, S={s}", sq=s, bias="key", keep=w, systems=("dmattn",))
+      for s in (2048, 4096, 8192, 16384, 65536) for w in (256, 1024, 2048)),
+    *(Spec(f"key bias, S={s}", sq=s, bias="key", systems=("dmattn",)) for s in (2048, 4096, 8192, 16384, 65536)),
+    Spec("key bias, keep 1024, B=4, S=8192", batch=4, sq=8192, bias="key", keep=1024, systems=("dmattn",)),
+    Spec("key bias, B=4, S=8192", batch=4, sq=8192, bias="key", systems=("dmattn",)),
+    Spec("key bias, keep 1024, varlen 4 x 8192", sq=8192, varlen=4, bias="key", keep=1024, systems=("dmattn",)),
+    Spec("key bias, varlen 4 x 8192", sq=8192, varlen=4, bias="key", systems=("dmattn",)),
+    Spec("key bias, keep 1024, D=64, S=16384", head_dim=64, bias="key", keep=1024, systems=("dmattn",)),
+    Spec("key bias, D=64, S=16384", head_dim=64, bias="key", systems=("dmattn",)),
+    Spec("key bias, keep 2048, S=32768", sq=32768, bias="key", keep=2048, systems=("dmattn",)),
+    Spec("key bias, keep 2048, S=131072", sq=131072, bias="key", keep=2048, systems=("dmattn",)),
+]
+SUITES = {"main": _main_suite(), "shapes": SHAPES, "topk": TOPK}
+
 # DESIGN.md: one H200, B=1, 32/8 heads, D=128, bf16, causal, S=16384, fwd ms / fwd+bwd ms; measured by
 # others on the seed project (flash-dmattn) and its peers, not re-run here.
 SEED_REFERENCE = {  # case: [(label, fwd ms / fwd+bwd ms, the system of ours it sits beside or None)]
@@ -81,68 +157,80 @@ SEED_REFERENCE = {  # case: [(label, fwd ms / fwd+bwd ms, the system of ours it 
                                  ("FlexAttention", "out of memory", "FlexAttention"),
                                  ("SDPA materialised bias", "66.8 / 181", "SDPA efficient")],
 }
-TARGETS = [  # (case, S, measure, target, comparison): the H100 targets of the issue, reported against dmattn's forward
+TARGETS = [  # (case, S, measure, target, comparison): the main suite's targets, against dmattn's forward
     ("no mask", 16384, "fwd TFLOP/s", 330, ">="),
     ("key bias", 16384, "fwd TFLOP/s", 320, ">="),
     ("key bias + top-1024 mask", 16384, "fwd ms", 8, "<="),
     ("decode", DECODE_KEYS, "fwd GB/s", 2000, ">="),
-]
-TOPK_TARGETS = [  # issue 6 (H200 numbers; the H100 is slower)
-    ("key bias, keep 1024", 16384, "fwd+bwd ms, selection included", 6, "<="),
 ]
 
 
 # --------------------------------------------------------------------------- inputs
 
 
-class Case:
-    """The shared inputs of one case: q (B, Sq, H, D), k and v (B, Sk, Hk, D), the key bias and the mask."""
+def allowed_per_row(torch, spec):
+    """(Sq,) counts of the keys each query row may attend by causal, the window and the keep window."""
+    rows = torch.arange(spec.sq, dtype=torch.int64)
+    last = rows + (spec.keys - spec.sq) if spec.causal else torch.full_like(rows, spec.keys - 1)
+    first = torch.zeros_like(rows)
+    if spec.window is not None:
+        left, right = spec.window
+        diagonal = rows + (spec.keys - spec.sq)
+        first = (diagonal - left).clamp(min=0) if left >= 0 else first
+        last = torch.minimum(last, diagonal + right) if right >= 0 else last
+    count = (last.clamp(max=spec.keys - 1) - first + 1).clamp(min=0)
+    return count.clamp(max=spec.keep) if spec.keep is not None else count
 
-    def __init__(self, torch, kind, batch, sq, sk):
-        self.kind, self.batch, self.sq, self.sk = kind, batch, sq, sk
-        self.decode = kind.startswith("decode")
-        self.keep = int(kind.rsplit(" ", 1)[1]) if "keep" in kind else None
-        self.causal = not self.decode  # one query row at the end sees every key: causal changes nothing
+
+class Case:
+    """The shared inputs of one spec: q (B, Sq, H, D), k and v (B, Sk, Hk, D) (varlen: the tokens of every
+    sequence packed, (B * Sq, ...)), the bias, the bool mask, dout, and the count of allowed pairs."""
+
+    def __init__(self, torch, spec):
+        self.spec = s = spec
         gen = torch.Generator(device="cuda").manual_seed(0)
         opts = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
-        self.q = torch.randn(batch, sq, HEADS, HEAD_DIM, **opts)
-        self.k = torch.randn(batch, sk, KV_HEADS, HEAD_DIM, **opts)
-        self.v = torch.randn(batch, sk, KV_HEADS, HEAD_DIM, **opts)
-        self.bias = torch.randn(batch, KV_HEADS, 1, sk, **opts) if "bias" in kind else None
+        batch = s.varlen or s.batch
+        self.q = torch.randn(batch, s.sq, s.heads, s.head_dim, **opts)
+        self.k = torch.randn(batch, s.keys, s.kv_heads, s.head_dim, **opts)
+        self.v = torch.randn(batch, s.keys, s.kv_heads, s.head_dim, **opts)
+        self.bias = None
+        if s.bias:
+            self.bias = torch.randn(batch, s.kv_heads, 1 if s.bias == "key" else s.sq, s.keys, **opts)
         self.mask = None
-        if "top" in kind:
-            allowed = torch.ones(sq, sk, device="cuda", dtype=torch.bool).tril()
-            scores = self.bias.expand(batch, KV_HEADS, sq, sk).masked_fill(~allowed, float("-inf"))
+        causal = torch.ones(s.sq, s.keys, device="cuda", dtype=torch.bool).tril(s.keys - s.sq)
+        if s.mask == "top":
+            scores = self.bias.expand(batch, s.kv_heads, s.sq, s.keys).masked_fill(~causal, float("-inf"))
             keys = scores.topk(TOP_K, dim=-1).indices
             del scores
-            self.mask = torch.zeros(batch, KV_HEADS, sq, sk, device="cuda", dtype=torch.bool)
-            self.mask.scatter_(-1, keys, True).logical_and_(allowed)
-            del keys, allowed
-            self.allowed = GROUP * int(self.mask.sum())
-        elif self.keep is not None:  # row i keeps min(w, its allowed keys)
-            w, offset = self.keep, sk - sq
-            allowed_keys = torch.arange(sq, dtype=torch.int64) + offset + 1 if self.causal else torch.full((sq,), sk)
-            self.allowed = batch * HEADS * int(allowed_keys.clamp(max=w).sum())
-        elif self.causal:
-            self.allowed = batch * HEADS * sq * (sq + 1) // 2
+            self.mask = torch.zeros(batch, s.kv_heads, s.sq, s.keys, device="cuda", dtype=torch.bool)
+            self.mask.scatter_(-1, keys, True).logical_and_(causal)
+            del keys
+        elif s.mask == "random":
+            self.mask = torch.rand(batch, s.kv_heads, s.sq, s.keys, device="cuda", generator=gen) < 0.5
+        if self.mask is not None:
+            self.allowed = s.group * int((self.mask & causal).sum())
         else:
-            self.allowed = batch * HEADS * sq * sk
-        self.dout = torch.randn(batch, sq, HEADS, HEAD_DIM, **opts)
+            self.allowed = batch * s.heads * int(allowed_per_row(torch, s).sum())
+        del causal
+        self.dout = torch.randn(batch, s.sq, s.heads, s.head_dim, **opts)
 
     def leaves(self, grad):
         """q, k, v and the bias as tensors of their own (autograd leaves when grad)."""
         return [None if t is None else t.detach().requires_grad_(grad) for t in (self.q, self.k, self.v, self.bias)]
 
     def dense_bias(self, torch, bias):
-        """The (B, H, Sq, Sk) additive bias SDPA takes: the key bias, -inf where a key is not allowed."""
-        shape = (self.batch, KV_HEADS, self.sq, self.sk)
+        """The (B, H, Sq, Sk) additive bias SDPA takes: the bias, -inf where a key is not allowed."""
+        s = self.spec
+        shape = (s.batch, s.kv_heads, s.sq, s.keys)
         allowed = self.mask
-        if allowed is None and self.causal:
-            allowed = torch.ones(self.sq, self.sk, device="cuda", dtype=torch.bool).tril()
+        if s.causal:
+            causal = torch.ones(s.sq, s.keys, device="cuda", dtype=torch.bool).tril(s.keys - s.sq)
+            allowed = causal if allowed is None else allowed & causal
         dense = bias.expand(shape) if bias is not None else torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
         if allowed is not None:
             dense = dense.masked_fill(~allowed, float("-inf"))
-        return dense.repeat_interleave(GROUP, dim=1)
+        return dense.repeat_interleave(s.group, dim=1)
 
     def bytes_kv(self):
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
@@ -169,11 +257,24 @@ def fwd_bwd(torch, forward, leaves, dout):
 def make_dmattn(torch, case, grad):
     import dmattn
 
+    s = case.spec
     q, k, v, bias = case.leaves(grad)
+    options = dict(softcap=s.softcap, causal=s.causal, sliding_window=s.window, keep_window_size=s.keep,
+                   deterministic=s.deterministic)
+    if s.varlen:
+        cu = torch.arange(0, s.varlen + 1, device="cuda", dtype=torch.int32) * s.sq
+        flat = [t.flatten(0, 1) for t in (q, k, v)]
+        flat_bias = None if bias is None else bias[:, :, 0].transpose(1, 2).flatten(0, 1)  # (total_k, Hk)
 
-    def forward():
-        return dmattn.attention(q, k, v, mask=case.mask, bias=bias, causal=case.causal,
-                                keep_window_size=case.keep)
+        def forward():
+            return dmattn.varlen_attention(*flat, cu, cu, s.sq, s.sq, flat_bias, **options).view(q.shape)
+    elif s.api == "flash_dmattn_func":
+        def forward():
+            return dmattn.flash_dmattn_func(q, k, v, attn_mask=case.mask, attn_bias=bias, is_causal=s.causal,
+                                            softcap=s.softcap or None, deterministic=s.deterministic)
+    else:
+        def forward():
+            return dmattn.attention(q, k, v, mask=case.mask, bias=bias, **options)
 
     return (fwd_bwd(torch, forward, [q, k, v, bias], case.dout) if grad else forward), []
 
@@ -183,6 +284,7 @@ def make_sdpa(backend_name):
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        s = case.spec
         backend = getattr(SDPBackend, backend_name)
         q, k, v, bias = case.leaves(grad)
         notes = []
@@ -191,10 +293,10 @@ def make_sdpa(backend_name):
             attn_mask = case.dense_bias(torch, case.bias).requires_grad_(grad)
             notes.append(f"materialised bias {tuple(attn_mask.shape)}, {attn_mask.nbytes / 2**30:.1f} GiB, "
                          "built outside the timed call")
-        is_causal = case.causal and attn_mask is None
+        is_causal = s.causal and attn_mask is None
 
         def call(repeat_kv):
-            kk, vv = (k.repeat_interleave(GROUP, dim=2), v.repeat_interleave(GROUP, dim=2)) if repeat_kv else (k, v)
+            kk, vv = (k.repeat_interleave(s.group, dim=2), v.repeat_interleave(s.group, dim=2)) if repeat_kv else (k, v)
             with sdpa_kernel([backend]):
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=attn_mask,
@@ -206,7 +308,7 @@ def make_sdpa(backend_name):
             call(False)
         except RuntimeError:
             repeat_kv = True
-            notes.append("no enable_gqa in this backend: k, v repeated to 32 heads inside the timed call")
+            notes.append(f"no enable_gqa in this backend: k, v repeated to {s.heads} heads inside the timed call")
         wanted = [q, k, v, attn_mask]
         return (fwd_bwd(torch, lambda: call(repeat_kv), wanted, case.dout) if grad
                 else lambda: call(repeat_kv)), notes
@@ -224,24 +326,39 @@ def make_flex(torch, case, grad):
     if _flex is None:
         torch._dynamo.config.recompile_limit = 64
         _flex = torch.compile(flex_attention, dynamic=False)
+    s = case.spec
     q, k, v, bias = case.leaves(grad)
     notes = []
+    offset, group, mask = s.keys - s.sq, s.group, case.mask
+    left, right = s.window if s.window is not None else (-1, -1)
+
+    def mask_mod(b, h, qi, ki):
+        keep = ki <= qi + offset if s.causal else ki >= 0
+        if left >= 0:
+            keep = keep & (ki >= qi + offset - left)
+        if right >= 0:
+            keep = keep & (ki <= qi + offset + right)
+        return keep & mask[b, h // group, qi, ki] if mask is not None else keep
+
     block_mask = None
-    if case.mask is not None:
-        mask = case.mask
-        block_mask = create_block_mask(lambda b, h, qi, ki: mask[b, h // GROUP, qi, ki], case.batch, HEADS,
-                                       case.sq, case.sk, device="cuda", _compile=True)
-        notes.append("mask_mod reads the bool mask")
-    elif case.causal:
-        block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, case.sq, case.sk, device="cuda")
-    score_mod = None
-    if bias is not None:
-        def score_mod(score, b, h, qi, ki):
-            return score + bias[b, h // GROUP, 0, ki]
+    if s.causal or mask is not None or s.window is not None:
+        per_batch = mask is not None
+        block_mask = create_block_mask(mask_mod, s.batch if per_batch else None, s.heads if per_batch else None,
+                                       s.sq, s.keys, device="cuda", _compile=per_batch)
+        if mask is not None:
+            notes.append("mask_mod reads the bool mask")
+    cap, rows = s.softcap, s.bias == "full"
+
+    def score_mod(score, b, h, qi, ki):
+        if cap:
+            score = cap * torch.tanh(score / cap)
+        if bias is not None:
+            score = score + bias[b, h // group, qi if rows else 0, ki]
+        return score
 
     def forward():
-        out = _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
-                    block_mask=block_mask, enable_gqa=True)
+        out = _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                    score_mod=score_mod if cap or bias is not None else None, block_mask=block_mask, enable_gqa=True)
         return out.transpose(1, 2)
 
     return (fwd_bwd(torch, forward, [q, k, v, bias], case.dout) if grad else forward), notes
@@ -291,9 +408,9 @@ def measure(torch, case, system, grad, reference):
         out = fn()
         ms, reps = median_ms(torch, fn)
         result = dict(ms=ms, reps=reps, peak_mib=(torch.cuda.max_memory_allocated() - base) / 2**20, notes=notes)
-        flops = 4 * HEAD_DIM * case.allowed * (FWD_BWD_FLOP_FACTOR if grad else 1)
+        flops = 4 * case.spec.head_dim * case.allowed * (FWD_BWD_FLOP_FACTOR if grad else 1)
         result["tflops"] = flops / ms / 1e9
-        if case.decode:
+        if case.spec.decode:
             result["gbps"] = case.bytes_kv() / ms / 1e6
         if not grad and system == "dmattn":
             kept = out
@@ -306,6 +423,16 @@ def measure(torch, case, system, grad, reference):
         result = {"skip": short(err)}
     free(torch)
     return result, kept
+
+
+def copy_gbps(torch):
+    """The device's copy bandwidth (read + write bytes / time of a 4 GiB copy): the full bias's floor."""
+    src = torch.empty(2**31, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms, _ = median_ms(torch, lambda: dst.copy_(src))
+    del src, dst
+    free(torch)
+    return 2 * 2**32 / ms / 1e6
 
 
 def free(torch):
@@ -322,6 +449,14 @@ def git_commit(root):
         return "unknown"
 
 
+def load(path):
+    """The JSON's suites ({name: {meta, rows}}); a JSON of the single-table format is the main suite."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    return data["suites"] if "suites" in data else {"main": data}
+
+
 def run(args):
     import torch
 
@@ -329,39 +464,43 @@ def run(args):
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    suites = load(out_dir / "performance.json")
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                 commit=args.commit or git_commit(Path(__file__).resolve().parent.parent),
                 dmattn=dmattn.build_info())
     print(f"benchmark: {meta}", flush=True)
-    results = dict(meta=meta, rows=[])
-    for kind, batch, sq, sk in CASES:
-        if args.only and args.only not in kind:
-            continue
-        if args.deadline and time.time() > args.deadline:
-            results["rows"].append(dict(case=kind, batch=batch, sq=sq, sk=sk, skip="not run: deadline reached"))
-            continue
-        started = time.time()
-        case = Case(torch, kind, batch, sq, sk)
-        reference = None
-        for system in SYSTEMS if case.keep is None else ["dmattn"]:
-            for grad in (False, True):
-                if grad and case.decode:
-                    continue  # inference only
-                if args.deadline and time.time() > args.deadline:
-                    result = {"skip": "not run: deadline reached"}
-                else:
-                    result, kept = measure(torch, case, system, grad, reference)
-                    reference = kept if kept is not None else reference
-                row = dict(case=kind, batch=batch, sq=sq, sk=sk, allowed=case.allowed, system=system,
-                           mode="fwd+bwd" if grad else "fwd", **result)
-                results["rows"].append(row)
-                print(json.dumps(row), flush=True)
-        del case, reference
-        free(torch)
-        print(f"case {kind} S={sq}/{sk}: {time.time() - started:.1f} s", flush=True)
-        (out_dir / "performance.json").write_text(json.dumps(results, indent=1))
-    report(results, out_dir)
+    for name in args.suite.split(","):
+        results = suites[name] = dict(meta=dict(meta), rows=[])
+        if name == "shapes":
+            results["meta"]["copy_gbps"] = copy_gbps(torch)
+        for spec in SUITES[name]:
+            if args.only and args.only not in spec.case:
+                continue
+            where = dict(case=spec.case, batch=spec.batch, sq=spec.sq, sk=spec.keys)
+            if args.deadline and time.time() > args.deadline:
+                results["rows"].append(dict(where, skip="not run: deadline reached"))
+                continue
+            started = time.time()
+            case = Case(torch, spec)
+            reference = None
+            for system in spec.systems:
+                for grad in (False, True):
+                    if grad and spec.decode:
+                        continue  # inference only
+                    if args.deadline and time.time() > args.deadline:
+                        result = {"skip": "not run: deadline reached"}
+                    else:
+                        result, kept = measure(torch, case, system, grad, reference)
+                        reference = kept if kept is not None else reference
+                    row = dict(where, allowed=case.allowed, system=system, mode="fwd+bwd" if grad else "fwd", **result)
+                    results["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+            del case, reference
+            free(torch)
+            print(f"{name}: {spec.case} S={spec.sq}/{spec.keys}: {time.time() - started:.1f} s", flush=True)
+            (out_dir / "performance.json").write_text(json.dumps(dict(suites=suites), indent=1))
+    report(suites, out_dir)
 
 
 # --------------------------------------------------------------------------- report
@@ -371,166 +510,315 @@ def fmt(row, key, digits):
     return "" if row is None or key not in row else f"{row[key]:.{digits}f}"
 
 
-def report(results, out_dir):
-    meta, rows = results["meta"], results["rows"]
-    index = {(r["case"], r["sq"], r["sk"], r.get("system"), r.get("mode")): r for r in rows}
-    skips = [f"{r['case']}, Sq={r['sq']}, Sk={r['sk']}: {r['skip']}" for r in rows if "system" not in r]
-    lines = [
-        "# GPU benchmark: dmattn against torch SDPA and FlexAttention",
-        "",
-        f"- date: {meta['date']}",
-        f"- device: {meta['device']}",
-        f"- commit: {meta['commit']} (dmattn {meta['dmattn']['version']}, CUDA archs "
-        f"{meta['dmattn']['cuda_architectures']}, head dims {meta['dmattn']['head_dims']})",
-        f"- torch {meta['torch']}, CUDA {meta['cuda']}",
-        "- produced by `scripts/bench_gpu.sh` (bench/bench_gpu.py): one process, the same inputs for every system",
-        "",
-        f"B=1, {HEADS} query heads, {KV_HEADS} kv heads, D={HEAD_DIM}, bf16, causal; decode: B={DECODE_BATCH}, "
-        f"Sq=1, Sk={DECODE_KEYS}. Key bias: (B, {KV_HEADS}, 1, S). Top-1024 mask: a (B, {KV_HEADS}, S, S) bool "
-        "tensor of the 1024 keys of largest bias in every causal row, built once with torch.topk and given to "
-        "every system (dmattn: as `mask` with the bias; SDPA: folded into a materialised (B, 32, S, S) bias "
-        "with -inf; Flex: a mask_mod reading it). ms: median of CUDA-event times after a warm-up. TFLOP/s: "
-        f"4 * D * allowed (query, key) pairs (fwd+bwd: {FWD_BWD_FLOP_FACTOR} times that). GB/s (decode): bytes "
-        "of K and V / time. Peak: the most memory a system held beyond the shared inputs over its warm-up and "
-        "timed calls: two outputs alive at once (the warm-up's, kept for the check, and a timed call's), its "
+class Rows:
+    """Lookup of one suite's results by (case, sq, sk, system, mode)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.index = {(r["case"], r["sq"], r["sk"], r.get("system"), r.get("mode")): r for r in rows}
+
+    def get(self, spec, system, mode, key="ms"):
+        row = self.index.get((spec.case, spec.sq, spec.keys, system, mode))
+        return None if row is None or key not in row else row[key]
+
+
+def header(title, meta, lines):
+    return [f"## {title}", "",
+            f"- date: {meta['date']}; device: {meta['device']}; commit: {meta['commit']} (dmattn "
+            f"{meta['dmattn']['version']}, CUDA archs {meta['dmattn']['cuda_architectures']}, head dims "
+            f"{meta['dmattn']['head_dims']}); torch {meta['torch']}, CUDA {meta['cuda']}", ""] + lines
+
+
+def skipped(rows):
+    lines = [f"- {r['case']}, S={r['sq']}, {r['system']}, {r['mode']}: {r['skip']}" for r in rows
+             if "skip" in r and "system" in r]
+    lines += [f"- {r['case']}, S={r['sq']}: {r['skip']}" for r in rows if "system" not in r]
+    notes = sorted({f"{r['system']}: {n}" for r in rows if "notes" in r for n in r["notes"]})
+    return (["", "Skipped (the reason each system gave):", ""] + (lines or ["- nothing"]) +
+            (["", "Notes:", ""] + [f"- {n}" for n in notes] if notes else []))
+
+
+def main_report(suite):
+    meta, rows = suite["meta"], Rows(suite["rows"])
+    lines = header("Main table: D=128, 32/8 heads, S = 4096 and 16384, decode", meta, [
+        f"B=1, 32 query heads, 8 kv heads, D=128, bf16, causal; decode: B={DECODE_BATCH}, Sq=1, Sk={DECODE_KEYS}. "
+        f"Key bias: (B, 8, 1, S). Top-{TOP_K} mask: a (B, 8, S, S) bool tensor of the {TOP_K} keys of largest bias "
+        "in every causal row, built once with torch.topk and given to every system (dmattn: as `mask` with the "
+        "bias; SDPA: folded into a materialised (B, 32, S, S) bias with -inf; Flex: a mask_mod reading it). ms: "
+        "median of CUDA-event times after a warm-up. TFLOP/s: 4 * D * allowed (query, key) pairs (fwd+bwd: "
+        f"{FWD_BWD_FLOP_FACTOR} times that). GB/s (decode): bytes of K and V / time. Peak: the most memory a system "
+        "held beyond the shared inputs over its warm-up and timed calls: two outputs alive at once, its "
         "materialised bias or block mask, its workspace; fwd+bwd adds the gradients. max |d|: largest absolute "
         "difference of a peer's forward output from dmattn's.",
         "",
         "| case | S | system | fwd ms | fwd TFLOP/s | fwd GB/s | fwd peak MiB | fwd+bwd ms | fwd+bwd TFLOP/s "
         "| fwd+bwd peak MiB | max abs d vs dmattn | reference: H200, others, not re-run (fwd / fwd+bwd ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for kind, batch, sq, sk in CASES:
-        length = sk if sq == 1 else sq
-        for system in SYSTEMS:
-            fwd = index.get((kind, sq, sk, system, "fwd"))
-            bwd = index.get((kind, sq, sk, system, "fwd+bwd"))
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"])
+    for spec in SUITES["main"]:
+        length = spec.keys if spec.decode else spec.sq
+        for system in ALL:
+            fwd = rows.index.get((spec.case, spec.sq, spec.keys, system, "fwd"))
+            bwd = rows.index.get((spec.case, spec.sq, spec.keys, system, "fwd+bwd"))
             if fwd is None and bwd is None:
                 continue
             cells = []
             for mode, row, keys in (("fwd", fwd, (("ms", 2), ("tflops", 1), ("gbps", 0), ("peak_mib", 0))),
                                     ("fwd+bwd", bwd, (("ms", 2), ("tflops", 1), ("peak_mib", 0)))):
                 if row is not None and "skip" in row:
-                    skips.append(f"{kind}, S={length}, {system}, {mode}: {row['skip']}")
-                    unbuilt = row["skip"].startswith("NotImplementedError")
-                    cells += ["n/a" if unbuilt else "skipped"] + [""] * (len(keys) - 1)
+                    cells += ["skipped"] + [""] * (len(keys) - 1)
                 elif row is None:
                     cells += ["n/a (inference case)" if mode == "fwd+bwd" else ""] + [""] * (len(keys) - 1)
                 else:
                     cells += [fmt(row, key, digits) for key, digits in keys]
             diff = "" if system == "dmattn" else fmt(fwd, "max_abs_diff_vs_dmattn", 4)
-            seed = "; ".join(f"{label} {value}" for label, value, ours in SEED_REFERENCE.get(kind, [])
+            seed = "; ".join(f"{label} {value}" for label, value, ours in SEED_REFERENCE.get(spec.case, [])
                              if ours == system and length == 16384)
-            lines.append(f"| {kind} | {length} | {system} | " + " | ".join(cells) + f" | {diff} | {seed} |")
-    lines += ["", "Skipped (the reason each system gave):", ""]
-    lines += [f"- {s}" for s in skips] or ["- nothing"]
-    notes = sorted({f"{r['system']}: {n}" for r in rows if "notes" in r for n in r["notes"]})
-    if notes:
-        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
-    lines += ["", "## Where dmattn stands against the targets (H100, forward)", "",
+            lines.append(f"| {spec.case} | {length} | {system} | " + " | ".join(cells) + f" | {diff} | {seed} |")
+    lines += skipped(suite["rows"])
+    lines += ["", "Where dmattn stands against the targets (forward):", "",
               "| case | S | measure | target | dmattn |", "|---|---|---|---|---|"]
     for kind, length, what, target, op in TARGETS:
         key = {"fwd TFLOP/s": "tflops", "fwd ms": "ms", "fwd GB/s": "gbps"}[what]
-        row = next((r for r in rows if r["case"] == kind and max(r["sq"], r["sk"]) == length
-                    and r.get("system") == "dmattn" and r.get("mode") == "fwd" and key in r), None)
-        lines.append(f"| {kind} | {length} | {what} | {op} {target} | {fmt(row, key, 1) or 'not measured'} |")
-    lines += topk_report(rows)
-    lines += ["", "## Reference: the seed project's numbers (DESIGN.md)", "",
-              "Measured on one H200 by others, S=16384, fwd ms / fwd+bwd ms; not re-run here.", "",
-              "| case | system | fwd ms / fwd+bwd ms |", "|---|---|---|"]
-    for kind, entries in SEED_REFERENCE.items():
-        lines += [f"| {kind} | {label} | {value} |" for label, value, _ in entries]
-    lines += ["", "![fwd TFLOP/s and decode GB/s](performance.png)", ""]
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "performance.md").write_text("\n".join(lines))
-    plot(results, Path(out_dir) / "performance.png")
-
-
-def topk_report(rows):
-    """The issue 6 measures: top-k time against its target, scaling in S at fixed w, decode against dense."""
-    def get(kind, sq, sk, mode, key):
-        row = next((r for r in rows if (r["case"], r["sq"], r["sk"], r.get("system"), r.get("mode")) ==
-                    (kind, sq, sk, "dmattn", mode) and key in r), None)
-        return None if row is None else row[key]
-
-    lines = ["", "## Top-k (keep_window_size, selection included; issue 6)", "",
-             "| case | S | measure | target | dmattn |", "|---|---|---|---|---|"]
-    for kind, length, what, target, op in TOPK_TARGETS:
-        value = get(kind, length, length, "fwd+bwd", "ms")
-        lines.append(f"| {kind} | {length} | {what} | {op} {target} (H200) | "
-                     f"{'not measured' if value is None else f'{value:.2f}'} |")
-    lines += ["", f"Scaling at w = {SCALING_W} (B=1): each step's time ratio over its S ratio (target: <= 1.3).", "",
+        spec = next(s for s in SUITES["main"] if s.case == kind and max(s.sq, s.keys) == length)
+        value = rows.get(spec, "dmattn", "fwd", key)
+        lines.append(f"| {kind} | {length} | {what} | {op} {target} | "
+                     f"{'not measured' if value is None else f'{value:.1f}'} |")
+    lines += ["", f"Top-k scaling at w = {SCALING_W} (B=1): each step's time ratio over its S ratio (linear: 1).", "",
               "| S | fwd ms | fwd+bwd ms | fwd+bwd peak MiB | fwd step / S step | fwd+bwd step / S step |",
               "|---|---|---|---|---|---|"]
     previous = None
-    for kind, _, sq, sk in CASES:
-        if kind != f"key bias, keep {SCALING_W}":
-            continue
-        now = (sq, get(kind, sq, sk, "fwd", "ms"), get(kind, sq, sk, "fwd+bwd", "ms"))
+    for spec in (s for s in SUITES["main"] if s.case == f"key bias, keep {SCALING_W}"):
+        now = (spec.sq, rows.get(spec, "dmattn", "fwd"), rows.get(spec, "dmattn", "fwd+bwd"))
         steps = ["", ""]
         if previous is not None:
             steps = [f"{b / a / (now[0] / previous[0]):.2f}" if a and b else "" for a, b in zip(previous[1:], now[1:])]
-        peak = get(kind, sq, sk, "fwd+bwd", "peak_mib")
+        peak = rows.get(spec, "dmattn", "fwd+bwd", "peak_mib")
         cells = ["" if x is None else f"{x:.2f}" for x in now[1:]] + ["" if peak is None else f"{peak:.0f}"]
-        lines.append(f"| {sq} | " + " | ".join(cells + steps) + " |")
+        lines.append(f"| {spec.sq} | " + " | ".join(cells + steps) + " |")
         previous = now
-    dense = get("decode + key bias", 1, DECODE_KEYS, "fwd", "ms")
-    topk = get(f"decode + key bias, keep {SCALING_W}", 1, DECODE_KEYS, "fwd", "ms")
-    if dense and topk:
-        lines += ["", f"Decode B={DECODE_BATCH}, Sk={DECODE_KEYS}, key bias: dense {dense:.3f} ms, keep {SCALING_W} "
-                  f"{topk:.3f} ms, ratio {topk / dense:.3f} (target < 0.25)."]
-    return lines
+    lines += ["", "Reference: the seed project's numbers (DESIGN.md), measured on one H200 by others, S=16384, "
+              "fwd ms / fwd+bwd ms; not re-run here.", "", "| case | system | fwd ms / fwd+bwd ms |", "|---|---|---|"]
+    for kind, entries in SEED_REFERENCE.items():
+        lines += [f"| {kind} | {label} | {value} |" for label, value, _ in entries]
+    return lines + ["", "![main table: fwd TFLOP/s and decode GB/s](performance.png)", ""]
 
 
-def plot(results, path):
+def shapes_targets(rows, copy_gbps):
+    """(row, target, measured, met) of each line of the Hopper issue's table."""
+    spec = {s.case: s for s in SHAPES}
+
+    def ms(case, system="dmattn", mode="fwd"):
+        return rows.get(spec[case], system, mode)
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    out = []
+    for case, fwd_limit, bwd_limit, peer in (
+            ("D=128, 32/8 heads, S=16384", 1.0, 1.0, "SDPA cuDNN"),
+            ("D=128, 32/8 heads, B=16, S=2048", 1.1, 1.0, "SDPA cuDNN"),
+            ("D=64, 32/8 heads, S=16384", 1.1, 1.1, "SDPA cuDNN"),
+            ("D=64, 16/4 heads, B=16, S=2048", 1.1, 1.1, "SDPA cuDNN")):
+        for mode, limit in (("fwd", fwd_limit), ("fwd+bwd", bwd_limit)):
+            r = ratio(ms(case, mode=mode), ms(case, peer, mode))
+            out.append((f"{case}, {mode}", f"<= {limit}x {peer}", r, r is not None and r <= limit))
+    for d in (96, 192, 256):
+        case = f"D={d}, 32/8 heads, S=8192"
+        for peer, limit in (("SDPA flash", 1.0), ("SDPA cuDNN", 1.2)):
+            r = ratio(ms(case, mode="fwd+bwd"), ms(case, peer, "fwd+bwd"))
+            out.append((f"{case}, fwd+bwd", f"<= {limit}x {peer}", r, r is not None and r <= limit))
+    for case, base, limit, what in (
+            ("key bias, varlen 8 x 2048", "key bias, B=8, S=2048", 1.05, "batched B=8"),
+            ("softcap 30 + key bias, S=16384", "key bias, S=16384", 1.15, "the same call without softcap")):
+        for mode in ("fwd", "fwd+bwd"):
+            r = ratio(ms(case, mode=mode), ms(base, mode=mode))
+            out.append((f"{case}, {mode}", f"<= {limit}x {what}", r, r is not None and r <= limit))
+    r = ratio(ms("deterministic, key bias, S=16384", mode="fwd+bwd"), ms("key bias, S=16384", mode="fwd+bwd"))
+    out.append(("deterministic, key bias, S=16384, fwd+bwd", "<= 1.15x non-deterministic", r,
+                r is not None and r <= 1.15))
+    for mode in ("fwd", "fwd+bwd"):
+        case = "bool mask ~50% + key bias, (1, 8, 8192, 8192)"
+        r = ratio(ms(case, mode=mode), ms(case, "FlexAttention", mode))
+        out.append((f"{case}, {mode}", "<= 0.9x FlexAttention", r, r is not None and r <= 0.9))
+    case = "flash_dmattn_func, top-1024 mask + key bias, S=16384"
+    value = ms(case, mode="fwd+bwd")
+    out.append((f"{case}, fwd+bwd", "<= 20 ms", value, value is not None and value <= 20))
+    full = spec["full 4-D bias (1, 8, 8192, 8192) with dbias"]
+    bias_bytes = full.kv_heads * full.sq * full.keys * 2
+    # fwd reads the bias, the backward reads it again and writes dbias: three passes at the copy bandwidth,
+    # and at least the same call's time without a bias (the attention itself).
+    floor = max(3 * bias_bytes / (copy_gbps * 1e6), ms("no bias, S=8192", mode="fwd+bwd") or 0.0)
+    r = ratio(ms(full.case, mode="fwd+bwd"), floor)
+    out.append((f"{full.case}, fwd+bwd", f"<= 1.3x max(bias bandwidth floor, no bias) = 1.3 x {floor:.2f} ms", r,
+                r is not None and r <= 1.3))
+    for mode in ("fwd", "fwd+bwd"):
+        case = "sliding window (1023, 0) + key bias, S=16384"
+        r = ratio(ms(case, mode=mode), ms(case, "FlexAttention", mode))
+        out.append((f"{case}, {mode}", "<= 1.0x FlexAttention", r, r is not None and r <= 1.0))
+    return out
+
+
+def shapes_report(suite):
+    meta, rows = suite["meta"], Rows(suite["rows"])
+    lines = header("Training shapes (the Hopper issue's table)", meta, [
+        "bf16, causal, B=1 unless named; key bias (B, Hk, 1, S) with its gradient where named. Peers in the "
+        "same process on the same inputs: SDPA cuDNN, SDPA flash (FA2), FlexAttention (score_mod adds the bias "
+        "and applies softcap, mask_mod holds causal, the window and the bool mask). ms: median of CUDA-event "
+        f"times. Copy bandwidth of this device: {meta.get('copy_gbps', 0):.0f} GB/s.", "",
+        "| case | system | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd peak MiB |",
+        "|---|---|---|---|---|---|---|"])
+    for spec in SHAPES:
+        for system in spec.systems:
+            fwd = rows.index.get((spec.case, spec.sq, spec.keys, system, "fwd"))
+            bwd = rows.index.get((spec.case, spec.sq, spec.keys, system, "fwd+bwd"))
+            if fwd is None and bwd is None:
+                continue
+            cells = []
+            for row in (fwd, bwd):
+                cells += ["skipped", ""] if row is None or "skip" in row else [fmt(row, "ms", 2), fmt(row, "tflops", 0)]
+            lines.append(f"| {spec.case} | {system} | " + " | ".join(cells) + f" | {fmt(bwd, 'peak_mib', 0)} |")
+    lines += ["", "Targets:", "", "| row | target | measured | met |", "|---|---|---|---|"]
+    for row, target, value, met in shapes_targets(rows, meta.get("copy_gbps", 1.0)):
+        shown = "not measured" if value is None else (f"{value:.2f} ms" if target.endswith(" ms") else f"{value:.2f}x")
+        lines.append(f"| {row} | {target} | {shown} | {'yes' if met else 'no'} |")
+    return lines + skipped(suite["rows"]) + ["", "![training shapes against the best peer](performance-shapes.png)",
+                                             ""]
+
+
+def topk_pairs():
+    """(top-k spec, the dense spec of the same shape and bias) of the topk suite."""
+    dense = {(s.batch, s.sq, s.varlen, s.head_dim): s for s in TOPK if s.keep is None}
+    return [(s, dense.get((s.batch, s.sq, s.varlen, s.head_dim))) for s in TOPK if s.keep is not None]
+
+
+def topk_report(suite):
+    import torch
+
+    meta, rows = suite["meta"], Rows(suite["rows"])
+    lines = header("Top-k against dense (the top-k issue's table)", meta, [
+        "dmattn only, 32/8 heads, bf16, causal, key bias (B, 8, 1, S) with dbias, selection included in every "
+        "call. fraction: top-k time / dense time of the same shape (target: <= 1 everywhere). ideal: allowed "
+        "pairs under the keep window / allowed causal pairs (the work ratio a perfect sparse kernel reaches).",
+        "", "| case | fwd ms | dense fwd ms | fwd fraction | fwd+bwd ms | dense fwd+bwd ms | fwd+bwd fraction "
+        "| ideal | fwd+bwd peak MiB |", "|---|---|---|---|---|---|---|---|---|"])
+    for spec, dense in topk_pairs():
+        ideal = float(allowed_per_row(torch, spec).sum() / allowed_per_row(torch, dataclasses.replace(
+            spec, keep=None)).sum())
+        cells = []
+        for mode in ("fwd", "fwd+bwd"):
+            a = rows.get(spec, "dmattn", mode)
+            b = None if dense is None else rows.get(dense, "dmattn", mode)
+            cells += ["" if a is None else f"{a:.2f}", "" if b is None else f"{b:.2f}",
+                      "" if a is None or b is None else f"{a / b:.2f}"]
+        peak = rows.get(spec, "dmattn", "fwd+bwd", "peak_mib")
+        lines.append(f"| {spec.case} | " + " | ".join(cells) + f" | {ideal:.3f} | {'' if peak is None else f'{peak:.0f}'} |")
+    return lines + skipped(suite["rows"]) + ["", "![top-k time over dense](performance-topk.png)", ""]
+
+
+def report(suites, out_dir):
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = ["# GPU benchmark: dmattn against torch SDPA and FlexAttention", "",
+             "Produced by `scripts/bench_gpu.sh` (bench/bench_gpu.py): one process, the same inputs for every "
+             "system; each section gives its own date, device and commit.", ""]
+    for name, make in (("shapes", shapes_report), ("topk", topk_report), ("main", main_report)):
+        if name in suites:
+            lines += make(suites[name])
+    (out_dir / "performance.md").write_text("\n".join(lines))
+    plot(suites, out_dir)
+
+
+def plot(suites, out_dir):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results["rows"] if r.get("mode") == "fwd" and "ms" in r]
-    dense = [c for c in CASES if c[2] > 1]
-    decode = [c for c in CASES if c[2] == 1]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw=dict(width_ratios=[3, 1]))
-    width = 0.8 / len(SYSTEMS)
-    for ax, cases, key, label in ((axes[0], dense, "tflops", "fwd TFLOP/s (allowed entries)"),
-                                  (axes[1], decode, "gbps", "decode fwd GB/s (K and V read)")):
-        for i, system in enumerate(SYSTEMS):
+    if "main" in suites:
+        rows = Rows(suites["main"]["rows"])
+        dense = [s for s in SUITES["main"] if not s.decode and s.keep is None]
+        decode = [s for s in SUITES["main"] if s.decode and s.keep is None]
+        fig, axes = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw=dict(width_ratios=[3, 1]))
+        width = 0.8 / len(ALL)
+        for ax, specs, key, label in ((axes[0], dense, "tflops", "fwd TFLOP/s (allowed entries)"),
+                                      (axes[1], decode, "gbps", "decode fwd GB/s (K and V read)")):
+            for i, system in enumerate(ALL):
+                values = [rows.get(s, system, "fwd", key) or 0.0 for s in specs]
+                ax.bar([j + (i - (len(ALL) - 1) / 2) * width for j in range(len(specs))], values, width, label=system)
+            ax.set_xticks(range(len(specs)))
+            ax.set_xticklabels([f"{s.case}\nS={s.sq}" if not s.decode else s.case for s in specs], fontsize=8)
+            ax.set_ylabel(label)
+            ax.grid(axis="y", alpha=0.3)
+        axes[0].legend(fontsize=8)
+        meta = suites["main"]["meta"]
+        fig.suptitle(f"dmattn vs peers, forward, bf16, 32/8 heads, D=128 - {meta['device']}, {meta['date']}, "
+                     f"commit {meta['commit']} (missing bar: skipped)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(out_dir / "performance.png", dpi=110)
+        plt.close(fig)
+    if "shapes" in suites:
+        rows = Rows(suites["shapes"]["rows"])
+        specs = [s for s in SHAPES if len(s.systems) > 1]
+        fig, ax = plt.subplots(figsize=(15, 6))
+        for i, mode in enumerate(("fwd", "fwd+bwd")):
             values = []
-            for kind, _, sq, sk in cases:
-                row = next((r for r in rows if (r["case"], r["sq"], r["sk"], r["system"]) == (kind, sq, sk, system)),
-                           None)
-                values.append(row[key] if row else 0.0)
-            ax.bar([j + (i - (len(SYSTEMS) - 1) / 2) * width for j in range(len(cases))], values, width,
-                   label=system)
-        ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels([f"{kind}\nS={sq}" if sq > 1 else kind for kind, _, sq, _ in cases], fontsize=8)
-        ax.set_ylabel(label)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    meta = results["meta"]
-    fig.suptitle(f"dmattn vs peers, forward, bf16, 32/8 heads, D=128 - {meta['device']}, {meta['date']}, "
-                 f"commit {meta['commit']} (missing bar: skipped)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+            for s in specs:
+                ours = rows.get(s, "dmattn", mode)
+                peers = [v for v in (rows.get(s, p, mode) for p in s.systems if p != "dmattn") if v]
+                values.append(ours / min(peers) if ours and peers else 0.0)
+            ax.bar([j + (i - 0.5) * 0.4 for j in range(len(specs))], values, 0.4, label=mode)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(specs)))
+        ax.set_xticklabels([s.case.replace(", ", "\n", 2) for s in specs], fontsize=7)
+        ax.set_ylabel("dmattn time / best peer's time (lower is better)")
+        ax.legend()
+        meta = suites["shapes"]["meta"]
+        ax.set_title(f"training shapes, {meta['device']}, {meta['date']}, commit {meta['commit']}", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(out_dir / "performance-shapes.png", dpi=110)
+        plt.close(fig)
+    if "topk" in suites:
+        rows = Rows(suites["topk"]["rows"])
+        fig, ax = plt.subplots(figsize=(9, 5))
+        for w in (256, 1024, 2048):
+            pairs = [(s, d) for s, d in topk_pairs() if s.keep == w and s.batch == 1 and not s.varlen
+                     and s.head_dim == 128 and d is not None]
+            points = [(s.sq, rows.get(s, "dmattn", "fwd+bwd") / rows.get(d, "dmattn", "fwd+bwd")) for s, d in pairs
+                      if rows.get(s, "dmattn", "fwd+bwd") and rows.get(d, "dmattn", "fwd+bwd")]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=f"w = {w}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("S")
+        ax.set_ylabel("top-k fwd+bwd time / dense fwd+bwd time")
+        ax.legend()
+        meta = suites["topk"]["meta"]
+        ax.set_title(f"top-k against dense, {meta['device']}, {meta['date']}, commit {meta['commit']}", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(out_dir / "performance-topk.png", dpi=110)
+        plt.close(fig)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="measure, then write the JSON, the table and the plot")
+    p_run = sub.add_parser("run", help="measure, then write the JSON, the table and the plots")
     p_run.add_argument("--out", default=os.environ.get("OUT", "docs"))
+    p_run.add_argument("--suite", default="main,shapes,topk", help="comma-separated suites: main, shapes, topk")
     p_run.add_argument("--deadline", type=float, default=0.0, help="epoch seconds after which nothing new starts")
     p_run.add_argument("--commit", default=os.environ.get("DMATTN_COMMIT", ""))
     p_run.add_argument("--only", default="", help="run only the cases whose name contains this text")
-    p_report = sub.add_parser("report", help="rewrite the table and the plot from a JSON")
+    p_report = sub.add_parser("report", help="rewrite the table and the plots from a JSON")
     p_report.add_argument("json")
     p_report.add_argument("--out", default="docs")
     args = parser.parse_args()
     if args.command == "run":
+        unknown = set(args.suite.split(",")) - set(SUITES)
+        if unknown:
+            parser.error(f"--suite: expected names from {sorted(SUITES)}, got {sorted(unknown)}")
         run(args)
     else:
-        report(json.loads(Path(args.json).read_text()), args.out)
+        report(load(Path(args.json)), args.out)
 
 
 if __name__ == "__main__":

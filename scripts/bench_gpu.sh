@@ -2,9 +2,10 @@
 # On a machine with a GPU: builds and installs the Python package with the CUDA
 # backend into the current python3 (no downloads: --no-build-isolation --no-deps,
 # the build tools of that environment), then runs bench/bench_gpu.py, which
-# writes performance.{json,md,png} into $OUT (default docs/).
+# writes performance.json, performance.md and the plots into $OUT (default docs/);
+# options go to `bench_gpu.py run` (--suite main,shapes,topk, --deadline, --only).
 #
-#   scripts/bench_gpu.sh [bench_gpu.py run options: --deadline EPOCH, --commit SHA]
+#   scripts/bench_gpu.sh [bench_gpu.py run options: --suite, --deadline EPOCH, --commit SHA, --only]
 #   env: DMATTN_CUDA_ARCHS (default 90a), DMATTN_HEAD_DIMS (default 64;128),
 #        DMATTN_CUTLASS_DIR (default: the nvidia-cutlass pip package's headers),
 #        PYTHON (default python3; its environment needs nanobind and
