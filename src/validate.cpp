@@ -1,5 +1,6 @@
 #include "validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
@@ -359,10 +360,15 @@ Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options
   p.window_left = options.sliding_window.left;
   p.window_right = options.sliding_window.right;
   p.deterministic = options.deterministic;
-  // A row never has more than Sk allowed keys: a window that wide keeps them all
-  // (no top-k), unless the selection is given (its intervals are used as they are).
+  // A row never sees more than Sk keys, nor more than a left window's width
+  // (left + 1 under causal, left + right + 1 with a bounded right): a keep
+  // window that wide keeps every allowed key (no top-k), unless the selection
+  // is given (its intervals are used as they are).
+  std::int64_t widest = p.seqlen_k;
+  const std::int64_t right = p.causal ? 0 : p.window_right;
+  if (p.window_left >= 0 && right >= 0) widest = std::min(widest, p.window_left + right + 1);
   const std::int64_t keep = options.keep_window_size.value_or(0);
-  p.keep_window_size = keep < p.seqlen_k || intervals != nullptr ? keep : 0;
+  p.keep_window_size = keep < widest || intervals != nullptr ? keep : 0;
   if (intervals != nullptr) {
     check_intervals(*intervals, intervals_name, p, varlen, options);
     p.topk_intervals = static_cast<std::int32_t*>(intervals->data);
