@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .ops import _broadcast_shape, _common, _reduce, checked
+from .ops import _broadcast_shape, _common, _plans_topk, _reduce, checked
 
 __all__ = ["MODES", "attention", "gather_sequence", "shard_sequence", "use_sequence_parallel_for_doge"]
 
@@ -373,18 +373,26 @@ class _UlyssesAttention(torch.autograd.Function):
             mask_h = _all_to_all(_replicate_heads(mask, 1, parts).view(torch.uint8), 1, 3, group, size).view(torch.bool)
         if bias is not None:
             bias_h = _all_to_all(_replicate_heads(bias, 1, parts), 1, 3, group, size)
-        out, lses = q.new_empty(q.shape), []
+        causal, window_left, window_right, keep_window_size = options[2:6]
+        selects = _plans_topk(any(ctx.needs_input_grad[:5]), keep_window_size, size * q.shape[1], window_left,
+                              bias is not None)
+        out, lses, selections = q.new_empty(q.shape), [], []
 
         def attend(c, q_c, k_c, v_c):
             mask_c, bias_c = _chunk_heads(mask_h, c, chunks), _chunk_heads(bias_h, c, chunks)
-            out_c, lse_c = torch.ops.dmattn.fwd(q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), None,
-                                                *options)
+            intervals_c = None
+            if selects:
+                intervals_c = torch.ops.dmattn.select(q_c, k_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), causal,
+                                                      window_left, window_right, keep_window_size)
+            out_c, lse_c = torch.ops.dmattn.fwd(q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c),
+                                                intervals_c, *options)
             lses.append(lse_c)
+            selections.append(intervals_c)
             return [out_c]
 
         repeat = _replicas(k.shape[2], parts)
         pipeline.run([(q, 1), (k, repeat), (v, repeat)], attend, [(out, 1)])
-        ctx.save_for_backward(q, k, v, out, mask_h, bias_h, *lses)
+        ctx.save_for_backward(q, k, v, out, mask_h, bias_h, *lses, *selections)
         ctx.pipeline, ctx.options = pipeline, options
         ctx.bias_heads = None if bias is None else bias.shape[1]
         if not return_lse:
@@ -395,9 +403,10 @@ class _UlyssesAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_dlse):
-        q, k, v, out, mask_h, bias_h, *lses = ctx.saved_tensors
+        q, k, v, out, mask_h, bias_h, *saved = ctx.saved_tensors
         pipeline, options = ctx.pipeline, ctx.options
         group, size, chunks = pipeline.group, pipeline.size, pipeline.chunks
+        lses, selections = saved[:chunks], saved[chunks:]
         bias_grad = bias_h is not None and ctx.needs_input_grad[4]
         repeat = _replicas(k.shape[2], size * chunks)
         dq = q.new_empty(q.shape)
@@ -407,8 +416,8 @@ class _UlyssesAttention(torch.autograd.Function):
         def differentiate(c, q_c, k_c, v_c, out_c, dout_c):
             mask_c, bias_c = _chunk_heads(mask_h, c, chunks), _chunk_heads(bias_h, c, chunks)
             dq_c, dk_c, dv_c, dbias_c = torch.ops.dmattn.bwd(
-                dout_c, q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), None, out_c, lses[c], *options,
-                bias_grad)
+                dout_c, q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), selections[c], out_c, lses[c],
+                *options, bias_grad)
             dbias_h.append(dbias_c)
             return [dq_c, dk_c, dv_c]
 
@@ -493,29 +502,32 @@ class _RingAttention(torch.autograd.Function):
         ring, options = ctx.ring, ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[4]
         chunk, causal, acc = q.shape[1] // 2, options[2], _accumulator_dtype(q)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        # dk, dv (and dbias) of the shard at hand: they travel one hop behind the shard.
-        grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v, bias if bias_grad else None)
-                 if t is not None]
+        owners = [t for t in (k, v, bias if bias_grad else None) if t is not None]
+        # dk, dv (and dbias) of the shard at hand travel one hop behind the shard, in the
+        # accumulator dtype, and the last hop, home, in their own (rounded as they would be there).
+        dq = grads = None
         pending = []
         walk = _ring_walk(ring, k, v, mask, bias, chunk, causal)
-        for lse_b, (block, (k_b, v_b, mask_b, bias_b)) in zip(block_lse, walk):
+        for step, (lse_b, (block, (k_b, v_b, mask_b, bias_b))) in enumerate(zip(block_lse, walk)):
             rows, cols = block.rows, block.cols
-            dq_b, dk_b, dv_b, dbias_b = torch.ops.dmattn.bwd(
+            dq_b, *grads_b = torch.ops.dmattn.bwd(
                 _block_dout(dout[:, rows], lse_b, lse[..., rows]), q[:, rows], k_b, v_b, mask_b, _shape(mask_b),
                 bias_b, _shape(bias_b), _block_intervals(selection, block, chunk), out[:, rows], lse_b, options[0],
                 options[1], block.causal, *options[3:], bias_grad)
-            dq[:, rows] += dq_b
-            _wait(pending)
-            grads[0][:, cols] += dk_b
-            grads[1][:, cols] += dv_b
-            if bias_grad:
-                grads[2][..., cols] += dbias_b
+            grads_b = grads_b[:len(owners)]
+            if step == 0:  # the rank's own shard: all its rows and keys
+                dq, grads = dq_b.to(acc), [g.to(acc) for g in grads_b]
+            else:
+                dq[:, rows] += dq_b
+                _wait(pending)
+                for g, g_b, keys in zip(grads, grads_b, ((slice(None), cols), (slice(None), cols), (..., cols))):
+                    g[keys] += g_b
+            if step + 1 == ring.size:
+                grads = [g.to(t.dtype) for g, t in zip(grads, owners)]
             grads, pending = ring.shift(grads)
         _wait(pending)
-        dk, dv = grads[0].to(k.dtype), grads[1].to(v.dtype)
-        dbias = grads[2].to(bias.dtype) if bias_grad else None
-        return dq.to(q.dtype), dk, dv, None, dbias, None, None
+        dk, dv, *dbias = grads
+        return dq.to(q.dtype), dk, dv, None, dbias[0] if bias_grad else None, None, None
 
 
 class _Block(NamedTuple):
@@ -611,7 +623,7 @@ def _block_dout(dout: Tensor, lse_b: Tensor, lse: Tensor) -> Tensor:
     P_b (dP_b - delta_b) = exp(l - lse_b) exp(lse_b - lse) (dP - <dout, out>), the
     global dS restricted to the block, and P_b^T dout_b, the block's share of dv."""
     scale = torch.exp(lse_b - torch.where(lse == -math.inf, 0.0, lse))
-    return (dout * scale.transpose(1, 2).unsqueeze(-1)).to(dout.dtype)  # rounded once
+    return torch.mul(dout, scale.transpose(1, 2).unsqueeze(-1), out=torch.empty_like(dout))  # rounded once
 
 
 def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor):
@@ -619,7 +631,7 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor):
     merged = torch.logaddexp(lse, lse_b)
     base = torch.where(merged == -math.inf, 0.0, merged)  # rows without any key yet: both weights 0
     weight, weight_b = (torch.exp(x - base).transpose(1, 2).unsqueeze(-1) for x in (lse, lse_b))
-    out.mul_(weight).add_(out_b * weight_b)
+    out.mul_(weight).addcmul_(out_b, weight_b)
     lse.copy_(merged)
 
 

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 import dmattn
 from dmattn import distributed as sp
 from memory_model import LiveMemory
+from op_calls import OpCalls
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is unavailable")
@@ -219,6 +220,23 @@ def _check_memory(case, world):
     assert expected <= memory.peak <= expected + vectors, (memory.peak / unit, expected / unit, memory.at_peak)
 
 
+def _check_ulysses_selection(world):
+    """Ulysses with a keep window selects each head chunk's top-k once (dmattn::select) and hands that
+    selection to the chunk's forward and its backward, which select nothing again."""
+    chunks, g = 2, _generator("ulysses_selection")
+    L = 2 * CHUNK
+    q, k, v, bias = (torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+                     for shape in ((B, L, 12, D), (B, L, 4, D), (B, L, 4, D), (B, 4, 1, L)))
+    with OpCalls() as ops:
+        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, head_chunks=chunks)
+        out.backward(torch.ones_like(out))
+    assert ops.names() == ["select", "fwd"] * chunks + ["bwd"] * chunks, ops.names()
+    selections = [args[7] for name, args in ops.calls if name == "fwd"]
+    given = [args[8] for name, args in ops.calls if name == "bwd"]
+    assert all(s is not None and b.data_ptr() == s.data_ptr() for s, b in zip(selections, given)), \
+        "each chunk's backward takes its forward's selection"
+
+
 def _check_layouts(world):
     """shard_sequence and gather_sequence are inverse; the ring holds chunks r and 2P-1-r."""
     x = torch.arange(2 * 4 * world * 3).reshape(2, 4 * world, 3)
@@ -281,7 +299,8 @@ def _worker(rank, world, store, results):
     checks += [(case, lambda c=case: _check_error(c, world)) for case in ERRORS]
     checks += [(case, lambda c=case: _check_doge(c, world)) for case in DOGE]
     checks += [(case, lambda c=case: _check_memory(c, world)) for case in MEMORY]
-    checks += [("layouts", lambda: _check_layouts(world))]
+    checks += [("layouts", lambda: _check_layouts(world)),
+               ("ulysses_selection", lambda: _check_ulysses_selection(world))]
     for case, check in checks:
         try:
             outcome[case] = check() or "ok"
@@ -312,7 +331,7 @@ def outcomes(request, tmp_path_factory):
     return {case: [r[case] for r in ranks] for case in ranks[0]}
 
 
-@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "layouts"])
+@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "layouts", "ulysses_selection"])
 def test_case(outcomes, case):
     results = outcomes[case]
     if all(o.startswith("skip: ") for o in results):
