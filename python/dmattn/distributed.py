@@ -465,7 +465,13 @@ def _ring_block(rank: int, src: int, chunk: int, causal: bool):
     return slice(chunk, None), everything, False  # only our chunk 2P-1-rank sees chunks src, 2P-1-src
 
 
-def _accumulator_dtype(t: Tensor) -> torch.dtype:
+def _accumulator_dtype(t: Tensor, size: int) -> torch.dtype:
+    """The dtype the ring sums block results of `t`'s dtype in, over `size` ranks: float32
+    (float64 for float64), or t's own where no element sums more than two (size <= 2): an
+    op on two of them computes in float32 and rounds once, as a float32 sum rounded at the
+    end does."""
+    if size <= 2:
+        return t.dtype
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
@@ -487,7 +493,7 @@ class _RingAttention(torch.autograd.Function):
                                                 options[0], options[1], block.causal, *options[3:])
             block_lse.append(lse_b)
             if out is None:
-                out, lse = out_b.to(_accumulator_dtype(q)), lse_b.clone()
+                out, lse = out_b.to(_accumulator_dtype(q, ring.size)), lse_b.clone()
             else:
                 _merge(out[:, block.rows], lse[..., block.rows], out_b, lse_b)
         out = out.to(q.dtype)
@@ -501,7 +507,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, mask, bias, selection, out, lse, *block_lse = ctx.saved_tensors
         ring, options = ctx.ring, ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[4]
-        chunk, causal, acc = q.shape[1] // 2, options[2], _accumulator_dtype(q)
+        chunk, causal, acc = q.shape[1] // 2, options[2], _accumulator_dtype(q, ring.size)
         owners = [t for t in (k, v, bias if bias_grad else None) if t is not None]
         # dk, dv (and dbias) of the shard at hand travel one hop behind the shard, in the
         # accumulator dtype, and the last hop, home, in their own (rounded as they would be there).
@@ -587,20 +593,18 @@ def _block_intervals(selection: Optional[Tensor], block: _Block, chunk: int) -> 
     global chunks in ascending order, one after the other; a key's global rows are one
     interval, which meets the chunks between the first and the last it meets in full, so its
     rows in the block are one interval too: from its start in the first chunk it meets to its
-    end in the last."""
+    end in the last (start >= end where it meets none: no rows)."""
     if selection is None:
         return None
     keys = torch.cat([selection[:, :, c * chunk:(c + 1) * chunk] for c in block.key_chunks], 2)
-    start, end = keys[..., 0], keys[..., 1]
-    block_start, block_end = torch.zeros_like(start), torch.zeros_like(end)
-    found = torch.zeros_like(start, dtype=torch.bool)
-    for i, c in enumerate(block.row_chunks):
-        first, last = ((x - c * chunk).clamp(0, chunk) + i * chunk for x in (start, end))
-        meets = last > first
-        block_start = torch.where(meets & ~found, first, block_start)
-        block_end = torch.where(meets, last, block_end)
-        found |= meets
-    return torch.stack((block_start, block_end), -1)
+    # The key's rows in each of the block's chunks, in block numbering: [i chunk, (i + 1) chunk] for the i-th.
+    local = [(keys - (c - i) * chunk).clamp_(i * chunk, (i + 1) * chunk) for i, c in enumerate(block.row_chunks)]
+    start, end = local[-1][..., 0], local[0][..., 1]
+    for part in local:
+        end = torch.where(part[..., 0] < part[..., 1], part[..., 1], end)
+    for part in reversed(local):
+        start = torch.where(part[..., 0] < part[..., 1], part[..., 0], start)
+    return torch.stack((start, end), -1)
 
 
 def _travelling(k, v, mask, bias) -> List[Tensor]:
@@ -631,7 +635,7 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor):
     merged = torch.logaddexp(lse, lse_b)
     base = torch.where(merged == -math.inf, 0.0, merged)  # rows without any key yet: both weights 0
     weight, weight_b = (torch.exp(x - base).transpose(1, 2).unsqueeze(-1) for x in (lse, lse_b))
-    out.mul_(weight).addcmul_(out_b, weight_b)
+    torch.addcmul(out * weight, out_b, weight_b, out=out)  # rounded once to out's dtype
     lse.copy_(merged)
 
 
