@@ -22,8 +22,10 @@ dmattn::fwd / dmattn::bwd each, pipelined (`_HeadPipeline`): chunk c + 1's piece
 arrive and chunk c - 1's results go back while chunk c computes. The kv heads (and
 the bias's or mask's) are replicated to lcm(heads, P C), virtually for k and v, so
 that every chunk is whole kv-head replicas with the query heads that read them; the
-gradients of the replicas are summed. Nothing head-sharded of the size of q is kept
-for the backward, which sends q, k, v, out and dout again.
+gradients of the replicas are summed. With a top-k keep window each chunk selects
+once (dmattn::select, per-key row intervals), and its forward and backward take that
+selection. Nothing head-sharded of the size of q is kept for the backward, which sends
+q, k, v, out and dout again.
 
 Ring: the k, v, mask and bias shards travel around the ring (P - 1 hops, each
 overlapped with the attention of the block at hand); each block's (out, lse) is
@@ -32,9 +34,12 @@ around again; each block's gradients come from dmattn's backward op given the
 block's rows of the merged output, the block's own lse and dout scaled by
 exp(lse_block - lse) (`_block_dout`). The block's own lse, not the global one: a
 backend may recompute the block's softmax statistics from its keys (the CPU backend
-does), which then agree with it. The dk, dv and dbias accumulators
-(float32, float64 for float64 inputs) travel with their shard and arrive at their
-owner after P hops. A top-k keep window below the sequence length is exact: row i's
+does), which then agree with it. The dk, dv and dbias accumulators travel with their
+shard and arrive at their owner after P hops, the last hop in their own dtype. Block
+results are summed in float32 (float64 for float64 inputs), or on two ranks, where no
+element sums more than two of them, in the inputs' dtype: one op on two computes in
+float32 and rounds once, as a float32 sum rounded at the end does
+(`_accumulator_dtype`). A top-k keep window below the sequence length is exact: row i's
 top-w is chosen over every key, so every rank all-gathers the key-only bias and mask
 (one value a key and head) and selects once for the whole sequence (dmattn::select,
 per-key row intervals, O(S) a head), and each block's forward and backward take the
@@ -358,9 +363,10 @@ class _UlyssesAttention(torch.autograd.Function):
     P C chunks of the heads is a whole group of kv heads or a whole share of one kv
     head's query heads, and every chunk is one call of dmattn::fwd / dmattn::bwd on the
     whole sequence (a row's top-k is chosen per bias head over every key: the one-process
-    selection). Saved for the backward: the caller's sequence shards (q, k, v, the
-    output), the head-layout mask and bias (one value a key and head) and the chunks'
-    lse; the backward sends q, k, v, out and dout over again instead of keeping
+    selection, made once a chunk where a backward follows, as `dmattn.attention` does).
+    Saved for the backward: the caller's sequence shards (q, k, v, the output), the
+    head-layout mask and bias (one value a key and head), the chunks' lse and top-k
+    selections (O(S) a head); the backward sends q, k, v, out and dout over again instead of keeping
     head-layout copies. The gradients of replicated heads are summed. `options` is
     dmattn::fwd's option tuple; mask and bias are key-only and in their reduced shape."""
 
