@@ -3,7 +3,7 @@
 
     torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py check [--seq 2048] [--head-chunks 8,16]
     torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py time [--seq 131072] [--reps 3] \
-        [--head-chunks 8,16]
+        [--topk-reps 10] [--head-chunks 8,16]
     python3 bench/distributed_bench.py report DIR
 
 Shapes: B=1, 32 query heads, 8 kv heads, D=128, bf16, causal, a key-only bias
@@ -18,7 +18,8 @@ float64 reference (tests/python/reference.py on the GPU) under SPEC 5's rule: ma
 abs error <= 2 x the error of the same computation done naively in bf16 + 1e-5. The
 single-GPU dmattn error is printed beside it.
 
-time: fwd+bwd of one step, the median of --reps after a warm-up; "one GPU" is the
+time: fwd+bwd of one step, the median of --reps (--topk-reps with a keep window: those
+steps are ~13x shorter, and a one-off stall weighs more) after a warm-up; "one GPU" is the
 whole sequence on rank 0 alone (the other ranks wait), Ulysses and ring the shards on
 every rank (a step ends when the slowest rank ends). Per mode: the peak memory of
 each GPU and the bytes each rank sends per step (forward, backward; formulas in
@@ -55,7 +56,8 @@ def volume(mode, P, S, H=HEADS, Hk=KV_HEADS, D=HEAD_DIM, element=2, bias_heads=K
     forward), dq, dk, dv and dbias back.
     Ring: forward P-1 hops of the k, v, bias shard, and with a keep window below S (topk)
     the all-gather of the bias (its shard to each of the P-1 others); backward the same
-    P-1 hops plus P hops of the float32 dk, dv and dbias accumulators.
+    P-1 hops plus P hops of the dk, dv and dbias accumulators, float32 (their own dtype on
+    two ranks) but for the last hop (home), in their own dtype.
     """
     tokens = B * S // P
     if mode == "ulysses":
@@ -66,8 +68,8 @@ def volume(mode, P, S, H=HEADS, Hk=KV_HEADS, D=HEAD_DIM, element=2, bias_heads=K
         return int(forward), int(backward)
     bias_shard = bias_batch * bias_heads * S // P * bias_element
     shard = tokens * 2 * Hk * D * element + bias_shard
-    grads = tokens * 2 * Hk * D * accumulator + bias_batch * bias_heads * S // P * accumulator
-    return (P - 1) * (shard + (bias_shard if topk else 0)), (P - 1) * shard + P * grads
+    grads = shard if P <= 2 else (tokens * 2 * Hk * D + bias_batch * bias_heads * S // P) * accumulator
+    return (P - 1) * (shard + (bias_shard if topk else 0)), (P - 1) * (shard + grads) + shard
 
 
 def _variants(args):
@@ -202,12 +204,13 @@ def time_steps(args):
         if rank == 0:
             rows.append(dict(case=f"1 GPU {label}", window=w, seq=S, **singles[w], sent_fwd=0, sent_bwd=0))
         for mode, chunks in _variants(args):
-            rows.append(_time_parallel(torch, dist, sp, mode, chunks, S, w, args.reps) |
+            rows.append(_time_parallel(torch, dist, sp, mode, chunks, S, w, _reps(args, w)) |
                         dict(case=f"{_label(mode, chunks)} {label}", window=w, seq=S))
             if rank == 0:
                 print(_time_line(rows[-1]), flush=True)
     if rank == 0:
-        _write("time", dict(kind="time", seq=S, reps=args.reps, **_device_info(torch, dist), rows=rows))
+        _write("time", dict(kind="time", seq=S, reps=args.reps, topk_reps=args.topk_reps, **_device_info(torch, dist),
+                            rows=rows))
     dist.destroy_process_group()
 
 
@@ -215,6 +218,10 @@ def _step(attention, leaves, dout):
     for t in leaves.values():
         t.grad = None
     attention(leaves["q"], leaves["k"], leaves["v"], bias=leaves["bias"]).backward(dout)
+
+
+def _reps(args, window):
+    return args.reps if window is None else args.topk_reps
 
 
 def _measure(torch, step, reps, sync=lambda: None):
@@ -253,7 +260,7 @@ def _single(torch, dmattn, S, args):
         dout = whole.pop("dout")
         leaves = {n: t.requires_grad_() for n, t in whole.items()}
         attention = functools.partial(dmattn.attention, causal=True, keep_window_size=w)
-        times, peak = _measure(torch, functools.partial(_step, attention, leaves, dout), args.reps)
+        times, peak = _measure(torch, functools.partial(_step, attention, leaves, dout), _reps(args, w))
         singles[w] = dict(ms=1e3 * statistics.median(times), peak_gib=[peak])
         print(_time_line(dict(case=f"1 GPU {'dense' if w is None else f'w={w}'}", seq=S, **singles[w], sent_fwd=0,
                               sent_bwd=0)), flush=True)
@@ -332,6 +339,7 @@ def main():
     t.add_argument("--seq", type=int, default=131072)
     t.add_argument("--keep-window", type=int, default=2048)
     t.add_argument("--reps", type=int, default=3)
+    t.add_argument("--topk-reps", type=int, default=10)
     t.add_argument("--head-chunks", **chunk_counts)
     r = commands.add_parser("report")
     r.add_argument("dir")

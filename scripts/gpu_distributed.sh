@@ -8,8 +8,9 @@
 #   scripts/gpu_distributed.sh
 #   env: NPROC (GPUs, default 2), OUT (keeps distributed-{check,time}.json there;
 #        default a temporary directory), CHECK_SEQ (default 2048), SEQ (default
-#        131072), REPS (default 3), HEAD_CHUNKS (e.g. 8,16: a Ulysses row for each
-#        head_chunks count beside the default's; default none), PYTHON (default python3)
+#        131072), REPS (default 3; TOPK_REPS, default 10, for the keep-window rows),
+#        HEAD_CHUNKS (e.g. 8,16: a Ulysses row for each head_chunks count beside the
+#        default's; default none), PYTHON (default python3)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
@@ -41,7 +42,8 @@ print('torch', torch.__version__, torch.cuda.device_count(), 'x', torch.cuda.get
 assert info['cuda'], 'dmattn has no CUDA backend'
 assert torch.cuda.device_count() >= $nproc, 'fewer GPUs than NPROC'" || exit 1
 step check 120 "${torchrun[@]}" check --seq "${CHECK_SEQ:-2048}" --head-chunks "${HEAD_CHUNKS:-}"
-step time 200 "${torchrun[@]}" time --seq "${SEQ:-131072}" --reps "${REPS:-3}" --head-chunks "${HEAD_CHUNKS:-}"
+step time 200 "${torchrun[@]}" time --seq "${SEQ:-131072}" --reps "${REPS:-3}" --topk-reps "${TOPK_REPS:-10}" \
+  --head-chunks "${HEAD_CHUNKS:-}"
 "$python" bench/distributed_bench.py report "$OUT"
 echo "gpu_distributed: JSON in $OUT: $([ $status = 0 ] && echo PASS || echo FAIL)"
 exit $status

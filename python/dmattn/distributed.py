@@ -22,8 +22,10 @@ dmattn::fwd / dmattn::bwd each, pipelined (`_HeadPipeline`): chunk c + 1's piece
 arrive and chunk c - 1's results go back while chunk c computes. The kv heads (and
 the bias's or mask's) are replicated to lcm(heads, P C), virtually for k and v, so
 that every chunk is whole kv-head replicas with the query heads that read them; the
-gradients of the replicas are summed. Nothing head-sharded of the size of q is kept
-for the backward, which sends q, k, v, out and dout again.
+gradients of the replicas are summed. With a top-k keep window each chunk selects
+once (dmattn::select, per-key row intervals), and its forward and backward take that
+selection. Nothing head-sharded of the size of q is kept for the backward, which sends
+q, k, v, out and dout again.
 
 Ring: the k, v, mask and bias shards travel around the ring (P - 1 hops, each
 overlapped with the attention of the block at hand); each block's (out, lse) is
@@ -32,9 +34,12 @@ around again; each block's gradients come from dmattn's backward op given the
 block's rows of the merged output, the block's own lse and dout scaled by
 exp(lse_block - lse) (`_block_dout`). The block's own lse, not the global one: a
 backend may recompute the block's softmax statistics from its keys (the CPU backend
-does), which then agree with it. The dk, dv and dbias accumulators
-(float32, float64 for float64 inputs) travel with their shard and arrive at their
-owner after P hops. A top-k keep window below the sequence length is exact: row i's
+does), which then agree with it. The dk, dv and dbias accumulators travel with their
+shard and arrive at their owner after P hops, the last hop in their own dtype. Block
+results are summed in float32 (float64 for float64 inputs), or on two ranks, where no
+element sums more than two of them, in the inputs' dtype: one op on two computes in
+float32 and rounds once, as a float32 sum rounded at the end does
+(`_accumulator_dtype`). A top-k keep window below the sequence length is exact: row i's
 top-w is chosen over every key, so every rank all-gathers the key-only bias and mask
 (one value a key and head) and selects once for the whole sequence (dmattn::select,
 per-key row intervals, O(S) a head), and each block's forward and backward take the
@@ -54,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .ops import _broadcast_shape, _common, _reduce, checked
+from .ops import _broadcast_shape, _common, _plans_topk, _reduce, checked
 
 __all__ = ["MODES", "attention", "gather_sequence", "shard_sequence", "use_sequence_parallel_for_doge"]
 
@@ -358,9 +363,10 @@ class _UlyssesAttention(torch.autograd.Function):
     P C chunks of the heads is a whole group of kv heads or a whole share of one kv
     head's query heads, and every chunk is one call of dmattn::fwd / dmattn::bwd on the
     whole sequence (a row's top-k is chosen per bias head over every key: the one-process
-    selection). Saved for the backward: the caller's sequence shards (q, k, v, the
-    output), the head-layout mask and bias (one value a key and head) and the chunks'
-    lse; the backward sends q, k, v, out and dout over again instead of keeping
+    selection, made once a chunk where a backward follows, as `dmattn.attention` does).
+    Saved for the backward: the caller's sequence shards (q, k, v, the output), the
+    head-layout mask and bias (one value a key and head), the chunks' lse and top-k
+    selections (O(S) a head); the backward sends q, k, v, out and dout over again instead of keeping
     head-layout copies. The gradients of replicated heads are summed. `options` is
     dmattn::fwd's option tuple; mask and bias are key-only and in their reduced shape."""
 
@@ -373,18 +379,26 @@ class _UlyssesAttention(torch.autograd.Function):
             mask_h = _all_to_all(_replicate_heads(mask, 1, parts).view(torch.uint8), 1, 3, group, size).view(torch.bool)
         if bias is not None:
             bias_h = _all_to_all(_replicate_heads(bias, 1, parts), 1, 3, group, size)
-        out, lses = q.new_empty(q.shape), []
+        causal, window_left, window_right, keep_window_size = options[2:6]
+        selects = _plans_topk(any(ctx.needs_input_grad[:5]), keep_window_size, size * q.shape[1], window_left,
+                              bias is not None)
+        out, lses, selections = q.new_empty(q.shape), [], []
 
         def attend(c, q_c, k_c, v_c):
             mask_c, bias_c = _chunk_heads(mask_h, c, chunks), _chunk_heads(bias_h, c, chunks)
-            out_c, lse_c = torch.ops.dmattn.fwd(q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), None,
-                                                *options)
+            intervals_c = None
+            if selects:
+                intervals_c = torch.ops.dmattn.select(q_c, k_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), causal,
+                                                      window_left, window_right, keep_window_size)
+            out_c, lse_c = torch.ops.dmattn.fwd(q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c),
+                                                intervals_c, *options)
             lses.append(lse_c)
+            selections.append(intervals_c)
             return [out_c]
 
         repeat = _replicas(k.shape[2], parts)
         pipeline.run([(q, 1), (k, repeat), (v, repeat)], attend, [(out, 1)])
-        ctx.save_for_backward(q, k, v, out, mask_h, bias_h, *lses)
+        ctx.save_for_backward(q, k, v, out, mask_h, bias_h, *lses, *selections)
         ctx.pipeline, ctx.options = pipeline, options
         ctx.bias_heads = None if bias is None else bias.shape[1]
         if not return_lse:
@@ -395,9 +409,10 @@ class _UlyssesAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_dlse):
-        q, k, v, out, mask_h, bias_h, *lses = ctx.saved_tensors
+        q, k, v, out, mask_h, bias_h, *saved = ctx.saved_tensors
         pipeline, options = ctx.pipeline, ctx.options
         group, size, chunks = pipeline.group, pipeline.size, pipeline.chunks
+        lses, selections = saved[:chunks], saved[chunks:]
         bias_grad = bias_h is not None and ctx.needs_input_grad[4]
         repeat = _replicas(k.shape[2], size * chunks)
         dq = q.new_empty(q.shape)
@@ -407,8 +422,8 @@ class _UlyssesAttention(torch.autograd.Function):
         def differentiate(c, q_c, k_c, v_c, out_c, dout_c):
             mask_c, bias_c = _chunk_heads(mask_h, c, chunks), _chunk_heads(bias_h, c, chunks)
             dq_c, dk_c, dv_c, dbias_c = torch.ops.dmattn.bwd(
-                dout_c, q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), None, out_c, lses[c], *options,
-                bias_grad)
+                dout_c, q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), selections[c], out_c, lses[c],
+                *options, bias_grad)
             dbias_h.append(dbias_c)
             return [dq_c, dk_c, dv_c]
 
@@ -456,7 +471,13 @@ def _ring_block(rank: int, src: int, chunk: int, causal: bool):
     return slice(chunk, None), everything, False  # only our chunk 2P-1-rank sees chunks src, 2P-1-src
 
 
-def _accumulator_dtype(t: Tensor) -> torch.dtype:
+def _accumulator_dtype(t: Tensor, size: int) -> torch.dtype:
+    """The dtype the ring sums block results of `t`'s dtype in, over `size` ranks: float32
+    (float64 for float64), or t's own where no element sums more than two (size <= 2): an
+    op on two of them computes in float32 and rounds once, as a float32 sum rounded at the
+    end does."""
+    if size <= 2:
+        return t.dtype
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
@@ -478,7 +499,7 @@ class _RingAttention(torch.autograd.Function):
                                                 options[0], options[1], block.causal, *options[3:])
             block_lse.append(lse_b)
             if out is None:
-                out, lse = out_b.to(_accumulator_dtype(q)), lse_b.clone()
+                out, lse = out_b.to(_accumulator_dtype(q, ring.size)), lse_b.clone()
             else:
                 _merge(out[:, block.rows], lse[..., block.rows], out_b, lse_b)
         out = out.to(q.dtype)
@@ -492,30 +513,33 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, mask, bias, selection, out, lse, *block_lse = ctx.saved_tensors
         ring, options = ctx.ring, ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[4]
-        chunk, causal, acc = q.shape[1] // 2, options[2], _accumulator_dtype(q)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        # dk, dv (and dbias) of the shard at hand: they travel one hop behind the shard.
-        grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v, bias if bias_grad else None)
-                 if t is not None]
+        chunk, causal, acc = q.shape[1] // 2, options[2], _accumulator_dtype(q, ring.size)
+        owners = [t for t in (k, v, bias if bias_grad else None) if t is not None]
+        # dk, dv (and dbias) of the shard at hand travel one hop behind the shard, in the
+        # accumulator dtype, and the last hop, home, in their own (rounded as they would be there).
+        dq = grads = None
         pending = []
         walk = _ring_walk(ring, k, v, mask, bias, chunk, causal)
-        for lse_b, (block, (k_b, v_b, mask_b, bias_b)) in zip(block_lse, walk):
+        for step, (lse_b, (block, (k_b, v_b, mask_b, bias_b))) in enumerate(zip(block_lse, walk)):
             rows, cols = block.rows, block.cols
-            dq_b, dk_b, dv_b, dbias_b = torch.ops.dmattn.bwd(
+            dq_b, *grads_b = torch.ops.dmattn.bwd(
                 _block_dout(dout[:, rows], lse_b, lse[..., rows]), q[:, rows], k_b, v_b, mask_b, _shape(mask_b),
                 bias_b, _shape(bias_b), _block_intervals(selection, block, chunk), out[:, rows], lse_b, options[0],
                 options[1], block.causal, *options[3:], bias_grad)
-            dq[:, rows] += dq_b
-            _wait(pending)
-            grads[0][:, cols] += dk_b
-            grads[1][:, cols] += dv_b
-            if bias_grad:
-                grads[2][..., cols] += dbias_b
+            grads_b = grads_b[:len(owners)]
+            if step == 0:  # the rank's own shard: all its rows and keys
+                dq, grads = dq_b.to(acc), [g.to(acc) for g in grads_b]
+            else:
+                dq[:, rows] += dq_b
+                _wait(pending)
+                for g, g_b, keys in zip(grads, grads_b, ((slice(None), cols), (slice(None), cols), (..., cols))):
+                    g[keys] += g_b
+            if step + 1 == ring.size:
+                grads = [g.to(t.dtype) for g, t in zip(grads, owners)]
             grads, pending = ring.shift(grads)
         _wait(pending)
-        dk, dv = grads[0].to(k.dtype), grads[1].to(v.dtype)
-        dbias = grads[2].to(bias.dtype) if bias_grad else None
-        return dq.to(q.dtype), dk, dv, None, dbias, None, None
+        dk, dv, *dbias = grads
+        return dq.to(q.dtype), dk, dv, None, dbias[0] if bias_grad else None, None, None
 
 
 class _Block(NamedTuple):
@@ -575,20 +599,18 @@ def _block_intervals(selection: Optional[Tensor], block: _Block, chunk: int) -> 
     global chunks in ascending order, one after the other; a key's global rows are one
     interval, which meets the chunks between the first and the last it meets in full, so its
     rows in the block are one interval too: from its start in the first chunk it meets to its
-    end in the last."""
+    end in the last (start >= end where it meets none: no rows)."""
     if selection is None:
         return None
     keys = torch.cat([selection[:, :, c * chunk:(c + 1) * chunk] for c in block.key_chunks], 2)
-    start, end = keys[..., 0], keys[..., 1]
-    block_start, block_end = torch.zeros_like(start), torch.zeros_like(end)
-    found = torch.zeros_like(start, dtype=torch.bool)
-    for i, c in enumerate(block.row_chunks):
-        first, last = ((x - c * chunk).clamp(0, chunk) + i * chunk for x in (start, end))
-        meets = last > first
-        block_start = torch.where(meets & ~found, first, block_start)
-        block_end = torch.where(meets, last, block_end)
-        found |= meets
-    return torch.stack((block_start, block_end), -1)
+    # The key's rows in each of the block's chunks, in block numbering: [i chunk, (i + 1) chunk] for the i-th.
+    local = [(keys - (c - i) * chunk).clamp_(i * chunk, (i + 1) * chunk) for i, c in enumerate(block.row_chunks)]
+    start, end = local[-1][..., 0], local[0][..., 1]
+    for part in local:
+        end = torch.where(part[..., 0] < part[..., 1], part[..., 1], end)
+    for part in reversed(local):
+        start = torch.where(part[..., 0] < part[..., 1], part[..., 0], start)
+    return torch.stack((start, end), -1)
 
 
 def _travelling(k, v, mask, bias) -> List[Tensor]:
@@ -611,7 +633,7 @@ def _block_dout(dout: Tensor, lse_b: Tensor, lse: Tensor) -> Tensor:
     P_b (dP_b - delta_b) = exp(l - lse_b) exp(lse_b - lse) (dP - <dout, out>), the
     global dS restricted to the block, and P_b^T dout_b, the block's share of dv."""
     scale = torch.exp(lse_b - torch.where(lse == -math.inf, 0.0, lse))
-    return (dout * scale.transpose(1, 2).unsqueeze(-1)).to(dout.dtype)  # rounded once
+    return torch.mul(dout, scale.transpose(1, 2).unsqueeze(-1), out=torch.empty_like(dout))  # rounded once
 
 
 def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor):
@@ -619,7 +641,7 @@ def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor):
     merged = torch.logaddexp(lse, lse_b)
     base = torch.where(merged == -math.inf, 0.0, merged)  # rows without any key yet: both weights 0
     weight, weight_b = (torch.exp(x - base).transpose(1, 2).unsqueeze(-1) for x in (lse, lse_b))
-    out.mul_(weight).add_(out_b * weight_b)
+    torch.addcmul(out * weight, out_b, weight_b, out=out)  # rounded once to out's dtype
     lse.copy_(merged)
 
 

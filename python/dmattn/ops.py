@@ -202,14 +202,17 @@ def _selection_heads(mask_shape: Optional[List[int]], bias_shape: Optional[List[
     return max(1 if shape is None else shape[head_dim] for shape in (mask_shape, bias_shape))
 
 
-def _plans_topk(tensors, keep_window_size: Optional[int], keys, window_left: int, key_only: bool) -> bool:
+def _plans_topk(backward: bool, keep_window_size: Optional[int], keys, window_left: int, key_only: bool) -> bool:
     """Whether a call selects its top-k once, for its forward and its backward: a keep window below the keys
     whose selection per-key row intervals express (Problem::topk_as_intervals: a bias and at most a mask
-    constant along queries (`key_only`), no left window), and a backward to follow (a tensor of `tensors`
-    requires grad). A forward alone selects inside its op, where the backend picks per-row thresholds for a
-    few query rows (decode)."""
-    if keep_window_size is None or window_left >= 0 or not key_only or keep_window_size >= keys:
-        return False
+    constant along queries (`key_only`), no left window), and a backward to follow (`backward`). A forward
+    alone selects inside its op, where the backend picks per-row thresholds for a few query rows (decode)."""
+    return (backward and key_only and keep_window_size is not None and keep_window_size < keys
+            and window_left < 0)
+
+
+def _backward_follows(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd will differentiate a call of `tensors`: grad mode on and one of them requires grad."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
@@ -500,8 +503,8 @@ def attention(
     key_only = bias is not None and all(shape is None or (len(shape) == 4 and shape[2] == 1)
                                         for shape in (mask_shape, bias_shape))
     intervals = None
-    if q.dim() == 4 and k.dim() == 4 and _plans_topk((q, k, v, bias), keep_window_size, k.shape[1], window_left,
-                                                     key_only):
+    if q.dim() == 4 and k.dim() == 4 and _plans_topk(_backward_follows(q, k, v, bias), keep_window_size,
+                                                     k.shape[1], window_left, key_only):
         intervals = _select(q, k, mask, mask_shape, bias, bias_shape, causal, window_left, window_right,
                             keep_window_size)
     out, lse = _fwd(q, k, v, mask, mask_shape, bias, bias_shape, intervals, *options)
@@ -547,7 +550,8 @@ def varlen_attention(
     max_seqlen_q, max_seqlen_k = checked("max_seqlen_q", max_seqlen_q, int), checked("max_seqlen_k", max_seqlen_k, int)
     causal, window_left, window_right, keep_window_size = options[2:6]
     intervals = None
-    if _plans_topk((q, k, v, bias), keep_window_size, max_seqlen_k, window_left, bias is not None):
+    if _plans_topk(_backward_follows(q, k, v, bias), keep_window_size, max_seqlen_k, window_left,
+                   bias is not None):
         intervals = _varlen_select(q, k, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    causal, window_left, window_right, keep_window_size)
     out, lse = _varlen_fwd(q, k, v, bias, bias_shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 import dmattn
 from dmattn import distributed as sp
 from memory_model import LiveMemory
+from op_calls import OpCalls
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is unavailable")
@@ -82,6 +83,8 @@ CASES = {
                                     options=dict(causal=True, keep_window_size=3)),
     "ring_topk_subgroup": dict(mode="ring", kv_heads=2, bias=(B, "Hk", "tied"), subgroup=True,
                                options=dict(causal=True, keep_window_size=5)),
+    "ring_topk_bfloat16": dict(mode="ring", kv_heads=2, bias=(B, "Hk"), dtype=torch.bfloat16,
+                               options=dict(causal=True, keep_window_size=5)),
 }
 
 # Refusals: mode, (q, k, v) shapes given the local length s, extra arguments, error, message start.
@@ -132,7 +135,7 @@ def _leaves(case, spec, size):
         tensors["bias"] = (torch.randint(0, 3, shape, generator=g).double() if tied else randn(*shape))
     if spec.get("mask"):
         tensors["mask"] = torch.rand(B, heads[spec["mask"]], 1, S, generator=g) > 0.3
-    return tensors
+    return {n: t if t.dtype == torch.bool else t.to(spec.get("dtype", torch.float64)) for n, t in tensors.items()}
 
 
 def _head_chunks(spec, size):
@@ -169,11 +172,21 @@ def _check_case(case, spec, world):
     local = {n: shard(t, dims.get(n, 1)).detach().requires_grad_(n in grads) for n, t in whole.items()}
     out_l, lse_l = _call(sp.attention, local, spec, group=group, mode=mode, head_chunks=_head_chunks(spec, size))
     (out_l * local["weights"]).sum().backward()
-    torch.testing.assert_close(out_l, shard(out), **TOLERANCE)
-    torch.testing.assert_close(lse_l, shard(lse, 2), **TOLERANCE)
+    low = spec.get("dtype") == torch.bfloat16
+    _assert_close(out_l, shard(out), "out", low)
+    _assert_close(lse_l, shard(lse, 2), "lse", low)
     for name in grads:
-        torch.testing.assert_close(local[name].grad, shard(reference[name].grad, dims.get(name, 1)), **TOLERANCE,
-                                   msg=lambda m, name=name: f"d{name}: {m}")
+        _assert_close(local[name].grad, shard(reference[name].grad, dims.get(name, 1)), f"d{name}", low)
+
+
+def _assert_close(actual, expected, name, low):
+    """float64: TOLERANCE. bfloat16 inputs (`low`): max abs error within 2^-5 of the largest magnitude (a few
+    roundings of bfloat16 block results, 2^-8 each, of the sizes they are summed from)."""
+    if not low:
+        torch.testing.assert_close(actual, expected, **TOLERANCE, msg=lambda m: f"{name}: {m}")
+        return
+    error, size = (actual.double() - expected.double()).abs().max().item(), expected.double().abs().max().item()
+    assert error <= 2**-5 * size, f"{name}: max abs error {error} above 2^-5 x {size}"
 
 
 def _check_error(case, world):
@@ -217,6 +230,23 @@ def _check_memory(case, world):
     expected = (2 * Hq + 2 * Hk + buffers) * unit
     vectors = B * (Hq + 2 * math.lcm(Hk, P * chunks)) * P * L * 8  # lse, head-layout bias and its gradient
     assert expected <= memory.peak <= expected + vectors, (memory.peak / unit, expected / unit, memory.at_peak)
+
+
+def _check_ulysses_selection(world):
+    """Ulysses with a keep window selects each head chunk's top-k once (dmattn::select) and hands that
+    selection to the chunk's forward and its backward, which select nothing again."""
+    chunks, g = 2, _generator("ulysses_selection")
+    L = 2 * CHUNK
+    q, k, v, bias = (torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+                     for shape in ((B, L, 12, D), (B, L, 4, D), (B, L, 4, D), (B, 4, 1, L)))
+    with OpCalls() as ops:
+        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, head_chunks=chunks)
+        out.backward(torch.ones_like(out))
+    assert ops.names() == ["select", "fwd"] * chunks + ["bwd"] * chunks, ops.names()
+    selections = [args[7] for name, args in ops.calls if name == "fwd"]
+    given = [args[8] for name, args in ops.calls if name == "bwd"]
+    assert all(s is not None and b.data_ptr() == s.data_ptr() for s, b in zip(selections, given)), \
+        "each chunk's backward takes its forward's selection"
 
 
 def _check_layouts(world):
@@ -281,7 +311,8 @@ def _worker(rank, world, store, results):
     checks += [(case, lambda c=case: _check_error(c, world)) for case in ERRORS]
     checks += [(case, lambda c=case: _check_doge(c, world)) for case in DOGE]
     checks += [(case, lambda c=case: _check_memory(c, world)) for case in MEMORY]
-    checks += [("layouts", lambda: _check_layouts(world))]
+    checks += [("layouts", lambda: _check_layouts(world)),
+               ("ulysses_selection", lambda: _check_ulysses_selection(world))]
     for case, check in checks:
         try:
             outcome[case] = check() or "ok"
@@ -312,7 +343,7 @@ def outcomes(request, tmp_path_factory):
     return {case: [r[case] for r in ranks] for case in ranks[0]}
 
 
-@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "layouts"])
+@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "layouts", "ulysses_selection"])
 def test_case(outcomes, case):
     results = outcomes[case]
     if all(o.startswith("skip: ") for o in results):

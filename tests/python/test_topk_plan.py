@@ -4,31 +4,12 @@ those of the ops that select inside."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dmattn
+from op_calls import OpCalls
 
 OPTIONS = dict(causal=True, keep_window_size=3)  # as attention passes them to the ops below
 OP_OPTIONS = (None, 0.0, True, -1, -1, 3, False)
-
-
-class OpCalls(TorchDispatchMode):
-    """Records the dmattn ops called and their arguments."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "dmattn":
-            self.calls.append((func.__name__.split(".")[0], args))
-        return func(*args, **(kwargs or {}))
-
-    def names(self):
-        return [name for name, _ in self.calls]
-
-    def args(self, name):
-        return next(args for op, args in self.calls if op == name)
 
 
 def _dtype(device):
