@@ -1,6 +1,7 @@
 // The forward kernels' configurations: tile shapes, shared-memory layouts and
 // sizes of the sm80-class kernel (fwd/kernel_sm80.cuh; a 128-row and a 64-row
-// tile) and of the Hopper kernel (fwd/kernel_sm90.cuh), from heuristics.h. The
+// tile) and of the Hopper kernel (fwd/kernel_sm90.cuh, D = 64 and 128), from
+// heuristics.h. The
 // dispatch reads their sizes without instantiating a kernel.
 #pragma once
 
@@ -59,9 +60,11 @@ template <class Element_, int kHeadDim_>
 struct ForwardSm90Config {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kForwardSm90BlockM;  // query rows a CTA, 64 a warpgroup
-  static constexpr int kBlockN = kForwardSm90BlockN;  // keys a tile
-  static constexpr int kThreads = 256;
+  static constexpr int kBlockM = forward_sm90_block_m(kHeadDim);  // query rows a CTA, 64 a warpgroup
+  static constexpr int kBlockN = kForwardSm90BlockN;              // keys a tile
+  static constexpr int kWarpgroups = kBlockM / 64;
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static_assert(sm90_head_dim(kHeadDim), "a head dim of the Hopper kernels");
 
   using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
   using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
@@ -69,25 +72,23 @@ struct ForwardSm90Config {
   // V seen as (feature, key): the MN-major B operand of O += P V.
   using LayoutVt = decltype(cute::composition(
       LayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
-  // Two warpgroups over the rows: S = Q K^T (64 x kBlockN a warpgroup) and
+  // The warpgroups over the rows: S = Q K^T (64 x kBlockN a warpgroup) and
   // O += P V (P from registers, V MN-major).
-  using TwoWarpgroups = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;
-  using MmaS = WgmmaSS<Element, 64, kBlockN, kHeadDim, TwoWarpgroups>;
-  using MmaO = WgmmaRS<Element, 64, kHeadDim, kBlockN, TwoWarpgroups, cute::GMMA::Major::MN>;
+  using Warpgroups = cute::Layout<cute::Shape<cute::Int<kWarpgroups>, cute::_1, cute::_1>>;
+  using MmaS = WgmmaSS<Element, 64, kBlockN, kHeadDim, Warpgroups>;
+  using MmaO = WgmmaRS<Element, 64, kHeadDim, kBlockN, Warpgroups, cute::GMMA::Major::MN>;
 
   static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
-  static constexpr int kTileBytes = kKvElems * int(sizeof(Element));
   // Q, two buffers of K, two of V, two of the key-only bias (floats), then the
   // barriers of Q, the K buffers and the V buffers.
   static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
   static constexpr int kBarriersAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
   static constexpr int kSmemBytes = kBarriersAt + 5 * 8;
-  static_assert(kBlockM == kBlockN, "Q and K / V tiles share their TMA box");
-  static_assert(kHeadDim == kForwardSm90HeadDim, "tiles sized for head dim 128");
 };
 
 // The TMA descriptors of Q, K and V: (feature, row, head, batch), boxes of 64
-// features x 128 rows, 128-byte swizzled as the tiles' atoms.
+// features x kBlockM (Q) or kBlockN (K, V) rows, 128-byte swizzled as the
+// tiles' atoms.
 struct ForwardSm90Maps {
   CUtensorMap q, k, v;
 };
