@@ -76,9 +76,9 @@ struct Instance {
   int forward_smem = 0, decode_smem = 0;  // bytes of shared memory of a CTA of kSm80 and kSm80Decode
   BackwardRun backward[2] = {};           // none: this head dim has no backward (backward_compiled)
   int backward_smem = 0;                  // of a CTA of the sm80 dq and dk/dv kernels
-  // Of a CTA of the Hopper forward (and its query rows) and dk/dv kernels; 0:
-  // none at this head dim (sm90_head_dim).
-  int forward_sm90_smem = 0, forward_sm90_rows = 0, dkv_sm90_smem = 0;
+  // Of a CTA of the Hopper forward and dk/dv kernels; 0: none at this head
+  // dim (sm90_head_dim).
+  int forward_sm90_smem = 0, dkv_sm90_smem = 0;
 };
 
 template <int kHeadDim>
@@ -99,7 +99,6 @@ Instance make_instance() {
   }
   if constexpr (sm90_head_dim(kHeadDim)) {
     i.forward_sm90_smem = ForwardSm90Config<half_t, kHeadDim>::kSmemBytes;
-    i.forward_sm90_rows = ForwardSm90Config<half_t, kHeadDim>::kBlockM;
     i.dkv_sm90_smem = DkvSm90Config<half_t, kHeadDim>::kSmemBytes;
   }
   return i;
@@ -215,15 +214,15 @@ void plan_selection(const Problem& p, Plan& plan) {
 // ---- The Hopper kernels' conditions ---------------------------------------
 
 // The Hopper forward: written for the dense training shapes at D = 64 and 128
-// (its tiles and TMA boxes hold exactly the head dim); the sm80 walk of the
-// head dim's tall tile (not decode) otherwise.
+// (its tiles and TMA boxes hold exactly the head dim); the 128-row sm80 walk
+// otherwise.
 bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device) {
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
   return device.sm90a && i.forward_sm90_smem > 0 && p.head_dim == i.head_dim && plan.kernel == ForwardKernel::kSm80 &&
-         p.num_splits == 1 && !plan.key_lists && p.cu_seqlens_q == nullptr && p.vector_q && p.vector_k && p.vector_v &&
-         (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) && i.forward_sm90_smem <= device.smem_optin &&
-         tma_addressable(p.q, p.batch, p.heads, p.seqlen_q) &&
+         plan.block_m == kForwardSm90BlockM && p.num_splits == 1 && !plan.key_lists && p.cu_seqlens_q == nullptr &&
+         p.vector_q && p.vector_k && p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) &&
+         i.forward_sm90_smem <= device.smem_optin && tma_addressable(p.q, p.batch, p.heads, p.seqlen_q) &&
          tma_addressable(p.k, p.batch, p.heads / p.group, p.seqlen_k) &&
          tma_addressable(p.v, p.batch, p.heads / p.group, p.seqlen_k);
 }
@@ -288,8 +287,7 @@ ForwardPlan plan_forward(const Problem& p) {
   const int block_n = forward_block_n(instance.head_dim, plan.block_m);
   params.num_splits = choose_splits(blocks_m * params.heads * params.batch, (params.seqlen_k + block_n - 1) / block_n,
                                     device.sms, device.sms * per_sm);
-  if (forward_sm90_applies(plan, instance, device))
-    plan.kernel = ForwardKernel::kSm90, plan.block_m = instance.forward_sm90_rows;
+  if (forward_sm90_applies(plan, instance, device)) plan.kernel = ForwardKernel::kSm90;
   plan.run = instance.forward[dtype];
   return plan;
 }
@@ -316,6 +314,7 @@ BackwardPlan plan_backward(const Problem& p) {
   params.heads = static_cast<int>(p.heads);
   params.vector_q = vector_loads(p.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
   params.vector_dout = vector_loads(p.dout);
+  params.vector_rows = vector_loads(p.out) && params.vector_dout && p.head_dim % 8 == 0;
 
   // dbias (a key-constant bias's exact zeros are the API's): per key or per
   // element, written directly where each element gets one value, else summed

@@ -570,7 +570,7 @@ std::vector<Case> forward_matrix(bool small) {
   }
   add_head_dim_64(cases);
   // The Hopper forward at D = 64 (grids of at least 132 CTAs or fewer than 8
-  // key tiles: no split-KV): GQA and MQA, lengths off its 192-row and 128-key
+  // key tiles: no split-KV): GQA and MQA, lengths off its 128-row and 64-key
   // tiles, a key-only bias (float32 too), softcap, a window, a causal offset,
   // permuted q, k, v and out (TMA strides), and sliced ones (the sm80 kernel).
   struct Hopper {

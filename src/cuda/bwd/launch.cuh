@@ -90,7 +90,8 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
     }
   }
   if (err == cudaSuccess && rows > 0) {
-    row_stats<Element><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p, batch);
+    constexpr int kRowsABlock = RowStatsLanes<kHeadDim>::kBlockRows;
+    row_stats<Element, kHeadDim><<<static_cast<unsigned>((rows + kRowsABlock - 1) / kRowsABlock), 256, 0, stream>>>(p, batch);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess && p.selection_ready != nullptr) err = cudaStreamWaitEvent(stream, p.selection_ready, 0);

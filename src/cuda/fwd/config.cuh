@@ -60,8 +60,9 @@ template <class Element_, int kHeadDim_>
 struct ForwardSm90Config {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = forward_sm90_block_m(kHeadDim);  // query rows a CTA, 64 a warpgroup
-  static constexpr int kBlockN = kForwardSm90BlockN;              // keys a tile
+  static constexpr int kBlockM = kForwardSm90BlockM;              // query rows a CTA, 64 a warpgroup
+  static constexpr int kBlockN = forward_sm90_block_n(kHeadDim);  // keys a tile
+  static constexpr int kCtasPerSm = forward_sm90_ctas_per_sm(kHeadDim);  // the register budget's launch bound
   static constexpr int kWarpgroups = kBlockM / 64;
   static constexpr int kThreads = 128 * kWarpgroups;
   static_assert(sm90_head_dim(kHeadDim), "a head dim of the Hopper kernels");

@@ -6,9 +6,9 @@
 // split-KV, key lists, per-row biases, varlen, other head dims) runs
 // forward_kernel (fwd/kernel_sm80.cuh).
 //
-// One CTA of kBlockM / 64 warpgroups owns kBlockM query rows (128 at D = 128,
-// 192 at D = 64: heuristics.h), 64 a warpgroup, and walks key tiles of 128
-// (the last first, as forward_kernel). Tile i's S = Q K^T is
+// One CTA of two warpgroups owns 128 query rows, 64 a warpgroup, and walks key
+// tiles of kBlockN (the last first, as forward_kernel): 128 at D = 128; 64 at
+// D = 64, where two CTAs share an SM (heuristics.h). Tile i's S = Q K^T is
 // issued together with the previous tile's O += P V, so that the softmax of
 // tile i runs while the tensor cores do P V of tile i - 1:
 //   iteration i:  S_i = Q K_i^T  and  O += P_{i-1} V_{i-1}   (both in flight)
@@ -39,7 +39,7 @@
 namespace dmattn::cuda {
 
 template <class Config>
-__global__ void __launch_bounds__(Config::kThreads, 1)
+__global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     forward_kernel_sm90(const __grid_constant__ ForwardParams p, const __grid_constant__ ForwardSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
