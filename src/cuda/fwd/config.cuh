@@ -1,8 +1,7 @@
 // The forward kernels' configurations: tile shapes, shared-memory layouts and
 // sizes of the sm80-class kernel (fwd/kernel_sm80.cuh; a 128-row and a 64-row
 // tile) and of the Hopper kernel (fwd/kernel_sm90.cuh, D = 64 and 128), from
-// heuristics.h. The
-// dispatch reads their sizes without instantiating a kernel.
+// heuristics.h. The dispatch reads their sizes without instantiating a kernel.
 #pragma once
 
 #include <cuda.h>
@@ -63,9 +62,8 @@ struct ForwardSm90Config {
   static constexpr int kBlockM = kForwardSm90BlockM;              // query rows a CTA, 64 a warpgroup
   static constexpr int kBlockN = forward_sm90_block_n(kHeadDim);  // keys a tile
   static constexpr int kCtasPerSm = forward_sm90_ctas_per_sm(kHeadDim);  // the register budget's launch bound
-  static constexpr int kWarpgroups = kBlockM / 64;
-  static constexpr int kThreads = 128 * kWarpgroups;
-  static_assert(sm90_head_dim(kHeadDim), "a head dim of the Hopper kernels");
+  static constexpr int kThreads = 256;
+  static_assert(kBlockM == 128 && sm90_head_dim(kHeadDim), "two warpgroups of 64 rows, a head dim of the Hopper kernels");
 
   using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
   using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
@@ -73,11 +71,11 @@ struct ForwardSm90Config {
   // V seen as (feature, key): the MN-major B operand of O += P V.
   using LayoutVt = decltype(cute::composition(
       LayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
-  // The warpgroups over the rows: S = Q K^T (64 x kBlockN a warpgroup) and
+  // Two warpgroups over the rows: S = Q K^T (64 x kBlockN a warpgroup) and
   // O += P V (P from registers, V MN-major).
-  using Warpgroups = cute::Layout<cute::Shape<cute::Int<kWarpgroups>, cute::_1, cute::_1>>;
-  using MmaS = WgmmaSS<Element, 64, kBlockN, kHeadDim, Warpgroups>;
-  using MmaO = WgmmaRS<Element, 64, kHeadDim, kBlockN, Warpgroups, cute::GMMA::Major::MN>;
+  using TwoWarpgroups = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;
+  using MmaS = WgmmaSS<Element, 64, kBlockN, kHeadDim, TwoWarpgroups>;
+  using MmaO = WgmmaRS<Element, 64, kHeadDim, kBlockN, TwoWarpgroups, cute::GMMA::Major::MN>;
 
   static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
   // Q, two buffers of K, two of V, two of the key-only bias (floats), then the
