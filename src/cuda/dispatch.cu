@@ -2,14 +2,14 @@
 // parameters and the kernel of every step out, or Error::kUnsupported, before
 // anything is enqueued. The table it implements (docs/architecture.md):
 //
-//   forward        Hopper kSm90       sm_90a device, D = 128 compiled and exact, no mask or top-k,
+//   forward        Hopper kSm90       sm_90a device, D = 64 or 128 compiled and exact, no mask or top-k,
 //                                     batched, no bias or a key-only one, one split, TMA-addressable q, k, v
 //                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
 //                  sm80 kSm80         everything else (128 rows a CTA; 64 above D = 128)
 //                  split-KV           grids that leave SMs idle (choose_splits), sm80 kernels only
 //   backward dq    sm80 kernel        always; with dq by atomics (deterministic = false, D % 64 == 0)
 //                                     it only recomputes the row statistics that need it
-//   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D = 128 compiled and exact, dq by atomics,
+//   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D = 64 or 128 compiled and exact, dq by atomics,
 //                                     no mask or top-k intervals (their key groups), no softcap,
 //                                     batched, no bias or a key-only one, TMA-addressable q, dout
 //                  sm80 kSm80         everything else
@@ -76,6 +76,9 @@ struct Instance {
   int forward_smem = 0, decode_smem = 0;  // bytes of shared memory of a CTA of kSm80 and kSm80Decode
   BackwardRun backward[2] = {};           // none: this head dim has no backward (backward_compiled)
   int backward_smem = 0;                  // of a CTA of the sm80 dq and dk/dv kernels
+  // Of a CTA of the Hopper forward and dk/dv kernels; 0: none at this head
+  // dim (sm90_head_dim).
+  int forward_sm90_smem = 0, dkv_sm90_smem = 0;
 };
 
 template <int kHeadDim>
@@ -93,6 +96,10 @@ Instance make_instance() {
     i.backward[0] = &BackwardInstance<half_t, kHeadDim>::run;
     i.backward[1] = &BackwardInstance<bfloat16_t, kHeadDim>::run;
     i.backward_smem = BackwardConfig<half_t, kHeadDim>::kSmemBytes;
+  }
+  if constexpr (sm90_head_dim(kHeadDim)) {
+    i.forward_sm90_smem = ForwardSm90Config<half_t, kHeadDim>::kSmemBytes;
+    i.dkv_sm90_smem = DkvSm90Config<half_t, kHeadDim>::kSmemBytes;
   }
   return i;
 }
@@ -206,33 +213,32 @@ void plan_selection(const Problem& p, Plan& plan) {
 
 // ---- The Hopper kernels' conditions ---------------------------------------
 
-// The Hopper forward: written for the dense D = 128 training shapes (its tiles
-// and TMA boxes hold exactly 128 features); the 128-row sm80 walk otherwise.
+// The Hopper forward: written for the dense training shapes at D = 64 and 128
+// (its tiles and TMA boxes hold exactly the head dim); the 128-row sm80 walk
+// otherwise.
 bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device) {
-  using Config = ForwardSm90Config<cutlass::half_t, kForwardSm90HeadDim>;
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
-  return device.sm90a && i.head_dim == kForwardSm90HeadDim && p.head_dim == kForwardSm90HeadDim &&
-         plan.kernel == ForwardKernel::kSm80 && plan.block_m == Config::kBlockM && p.num_splits == 1 &&
-         !plan.key_lists && p.cu_seqlens_q == nullptr && p.vector_q && p.vector_k && p.vector_v &&
-         (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) && Config::kSmemBytes <= device.smem_optin &&
-         tma_addressable(p.q, p.batch, p.heads, p.seqlen_q) &&
+  return device.sm90a && i.forward_sm90_smem > 0 && p.head_dim == i.head_dim && plan.kernel == ForwardKernel::kSm80 &&
+         plan.block_m == kForwardSm90BlockM && p.num_splits == 1 && !plan.key_lists && p.cu_seqlens_q == nullptr &&
+         p.vector_q && p.vector_k && p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) &&
+         i.forward_sm90_smem <= device.smem_optin && tma_addressable(p.q, p.batch, p.heads, p.seqlen_q) &&
          tma_addressable(p.k, p.batch, p.heads / p.group, p.seqlen_k) &&
          tma_addressable(p.v, p.batch, p.heads / p.group, p.seqlen_k);
 }
 
-// The Hopper dk/dv kernel: D = 128 with dq by atomics (its dQ blocks), the
-// dense walk or top-k key groups (a mask folded into them), key-only dbias.
+// The Hopper dk/dv kernel: D = 64 or 128 exactly, with dq by atomics (its dQ
+// blocks), the dense walk or top-k key groups (a mask folded into them),
+// key-only dbias.
 bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceInfo& device) {
-  using Config = DkvSm90Config<cutlass::half_t, kDkvSm90HeadDim>;
   const BackwardParams& p = plan.params;
   const bool walk = plan.selection == DeviceSelection::kNone ? p.mask.data == nullptr
                                                              : plan.selection == DeviceSelection::kIntervals;
-  return device.sm90a && i.head_dim == kDkvSm90HeadDim && p.head_dim == kDkvSm90HeadDim && p.atomic_dq && walk &&
+  return device.sm90a && i.dkv_sm90_smem > 0 && p.head_dim == i.head_dim && p.atomic_dq && walk &&
          p.softcap == 0.0f && p.cu_seqlens_q == nullptr &&
          (p.bias_kind() == BiasKind::kNone || p.bias_kind() == BiasKind::kKeyOnly) &&
          (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k &&
-         p.vector_v && p.vector_dout && Config::kSmemBytes <= device.smem_optin &&
+         p.vector_v && p.vector_dout && i.dkv_sm90_smem <= device.smem_optin &&
          tma_addressable(p.q, plan.batch, p.heads, p.seqlen_q) && tma_addressable(p.dout, plan.batch, p.heads, p.seqlen_q);
 }
 
@@ -308,6 +314,7 @@ BackwardPlan plan_backward(const Problem& p) {
   params.heads = static_cast<int>(p.heads);
   params.vector_q = vector_loads(p.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
   params.vector_dout = vector_loads(p.dout);
+  params.vector_rows = vector_loads(p.out) && params.vector_dout && p.head_dim % 8 == 0;
 
   // dbias (a key-constant bias's exact zeros are the API's): per key or per
   // element, written directly where each element gets one value, else summed

@@ -28,10 +28,25 @@ constexpr int forward_block_n(int head_dim, int block_m) {
 // and keeps three more blocks in flight.
 constexpr int forward_stages(int block_m) { return block_m == kForwardDecodeRows ? 4 : 2; }
 
-// ---- Forward, Hopper kernel (sm_90a: wgmma, TMA) ----
-// Written for the dense D = 128 training shapes: 128 query rows (a warpgroup
-// 64) against key tiles of 128, two K and two V buffers in flight.
-constexpr int kForwardSm90HeadDim = 128, kForwardSm90BlockM = 128, kForwardSm90BlockN = 128;
+// ---- Hopper kernels (sm_90a: wgmma, TMA): their head dims ----
+// The dense training shapes at D = 64 and 128, the head dim exactly (TMA boxes
+// and 128-byte swizzle atoms of 64 features; a padded head dim runs the sm80
+// kernels).
+constexpr bool sm90_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+// ---- Forward, Hopper kernel ----
+// 128 query rows a CTA (two warpgroups of 64), two K and two V buffers in
+// flight. The warpgroups of a CTA run in lock step (one barrier a key tile),
+// so an SM overlaps the softmax of one CTA with the MMAs of another only where
+// it holds two. D = 128: key tiles of 128 (O and S take 64 registers a thread
+// each, P 32: 255 registers with the walk), one CTA an SM. D = 64: key tiles
+// of 64 in 128 registers (S 32, P 16, O 32), two CTAs an SM. At D = 64 the
+// exponentials cost as much as the MMAs (16 a cycle an SM either way), so the
+// overlap decides: against one CTA of 192 x 128 or 128 x 128 tiles (the same
+// time), 3.37 -> 2.85 ms (B = 1, 32 / 8 heads, S = 16384, causal; H100).
+constexpr int kForwardSm90BlockM = 128;
+constexpr int forward_sm90_block_n(int head_dim) { return head_dim <= 64 ? 64 : 128; }
+constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2 : 1; }
 
 // ---- Split-KV (forward) ----
 // Key splits for a grid of `ctas` CTAs over `key_blocks` key blocks: as many as
@@ -68,8 +83,14 @@ constexpr bool backward_paired_sdp(int head_dim) { return head_dim <= 192; }
 constexpr bool backward_atomic_dq(int head_dim) { return head_dim % 64 == 0; }
 
 // ---- Backward, Hopper dk/dv kernel (sm_90a: wgmma, TMA, bulk reductions) ----
-// 128 keys a CTA (a warpgroup 64; one top-k key group) and 64-query steps at
-// D = 128: dQ of a step is one 64 x 128 float32 block (bwd/config.cuh DqBlocks).
-constexpr int kDkvSm90HeadDim = 128, kDkvSm90BlockN = 128, kDkvSm90BlockM = 64;
+// 128 keys a CTA (a warpgroup 64; one top-k key group) and query steps of 64
+// at D = 128 (dK and dV take 128 registers a thread, S and dP 64), 128 at
+// D = 64 (dK and dV 64, S and dP 128; 200 B of loop-invariant addresses
+// spilled): a step's fixed costs (its barrier, TMA issue, dQ store and
+// reduction) over twice the work, backward 7.67 -> 7.05 ms against 64-query
+// steps (B = 1, 32 / 8 heads, S = 16384, causal; H100). dQ of a step is one
+// float32 block (bwd/config.cuh DqBlocks).
+constexpr int kDkvSm90BlockN = 128;
+constexpr int dkv_sm90_block_m(int head_dim) { return head_dim <= 64 ? 128 : 64; }
 
 }  // namespace dmattn::cuda

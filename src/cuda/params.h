@@ -135,6 +135,9 @@ struct BackwardParams : KeyListParams {
   Operand dout, dq, dk, dv, dbias;
   int heads = 1;
   bool vector_dout = false;
+  // out and dout rows as whole 16-byte chunks (row_stats): both vector_loads
+  // and a head dim of whole chunks.
+  bool vector_rows = false;
 
   // Row statistics, float32 scratch, four floats a (b, h, local row) from
   // 4 * ((b * heads + h) * seqlen_q + i): max, inv, delta, 0. p_ij = exp(l_ij -

@@ -373,6 +373,8 @@ std::vector<Case> backward_matrix(bool small) {
     cases.push_back(det);
     for (Case& c : wide_head_cases(make, true)) cases.push_back(finish(c));
     add_head_dim_64(cases);
+    hk.D = 64;  // the Hopper dk/dv kernel at D = 64 (its 128-query steps)
+    cases.push_back(finish(hk));
     return cases;
   }
   // Sizes, GQA and MQA, causal or not.
@@ -503,6 +505,37 @@ std::vector<Case> backward_matrix(bool small) {
   for (Case& c : deterministic_pairs(make)) cases.push_back(finish(c));
   for (Case& c : wide_head_cases(make, false)) cases.push_back(finish(c));
   add_head_dim_64(cases);
+  // The Hopper dk/dv kernel at D = 64 (128-query steps): GQA and MQA, lengths
+  // off its tiles, a key-only bias and its gradient (per kv head, and shared by
+  // every head: summed through slices), a window, permuted q, k, v, dout and
+  // the gradients, top-k key groups (cut into pieces over 1024-row segments).
+  const auto hopper = [&](const std::string& what, std::int64_t sq, std::int64_t sk, std::int64_t h, std::int64_t hk) {
+    Case c = make("Hopper " + what, sq, sk, h, hk);
+    c.D = 64;
+    return c;
+  };
+  Case d = hopper("dense", 1500, 1500, 8, 2);
+  d.B = 2, d.options.causal = true;
+  cases.push_back(finish(d));
+  Case kb = hopper("key-only bias", 700, 900, 8, 2);
+  kb.B = 2, kb.bias_shape = {kb.B, kb.Hk, 1, kb.Sk};
+  cases.push_back(finish(kb));
+  Case shared = hopper("key-only bias of one head", 2100, 1500, 8, 2);
+  shared.options.causal = true, shared.bias_shape = {1, 1, 1, shared.Sk};
+  cases.push_back(finish(shared));
+  Case odd = hopper("odd sizes", 65, 63, 8, 1);
+  odd.bias_shape = {odd.B, 1, 1, odd.Sk};
+  cases.push_back(finish(odd));
+  Case win = hopper("window (40,0)", 200, 130, 4, 2);
+  win.options.causal = true, win.options.sliding_window = {40, 0}, win.bias_shape = {1, 2, 1, 130};
+  cases.push_back(finish(win));
+  Case perm = hopper("layout permuted", 777, 777, 8, 2);
+  perm.options.causal = true, perm.qkv_layout.permuted = true, perm.out_layout = perm.qkv_layout;
+  cases.push_back(finish(perm));
+  Case groups = hopper("top-k 256 key groups", 2048, 2048, 4, 2);
+  groups.B = 1, groups.options.causal = true, groups.options.keep_window_size = 256;
+  groups.bias_shape = {1, groups.Hk, 1, groups.Sk};
+  cases.push_back(finish(groups));
   return cases;
 }
 

@@ -233,6 +233,14 @@ std::vector<Case> forward_matrix(bool small) {
     td.name = name(td, "small top-k decode 300");
     cases.push_back(td);
     add_head_dim_64(cases);
+    for (std::int64_t d : {128, 64}) {  // the Hopper forward: a partial query block and key tile, causal offset
+      Case h = base(200, 300, DType::kBFloat16);
+      h.B = 1, h.H = 4, h.Hk = 2, h.D = d;
+      h.options.causal = true;
+      h.bias_shape = {1, h.Hk, 1, h.Sk};
+      h.name = name(h, "small Hopper key-only bias");
+      cases.push_back(h);
+    }
     return cases;
   }
   // Sizes: awkward lengths, both dtypes, causal or not.
@@ -561,6 +569,31 @@ std::vector<Case> forward_matrix(bool small) {
     cases.push_back(c);
   }
   add_head_dim_64(cases);
+  // The Hopper forward at D = 64 (grids of at least 132 CTAs or fewer than 8
+  // key tiles: no split-KV): GQA and MQA, lengths off its 128-row and 64-key
+  // tiles, a key-only bias (float32 too), softcap, a window, a causal offset,
+  // permuted q, k, v and out (TMA strides), and sliced ones (the sm80 kernel).
+  struct Hopper {
+    const char* what;
+    std::int64_t B, Sq, Sk, H, Hk;
+    bool causal;
+  };
+  const Hopper hopper[] = {{"dense", 2, 1500, 1500, 8, 2, true},       {"key-only bias", 2, 700, 400, 8, 2, false},
+                           {"softcap 30 key-only bias", 2, 300, 440, 8, 1, true}, {"window (100,0)", 3, 1000, 1000, 8, 2, true},
+                           {"layout permuted", 3, 777, 777, 8, 2, true}, {"layout sliced", 3, 777, 777, 8, 2, true}};
+  for (int i = 0; i < 6; ++i) {
+    const Hopper& t = hopper[i];
+    Case c = base(t.Sq, t.Sk, i % 2 ? DType::kFloat16 : DType::kBFloat16);
+    c.B = t.B, c.H = t.H, c.Hk = t.Hk, c.D = 64;
+    c.options.causal = t.causal;
+    if (i == 1 || i == 2) c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    if (i == 1) c.bias_dtype = DType::kFloat32;
+    if (i == 2) c.options.softcap = 30.0;
+    if (i == 3) c.options.sliding_window = {100, 0};
+    if (i >= 4) c.qkv_layout.permuted = i == 4, c.qkv_layout.sliced = i == 5, c.out_layout = c.qkv_layout;
+    c.name = name(c, std::string("Hopper ") + t.what);
+    cases.push_back(c);
+  }
   return cases;
 }
 

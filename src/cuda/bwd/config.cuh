@@ -102,22 +102,31 @@ struct BackwardConfig {
       SmemLayoutRows{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockRows>>{}, cute::GenRowMajor{})));
 };
 
-// The Hopper dk/dv kernel's dq_acc (BackwardParams::dq_blocks): blocks of
-// kRows query rows x kFeatures of (b, h) from ((b * heads + h) * blocks of the
-// query length + block) * kRows * kFeatures, the float32 sums of one step,
-// added by one bulk reduction a warp. Warp w (of 8) holds its dQ accumulators
-// at 1024 w in register order, registers 4 j .. 4 j + 3 of lane l at
-// 128 j + 4 l. By the wgmma accumulator layout (m64nNk16; warpgroup w / 4
-// owns features 64 (w / 4) .. + 63) these are (row, c), (row, c + 1),
-// (row + 8, c), (row + 8, c + 1) with row = 16 (w % 4) + l / 4 and
-// c = 64 (w / 4) + 8 j + 2 (l % 4).
+// The Hopper dk/dv kernel's dq_acc (BackwardParams::dq_blocks) at head dim
+// kFeatures: blocks of kRows query rows (the kernel's step, heuristics.h) x
+// kFeatures of (b, h) from ((b * heads + h) * blocks of the query length +
+// block) * kRows * kFeatures, the float32 sums of one step, added by one bulk
+// reduction a warp. The two warpgroups of the step's dQ MMA lie over the rows
+// (kRowGroups, kRows = 128) or the features (kColGroups), warpgroup g at row
+// group g % kRowGroups and feature group g / kRowGroups, each 64 rows x
+// kGroupCols features. Warp w (of 8) holds its dQ accumulators at
+// kWarpFloats w in register order, registers 4 j .. 4 j + 3 of lane l at
+// 128 j + 4 l. By the wgmma accumulator layout (m64nNk16) these are (row, c),
+// (row, c + 1), (row + 8, c), (row + 8, c + 1) with row = its row group's
+// first + 16 (w % 4) + l / 4 and c = its feature group's first + 8 j + 2 (l % 4).
+template <int kFeatures>
 struct DqBlocks {
-  static constexpr int kRows = 64, kFeatures = 128, kQuads = kRows * kFeatures / 4;
+  static constexpr int kRows = dkv_sm90_block_m(kFeatures);
+  static constexpr int kRowGroups = kRows / 64, kColGroups = 2 / kRowGroups;
+  static constexpr int kGroupCols = kFeatures / kColGroups;
+  static constexpr int kWarpFloats = 16 * kGroupCols;  // 64 x kGroupCols over a warpgroup's 4 warps
+  static constexpr int kQuads = kRows * kFeatures / 4;
+  static_assert(kRowGroups * kColGroups == 2, "two warpgroups");
   // Quad q (4 floats) of a block: its first row and feature, the second pair 8 rows below.
   __device__ static void quad(int q, int* row, int* col) {
-    const int w = q / 256, j = q % 256 / 32, l = q % 32;
-    *row = 16 * (w % 4) + l / 4;
-    *col = 64 * (w / 4) + 8 * j + 2 * (l % 4);
+    const int w = q / (kWarpFloats / 4), j = q % (kWarpFloats / 4) / 32, l = q % 32, g = w / 4;
+    *row = 64 * (g % kRowGroups) + 16 * (w % 4) + l / 4;
+    *col = kGroupCols * (g / kRowGroups) + 8 * j + 2 * (l % 4);
   }
 };
 
@@ -125,10 +134,11 @@ template <class Element_, int kHeadDim_>
 struct DkvSm90Config {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockN = kDkvSm90BlockN;  // keys a CTA, 64 a warpgroup
-  static constexpr int kBlockM = kDkvSm90BlockM;  // queries a step
+  static constexpr int kBlockN = kDkvSm90BlockN;              // keys a CTA, 64 a warpgroup
+  static constexpr int kBlockM = dkv_sm90_block_m(kHeadDim);  // queries a step
   static constexpr int kThreads = 256;
-  static_assert(kHeadDim == kDkvSm90HeadDim, "tiles sized for head dim 128");
+  static_assert(sm90_head_dim(kHeadDim), "a head dim of the Hopper kernels");
+  using Dq = DqBlocks<kHeadDim>;
 
   // K-major 128-byte swizzled tiles (rows of 64 elements), as wgmma reads them;
   // the transposed views (feature or key, row) are the MN-major operands.
@@ -143,30 +153,34 @@ struct DkvSm90Config {
   using LayoutDsT = decltype(cute::composition(
       LayoutDs{}, cute::make_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
 
-  // S^T, dP^T: 128 keys x 64 queries, a warpgroup 64 keys. dK, dV: 128 keys x
-  // D, A from registers. dQ: 64 queries x D, a warpgroup D / 2 features.
-  using OverRows = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;      // warpgroups over the rows
-  using OverColumns = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;  // ... over the columns
+  // S^T, dP^T: 128 keys x kBlockM queries, a warpgroup 64 keys. dK, dV: 128
+  // keys x D, A from registers. dQ: kBlockM queries x D, the warpgroups as
+  // DqBlocks lays them out.
+  using OverRows = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;  // warpgroups over the rows
+  using DqGroups = cute::Layout<cute::Shape<cute::Int<Dq::kRowGroups>, cute::Int<Dq::kColGroups>, cute::_1>>;
   using MmaSdp = WgmmaSS<Element, 64, kBlockM, kHeadDim, OverRows>;
   using MmaDkv = WgmmaRS<Element, 64, kHeadDim, kBlockM, OverRows, cute::GMMA::Major::MN>;
-  using MmaDq = WgmmaSS<Element, 64, kHeadDim / 2, kBlockN, OverColumns, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
+  using MmaDq = WgmmaSS<Element, 64, Dq::kGroupCols, kBlockN, DqGroups, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
 
   static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
-  // K, V, two buffers of Q and dO (a buffer two TMA boxes of 64 features), two
-  // of dS^T, one of dQ (float32, DqBlocks), two of the step's row statistics
-  // (16 bytes a query), then 16 bytes a key: its index, its piece's info
-  // (KeyPieces) and its rows in the current selection head (key groups), and
-  // the barriers of the two Q / dO buffers.
+  // K, V, two buffers of Q and dO (a buffer D / 64 TMA boxes of 64 features),
+  // two of dS^T, one of dQ (float32, DqBlocks), two of the step's row
+  // statistics (16 bytes a query), then 16 bytes a key: its index, its
+  // piece's info (KeyPieces) and its rows in the current selection head (key
+  // groups), and the barriers of the two Q / dO buffers.
   static constexpr int kTxBytes = 2 * kQElems * int(sizeof(Element));
   static constexpr int kDsAt = (2 * kKvElems + 4 * kQElems) * int(sizeof(Element));
   static constexpr int kDqAt = kDsAt + 2 * kDsElems * int(sizeof(Element));
-  static_assert(kBlockM == 64, "a row of dS^T is one 128-byte swizzle atom row (sw128_offset)");
+  // dS^T (key, query) as 128-byte swizzle atoms of 64 queries, one after
+  // another along the queries (sw128_offset within one).
+  static constexpr int kDsAtomBytes = kBlockN * 128;
+  static_assert(kBlockM % 64 == 0, "rows of dS^T are whole 128-byte swizzle atom rows");
   static constexpr int kStatsAt = kDqAt + kQElems * int(sizeof(float));
   static constexpr int kKeysAt = kStatsAt + 2 * 16 * kBlockM;
   static constexpr int kBarriersAt = kKeysAt + 16 * kBlockN;
   static constexpr int kSmemBytes = kBarriersAt + 2 * 8;
   static_assert(kBlockN == kKeyGroupKeys, "a top-k key group is one CTA");
-  static_assert(kBlockM == DqBlocks::kRows && kHeadDim == DqBlocks::kFeatures, "a step's dQ is one DqBlocks block");
+  static_assert(kBlockM == Dq::kRows, "a step's dQ is one DqBlocks block");
 };
 
 // The TMA descriptors of Q and dO: (feature, row, head, batch), boxes of 64

@@ -3,11 +3,12 @@
 // bulk reductions. The dispatch plans it where it applies (dispatch.cu
 // dkv_sm90_applies: an sm_90a device, TMA can address Q and dO); everything
 // else (masks without top-k intervals, top-k thresholds, softcap, varlen,
-// deterministic dq, other head dims, dbias other than key-only) runs
-// backward_kernel<.., true> (bwd/kernel_sm80.cuh).
+// deterministic dq, head dims other than 64 and 128, dbias other than
+// key-only) runs backward_kernel<.., true> (bwd/kernel_sm80.cuh).
 //
 // One CTA of two warpgroups owns 128 keys of one (batch, kv head), 64 a
-// warpgroup, and walks 64-query steps over the G query heads of the group
+// warpgroup, and walks steps of kBlockM queries (64 at D = 128, 128 at
+// D = 64: heuristics.h) over the G query heads of the group
 // (heads outermost, the causal / window range of query blocks inside). Top-k
 // key groups (BackwardParams::group_rows): the 128 keys are a group's entries
 // of key_order (rows of absent keys zero), the query range the group's rows,
@@ -16,10 +17,11 @@
 // backward_kernel; kKeyGroups compiles that walk apart from the dense one (in
 // one kernel both, at 1335552 ptxas spilled 160 bytes instead of 80 and 88,
 // and the dense backward took 10% longer). A step:
-//   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x 64 a warpgroup)
+//   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x kBlockM a warpgroup)
 //   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
 //   dQ   = dS K                      (dS^T through shared memory, 64 queries x
-//                                     D / 2 features a warpgroup; after the
+//                                     D / 2 features or 64 queries x D a
+//                                     warpgroup: DqBlocks; after the
 //                                     step's one barrier, where one thread issues
 //                                     the TMA copies of the next step's Q, dO and
 //                                     row statistics into the other buffer), then
@@ -172,7 +174,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // its warp's 16), pairs of adjacent queries; dS^T goes to shared memory by
   // 32-bit addresses (a swizzled CuTe pointer computes 64-bit generic ones).
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
-  constexpr int kAccS = decltype(size(cS))::value;  // 32: (2 queries, 2 keys, 8 query groups)
+  constexpr int kAccS = decltype(size(cS))::value;  // (2 queries, 2 keys, kBlockM / 8 query groups)
   const int my_key[2] = {get<0>(cS(0)), get<0>(cS(2))};
   // The key of the thread's row my_key[half] (-1: none).
   auto thread_key = [&](int half) -> std::int64_t {
@@ -266,7 +268,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       gradients(std::false_type{});
 
     // P^T and dS^T in Element, in the A-operand layout of the dK / dV MMAs (the
-    // accumulator's 8 query groups are 4 k-slices of 16), and dS^T to shared memory.
+    // accumulator's kBlockM / 8 query groups are kBlockM / 16 k-slices of 16),
+    // and dS^T to shared memory: pair e is in the swizzle atom of queries
+    // 64 (e / 32) .. + 63 (8 query groups an atom).
     constexpr int kSlices = kBlockM / 16;
     using ARegs = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kSlices>>>;
     Tensor rP = make_tensor<Element>(ARegs{});
@@ -280,7 +284,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < kAccS; e += 2)
       *reinterpret_cast<std::uint32_t*>(smem + Config::kDsAt + buf * Config::kDsElems * int(sizeof(Element)) +
-                                        sw128_offset(get<0>(cS(e)), get<1>(cS(e)))) = ds_pairs[e / 2];
+                                        e / 32 * Config::kDsAtomBytes +
+                                        sw128_offset(get<0>(cS(e)), get<1>(cS(e)) - e / 32 * 64)) = ds_pairs[e / 2];
 
     // dQ first: its store and reduction then overlap the dK and dV MMAs.
     fence_async_shared();
@@ -304,19 +309,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
     // The warp's part of the DqBlocks block: registers in order, then one bulk
     // reduction into dq_acc by lane 0.
-    float* dq_warp = dq_smem + warp * 1024;
-    static_assert(decltype(size(acc_dq))::value == 32, "a thread's dQ is 8 words of 4 floats");
+    constexpr int kWarpFloats = Config::Dq::kWarpFloats;
+    float* dq_warp = dq_smem + warp * kWarpFloats;
+    static_assert(decltype(size(acc_dq))::value * 32 == kWarpFloats, "a thread's dQ is words of 4 floats");
     if (lane == 0) tma_store_wait<0>();  // the previous step's reduction has read the buffer
     __syncwarp();
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kWarpFloats / 128; ++j)
       *reinterpret_cast<float4*>(dq_warp + 128 * j + 4 * lane) =
           make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
     fence_async_shared();
     __syncwarp();
     if (lane == 0) {
-      bulk_reduce_add(p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems + warp * 1024,
-                      dq_warp, 1024 * int(sizeof(float)));
+      bulk_reduce_add(p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems + warp * kWarpFloats,
+                      dq_warp, kWarpFloats * int(sizeof(float)));
       tma_store_arrive();
     }
     warpgroup_wait<0>();

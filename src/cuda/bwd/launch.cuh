@@ -24,10 +24,10 @@
 namespace dmattn::cuda {
 
 // The TMA descriptors of the Hopper dk/dv kernel (the plan checked that TMA
-// can address Q and dO); the other instantiations have none.
+// can address Q and dO); the instantiations of other head dims have none.
 template <class Element, int kHeadDim>
 DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch) {
-  if constexpr (kHeadDim != kDkvSm90HeadDim) {
+  if constexpr (!sm90_head_dim(kHeadDim)) {
     throw std::logic_error("dmattn: the Hopper dk/dv kernel planned for head dim " + std::to_string(kHeadDim));
   } else {
     using Config = DkvSm90Config<Element, kHeadDim>;
@@ -48,7 +48,7 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
     backward_kernel<Config, true><<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
     return cudaGetLastError();
   }
-  if constexpr (kHeadDim == kDkvSm90HeadDim) {
+  if constexpr (sm90_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
     auto kernel =
         plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, true> : dkv_kernel_sm90<Config, false>;
@@ -73,9 +73,9 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
 
   std::uint8_t* dkv_tiles = nullptr;
   cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&p.query_stats), static_cast<std::size_t>(4 * rows + 1) * 4, stream);
-  // dq_acc: room for either layout (finish_dq), rows of (b, h) padded to DqBlocks::kRows.
-  const std::int64_t dq_elements =
-      std::int64_t{batch} * p.heads * ((p.seqlen_q + DqBlocks::kRows - 1) / DqBlocks::kRows * DqBlocks::kRows) * kHeadDim;
+  // dq_acc: room for either layout (finish_dq), rows of (b, h) padded to DqBlocks' rows.
+  constexpr std::int64_t kDqRows = DqBlocks<kHeadDim>::kRows;
+  const std::int64_t dq_elements = std::int64_t{batch} * p.heads * ((p.seqlen_q + kDqRows - 1) / kDqRows * kDqRows) * kHeadDim;
   if (err == cudaSuccess && p.atomic_dq) {
     err = cudaMallocAsync(reinterpret_cast<void**>(&p.dq_acc), static_cast<std::size_t>(dq_elements) * 4, stream);
     if (err == cudaSuccess) err = cudaMemsetAsync(p.dq_acc, 0, static_cast<std::size_t>(dq_elements) * 4, stream);
@@ -90,7 +90,8 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
     }
   }
   if (err == cudaSuccess && rows > 0) {
-    row_stats<Element><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p, batch);
+    constexpr int kRowsABlock = RowStatsLanes<kHeadDim>::kBlockRows;
+    row_stats<Element, kHeadDim><<<static_cast<unsigned>((rows + kRowsABlock - 1) / kRowsABlock), 256, 0, stream>>>(p, batch);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess && p.selection_ready != nullptr) err = cudaStreamWaitEvent(stream, p.selection_ready, 0);

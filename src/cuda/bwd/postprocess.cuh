@@ -58,8 +58,9 @@ __global__ void __launch_bounds__(256) zero_unselected(const BackwardParams p, i
 // DqBlocks).
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) finish_dq(const BackwardParams p, int batch) {
+  using Blocks = DqBlocks<kHeadDim>;
   constexpr int kQuads = kHeadDim / 4;
-  const std::int64_t rows = p.dq_blocks ? (p.seqlen_q + DqBlocks::kRows - 1) / DqBlocks::kRows * DqBlocks::kRows : p.seqlen_q;
+  const std::int64_t rows = p.dq_blocks ? (p.seqlen_q + Blocks::kRows - 1) / Blocks::kRows * Blocks::kRows : p.seqlen_q;
   const std::int64_t head_quads = rows * kQuads, quads = std::int64_t{batch} * p.heads * head_quads;
   for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < quads;
        e += std::int64_t{gridDim.x} * blockDim.x) {
@@ -70,8 +71,8 @@ __global__ void __launch_bounds__(256) finish_dq(const BackwardParams p, int bat
     int col[2];
     if (p.dq_blocks) {
       int row = 0, c = 0;
-      DqBlocks::quad(static_cast<int>(at % DqBlocks::kQuads), &row, &c);
-      i[0] = at / DqBlocks::kQuads * DqBlocks::kRows + row, i[1] = i[0] + 8;
+      Blocks::quad(static_cast<int>(at % Blocks::kQuads), &row, &c);
+      i[0] = at / Blocks::kQuads * Blocks::kRows + row, i[1] = i[0] + 8;
       col[0] = col[1] = c;
     } else {
       i[0] = i[1] = at / kQuads;

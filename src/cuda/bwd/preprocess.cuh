@@ -14,25 +14,52 @@ namespace dmattn::cuda {
 // (spacing 2^-11 here): the dq kernel recomputes max and sum of such rows.
 constexpr float kLseExact = 4096.0f;
 
-// One warp per (b, h, query row): delta = <do, o> in float32, and the row
-// statistics from lse (max = lse, inv = 1; 0 and 0 for a row with no
-// allowed key, lse = -inf); sets *huge_rows where |lse| exceeds kLseExact.
-template <class Element>
+// The lanes of row_stats: kLanes a row (16-byte chunks of 8 elements, the
+// head dim's chunks rounded up to a power of two, at most 32), kRows rows a
+// warp, 8 warps a block.
+template <int kHeadDim>
+struct RowStatsLanes {
+  static constexpr int kChunks = (kHeadDim + 7) / 8;
+  static constexpr int kLanes = kChunks >= 32 ? 32 : kChunks > 8 ? 16 : kChunks > 4 ? 8 : kChunks > 2 ? 4 : kChunks;
+  static constexpr int kRows = 32 / kLanes, kBlockRows = 8 * kRows;
+  static_assert(kLanes * kRows == 32, "whole rows a warp");
+};
+
+// kLanes lanes per (b, h, query row): delta = <do, o> in float32 (16-byte
+// loads where BackwardParams::vector_rows), and the row statistics from lse
+// (max = lse, inv = 1; 0 and 0 for a row with no allowed key, lse = -inf);
+// sets *huge_rows where |lse| exceeds kLseExact.
+template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) row_stats(const BackwardParams p, int batch) {
-  const std::int64_t row = std::int64_t{blockIdx.x} * 8 + threadIdx.x / 32;  // (b * H + h) * seqlen_q + i
-  if (row >= std::int64_t{batch} * p.heads * p.seqlen_q) return;
+  using Lanes = RowStatsLanes<kHeadDim>;
+  const int lane = threadIdx.x % 32, part = lane % Lanes::kLanes;
+  // (b * H + h) * seqlen_q + i
+  const std::int64_t row = std::int64_t{blockIdx.x} * Lanes::kBlockRows + threadIdx.x / Lanes::kLanes;
   const std::int64_t i = row % p.seqlen_q;
   const int h = static_cast<int>(row / p.seqlen_q % p.heads), b = static_cast<int>(row / p.seqlen_q / p.heads);
-  const Sequence s(p, b);
-  if (i >= s.sq) return;
-  const int lane = threadIdx.x % 32;
-  const auto* o = static_cast<const Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (s.qs + i) * p.out.sr;
-  const auto* dout = static_cast<const Element*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + (s.qs + i) * p.dout.sr;
+  const bool valid = row < std::int64_t{batch} * p.heads * p.seqlen_q;
+  const Sequence s(p, valid ? b : 0);
+  const bool live = valid && i < s.sq;
   float dot = 0.0f;
-  for (int col = lane; col < p.head_dim; col += 32) dot += static_cast<float>(o[col]) * static_cast<float>(dout[col]);
+  if (live) {
+    const auto* o = static_cast<const Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (s.qs + i) * p.out.sr;
+    const auto* dout = static_cast<const Element*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + (s.qs + i) * p.dout.sr;
+    if (p.vector_rows) {
+      for (int col = 8 * part; col < p.head_dim; col += 8 * Lanes::kLanes) {
+        const uint4 a = *reinterpret_cast<const uint4*>(o + col), d = *reinterpret_cast<const uint4*>(dout + col);
+        const auto* x = reinterpret_cast<const Element*>(&a);
+        const auto* y = reinterpret_cast<const Element*>(&d);
 #pragma unroll
-  for (int m = 16; m > 0; m /= 2) dot += __shfl_xor_sync(0xffffffff, dot, m);
-  if (lane != 0) return;
+        for (int e = 0; e < 8; ++e) dot += static_cast<float>(x[e]) * static_cast<float>(y[e]);
+      }
+    } else {
+      for (int col = part; col < p.head_dim; col += Lanes::kLanes)
+        dot += static_cast<float>(o[col]) * static_cast<float>(dout[col]);
+    }
+  }
+#pragma unroll
+  for (int m = Lanes::kLanes / 2; m > 0; m /= 2) dot += __shfl_xor_sync(0xffffffff, dot, m);
+  if (!live || part != 0) return;
   const float lse = static_cast<const float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (s.qs + i) * p.lse.sr];
   const bool empty = lse == -INFINITY;
   reinterpret_cast<float4*>(p.query_stats)[row] = make_float4(empty ? 0.0f : lse, empty ? 0.0f : 1.0f, dot, 0.0f);

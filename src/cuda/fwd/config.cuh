@@ -1,7 +1,7 @@
 // The forward kernels' configurations: tile shapes, shared-memory layouts and
 // sizes of the sm80-class kernel (fwd/kernel_sm80.cuh; a 128-row and a 64-row
-// tile) and of the Hopper kernel (fwd/kernel_sm90.cuh), from heuristics.h. The
-// dispatch reads their sizes without instantiating a kernel.
+// tile) and of the Hopper kernel (fwd/kernel_sm90.cuh, D = 64 and 128), from
+// heuristics.h. The dispatch reads their sizes without instantiating a kernel.
 #pragma once
 
 #include <cuda.h>
@@ -59,9 +59,11 @@ template <class Element_, int kHeadDim_>
 struct ForwardSm90Config {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kForwardSm90BlockM;  // query rows a CTA, 64 a warpgroup
-  static constexpr int kBlockN = kForwardSm90BlockN;  // keys a tile
+  static constexpr int kBlockM = kForwardSm90BlockM;              // query rows a CTA, 64 a warpgroup
+  static constexpr int kBlockN = forward_sm90_block_n(kHeadDim);  // keys a tile
+  static constexpr int kCtasPerSm = forward_sm90_ctas_per_sm(kHeadDim);  // the register budget's launch bound
   static constexpr int kThreads = 256;
+  static_assert(kBlockM == 128 && sm90_head_dim(kHeadDim), "two warpgroups of 64 rows, a head dim of the Hopper kernels");
 
   using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
   using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
@@ -76,18 +78,16 @@ struct ForwardSm90Config {
   using MmaO = WgmmaRS<Element, 64, kHeadDim, kBlockN, TwoWarpgroups, cute::GMMA::Major::MN>;
 
   static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
-  static constexpr int kTileBytes = kKvElems * int(sizeof(Element));
   // Q, two buffers of K, two of V, two of the key-only bias (floats), then the
   // barriers of Q, the K buffers and the V buffers.
   static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
   static constexpr int kBarriersAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
   static constexpr int kSmemBytes = kBarriersAt + 5 * 8;
-  static_assert(kBlockM == kBlockN, "Q and K / V tiles share their TMA box");
-  static_assert(kHeadDim == kForwardSm90HeadDim, "tiles sized for head dim 128");
 };
 
 // The TMA descriptors of Q, K and V: (feature, row, head, batch), boxes of 64
-// features x 128 rows, 128-byte swizzled as the tiles' atoms.
+// features x kBlockM (Q) or kBlockN (K, V) rows, 128-byte swizzled as the
+// tiles' atoms.
 struct ForwardSm90Maps {
   CUtensorMap q, k, v;
 };

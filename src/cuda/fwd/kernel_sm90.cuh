@@ -1,5 +1,5 @@
-// The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the dense 128-row
-// query blocks of head dim 128 without split-KV, varlen or a mask / top-k
+// The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the dense query
+// blocks of head dims 64 and 128 without split-KV, varlen or a mask / top-k
 // selection, with no bias or a key-only one, and softcap. The dispatch
 // plans it where it applies (dispatch.cu forward_sm90_applies: an sm_90a
 // device, TMA can address Q, K and V); everything else (decode tiles,
@@ -7,7 +7,8 @@
 // forward_kernel (fwd/kernel_sm80.cuh).
 //
 // One CTA of two warpgroups owns 128 query rows, 64 a warpgroup, and walks key
-// tiles of 128 (the last first, as forward_kernel). Tile i's S = Q K^T is
+// tiles of kBlockN (the last first, as forward_kernel): 128 at D = 128; 64 at
+// D = 64, where two CTAs share an SM (heuristics.h). Tile i's S = Q K^T is
 // issued together with the previous tile's O += P V, so that the softmax of
 // tile i runs while the tensor cores do P V of tile i - 1:
 //   iteration i:  S_i = Q K_i^T  and  O += P_{i-1} V_{i-1}   (both in flight)
@@ -38,7 +39,7 @@
 namespace dmattn::cuda {
 
 template <class Config>
-__global__ void __launch_bounds__(Config::kThreads, 1)
+__global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     forward_kernel_sm90(const __grid_constant__ ForwardParams p, const __grid_constant__ ForwardSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
@@ -69,11 +70,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   auto stage_vt = [&](int s) {
     return make_tensor(make_smem_ptr(v_smem + s * Config::kKvElems), typename Config::LayoutVt{});
   };
-  // One tile of 128 rows from row `row` of `map` into dst, completing on `bar`
-  // (thread 0).
-  auto load = [&](const CUtensorMap* map, std::uint64_t* bar, Element* dst, std::int64_t row, int head) {
-    Barrier::arrive_and_expect_tx(bar, Config::kTileBytes);
-    tma_load_rows<kBlockN, kHeadDim>(bar, static_cast<int>(row), head, b, std::pair{map, dst});
+  // One tile of `rows` (kBlockM for Q, kBlockN for K and V) from row `row` of
+  // `map` into dst, completing on `bar` (thread 0).
+  auto load = [&](auto rows, const CUtensorMap* map, std::uint64_t* bar, Element* dst, std::int64_t row, int head) {
+    constexpr int kRows = decltype(rows)::value;
+    Barrier::arrive_and_expect_tx(bar, kRows * kHeadDim * int(sizeof(Element)));
+    tma_load_rows<kRows, kHeadDim>(bar, static_cast<int>(row), head, b, std::pair{map, dst});
   };
 
   const int tid = threadIdx.x, lane = tid % 32;
@@ -99,7 +101,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // The thread's (row, key) of S: two rows (r and r + 8 of its warp's 16),
   // pairs of adjacent keys, 16 groups of 8 keys; element e = c + 2 half + 4 j.
   Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  constexpr int kAccS = decltype(size(cS))::value;  // 64
+  constexpr int kAccS = decltype(size(cS))::value;  // kBlockN / 2
   const int my_row[2] = {get<0>(cS(0)), get<0>(cS(2))}, col_base = get<1>(cS(0));
 
   // The logit l is x * unit, x: with neither softcap nor bias the raw product
@@ -130,8 +132,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   }
   __syncthreads();
   if (tid == 0 && tiles > 0) {
-    load(&maps.q, q_full, q_smem, row0, h);
-    load(&maps.k, &k_full[0], k_smem, std::int64_t{tile_of(0)} * kBlockN, hk);
+    load(Int<kBlockM>{}, &maps.q, q_full, q_smem, row0, h);
+    load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, std::int64_t{tile_of(0)} * kBlockN, hk);
   }
   if (tiles > 0) {
     store_bias(0, fetch_bias(tile_of(0)));
@@ -144,8 +146,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     __syncthreads();  // tile i's bias is staged; every thread is done with iteration i - 1
     // K_{i+1} and V_i, into the buffers that S_{i-1} and P V_{i-2} used.
     if (tid == 0) {
-      if (i + 1 < tiles) load(&maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, std::int64_t{n - 1} * kBlockN, hk);
-      load(&maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, std::int64_t{n} * kBlockN, hk);
+      if (i + 1 < tiles)
+        load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, std::int64_t{n - 1} * kBlockN, hk);
+      load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, std::int64_t{n} * kBlockN, hk);
     }
     Barrier::wait(&k_full[buf], (i >> 1) & 1);
 

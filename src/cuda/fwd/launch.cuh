@@ -51,10 +51,10 @@ int ForwardInstance<Element, kHeadDim>::ctas_per_sm(ForwardKernel kernel) {
 }
 
 // The TMA descriptors of the Hopper forward (the plan checked that TMA can
-// address Q, K and V); the sm80 kernel's instantiations have none.
+// address Q, K and V); the instantiations of other head dims have none.
 template <class Element, int kHeadDim>
 ForwardSm90Maps forward_sm90_maps(const ForwardParams& p) {
-  if constexpr (kHeadDim != kForwardSm90HeadDim) {
+  if constexpr (!sm90_head_dim(kHeadDim)) {
     throw std::logic_error("dmattn: the Hopper forward planned for head dim " + std::to_string(kHeadDim));
   } else {
     using Config = ForwardSm90Config<Element, kHeadDim>;
@@ -76,7 +76,7 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
   };
   switch (plan.kernel) {
     case ForwardKernel::kSm90:
-      if constexpr (kHeadDim == kForwardSm90HeadDim) {
+      if constexpr (sm90_head_dim(kHeadDim)) {
         using Config = ForwardSm90Config<Element, kHeadDim>;
         auto kernel = forward_kernel_sm90<Config>;
         const cudaError_t err =
