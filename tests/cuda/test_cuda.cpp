@@ -11,13 +11,13 @@
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "check.h"
 #include "device.h"
+#include "harness.h"
 
 namespace dmattn_gpu_test {
 
@@ -85,29 +85,11 @@ void check_one(const char* name, Outcome (*runner)(Rng&)) {
   EXPECT_TRUE(r.pass) << r.detail;
 }
 
-// Sets the emulation settings (src/cuda/dispatch.h DeviceInfo) for a scope:
-// the dispatch reads them at every call.
-class Setting {
- public:
-  Setting(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~Setting() {
-    if (old_)
-      setenv(name_, old_->c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
-
-// An invalid emulation setting is refused naming the variable; a shared-memory
+// An invalid emulation setting (src/cuda/dispatch.h DeviceInfo: the dispatch
+// reads them at every call) is refused naming the variable; a shared-memory
 // cap below what the kernels need refuses the call naming the cap.
 TEST(FullEmulation, SettingsAreChecked) {
+  using dmattn_test::ScopedEnv;
   if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
   HostTensor q(DType::kBFloat16, {1, 16, 1, 64}), out(DType::kBFloat16, {1, 16, 1, 64}), lse(DType::kFloat32, {1, 1, 16});
   q.fill([](std::int64_t i) { return 0.01 * static_cast<double>(i % 7); });
@@ -127,18 +109,18 @@ TEST(FullEmulation, SettingsAreChecked) {
     ADD_FAILURE() << "not refused: " << argument << " " << needle;
   };
   for (const char* bad : {"abc", "0", "-5", " 99", "99KiB", "1.5", "99999999999999999999"}) {
-    const Setting limit("DMATTN_SMEM_LIMIT", bad);
+    const ScopedEnv limit("DMATTN_SMEM_LIMIT", bad);
     refused("DMATTN_SMEM_LIMIT", dmattn::Error::Kind::kValue, bad);
   }
   for (const char* bad : {"yes", "2", "true"}) {
-    const Setting portable("DMATTN_PORTABLE", bad);
+    const ScopedEnv portable("DMATTN_PORTABLE", bad);
     refused("DMATTN_PORTABLE", dmattn::Error::Kind::kValue, bad);
   }
   {
-    const Setting limit("DMATTN_SMEM_LIMIT", "1");
+    const ScopedEnv limit("DMATTN_SMEM_LIMIT", "1");
     refused("q.shape[-1]", dmattn::Error::Kind::kUnsupported, "1024 bytes of shared memory a block (DMATTN_SMEM_LIMIT)");
   }
-  const Setting limit("DMATTN_SMEM_LIMIT", "99"), portable("DMATTN_PORTABLE", "1");
+  const ScopedEnv limit("DMATTN_SMEM_LIMIT", "99"), portable("DMATTN_PORTABLE", "1");
   forward();
   check_cuda(cudaDeviceSynchronize(), "forward at a 99 KiB cap");
 }
