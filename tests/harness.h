@@ -3,6 +3,7 @@
 // comparison with the oracle under the accuracy rule of SPEC section 5.
 #pragma once
 
+#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <string>
@@ -15,6 +16,30 @@
 #include "tensor.h"
 
 namespace dmattn_test {
+
+// Sets an environment variable (unsets it: nullopt) for a scope, restoring it after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::optional<std::string>& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value)
+      setenv(name, value->c_str(), 1);
+    else
+      unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (old_)
+      setenv(name_, old_->c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
 
 // How bias values are drawn.
 enum class Values {

@@ -64,28 +64,6 @@ TEST_P(Backward, KeyConstantBiasHasExactlyZeroGradient) {
   }
 }
 
-// Sets DMATTN_NUM_THREADS (read by the CPU backend on every call) for a scope.
-class ThreadCount {
- public:
-  explicit ThreadCount(std::optional<int> n) {
-    if (const char* old = std::getenv(kVar)) old_ = old;
-    if (n)
-      setenv(kVar, std::to_string(*n).c_str(), 1);
-    else
-      unsetenv(kVar);
-  }
-  ~ThreadCount() {
-    if (old_)
-      setenv(kVar, old_->c_str(), 1);
-    else
-      unsetenv(kVar);
-  }
-
- private:
-  static constexpr const char* kVar = "DMATTN_NUM_THREADS";
-  std::optional<std::string> old_;
-};
-
 // dk, dv and dbias are bitwise reproducible, dq too with deterministic = true,
 // whatever the thread count.
 TEST_P(Backward, BitwiseDeterministic) {
@@ -102,7 +80,8 @@ TEST_P(Backward, BitwiseDeterministic) {
     for (std::optional<int> threads : {std::optional<int>{}, std::optional<int>{1}, std::optional<int>{3},
                                        std::optional<int>{1}}) {
       SCOPED_TRACE("DMATTN_NUM_THREADS=" + (threads ? std::to_string(*threads) : std::string("unset")));
-      const ThreadCount scope(threads);
+      const ScopedEnv scope("DMATTN_NUM_THREADS",  // read by the CPU backend on every call
+                            threads ? std::optional<std::string>(std::to_string(*threads)) : std::nullopt);
       Results r = forward;
       run_backward(in, r);
       if (!first) {

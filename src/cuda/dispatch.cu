@@ -15,14 +15,19 @@
 //                  sm80 kSm80         everything else
 //   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
 //                  intervals (Problem::topk_by_intervals) or per-row thresholds
+//   backward tiles the large tile of the sm80 dq and dk/dv kernels where its CTA fits the device's
+//                  opt-in shared memory, else the small one (sized for sm_86's 99 KiB)
 //   refused        compute capability below 8.0; D above the largest compiled head dim; a backward
 //                  at a compiled head dim without one; a kernel's shared memory above the device's
+//   emulation      DMATTN_SMEM_LIMIT caps the device's shared memory, DMATTN_PORTABLE=1 turns the
+//                  Hopper kernels off (dispatch.h DeviceInfo)
 #include "dispatch.h"
 
 #include <cutlass/numeric_types.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -65,6 +70,36 @@ DeviceInfo query_device(int device) {
   return info;
 }
 
+// An emulation setting (dispatch.h DeviceInfo): the environment variable's
+// value, or nullptr where it is unset or empty.
+const char* setting(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : nullptr;
+}
+
+// A device's attributes under the emulation settings.
+DeviceInfo emulate(DeviceInfo info) {
+  if (const char* limit = setting("DMATTN_SMEM_LIMIT")) {
+    char* end = nullptr;
+    const long kib = limit[0] >= '0' && limit[0] <= '9' ? std::strtol(limit, &end, 10) : 0;
+    if (end == nullptr || *end != '\0' || kib < 1 || kib > (1 << 20))
+      throw Error(Error::Kind::kValue, "DMATTN_SMEM_LIMIT",
+                  "the shared memory a block may use in KiB, a whole number from 1 to 1048576 (e.g. 99: sm_86 / "
+                  "sm_89, 163: sm_80)",
+                  std::string("'") + limit + "'");
+    const int bytes = static_cast<int>(kib * 1024);
+    info.smem_capped = bytes < info.smem_optin;
+    info.smem_optin = std::min(info.smem_optin, bytes);
+  }
+  if (const char* portable = setting("DMATTN_PORTABLE")) {
+    const std::string value = portable;
+    if (value != "0" && value != "1")
+      throw Error(Error::Kind::kValue, "DMATTN_PORTABLE", "0 or 1 (1: the sm80-class kernels only)", "'" + value + "'");
+    if (value == "1") info.sm90a = false;
+  }
+  return info;
+}
+
 // ---- The compiled instantiations ------------------------------------------
 
 // One compiled head dim (DMATTN_HEAD_DIMS): its launchers by dtype (fp16,
@@ -75,7 +110,8 @@ struct Instance {
   int (*ctas_per_sm[2])(ForwardKernel) = {};
   int forward_smem = 0, decode_smem = 0;  // bytes of shared memory of a CTA of kSm80 and kSm80Decode
   BackwardRun backward[2] = {};           // none: this head dim has no backward (backward_compiled)
-  int backward_smem = 0;                  // of a CTA of the sm80 dq and dk/dv kernels
+  // Bytes of shared memory of a CTA of the sm80 dq and dk/dv kernels: large tile, small tile.
+  int dq_smem[2] = {}, dkv_smem[2] = {};
   // Of a CTA of the Hopper forward and dk/dv kernels; 0: none at this head
   // dim (sm90_head_dim).
   int forward_sm90_smem = 0, dkv_sm90_smem = 0;
@@ -95,7 +131,10 @@ Instance make_instance() {
   if constexpr (backward_compiled(kHeadDim)) {
     i.backward[0] = &BackwardInstance<half_t, kHeadDim>::run;
     i.backward[1] = &BackwardInstance<bfloat16_t, kHeadDim>::run;
-    i.backward_smem = BackwardConfig<half_t, kHeadDim>::kSmemBytes;
+    i.dq_smem[0] = BackwardKernelConfig<half_t, kHeadDim, false, false>::kSmemBytes;
+    i.dq_smem[1] = BackwardKernelConfig<half_t, kHeadDim, false, true>::kSmemBytes;
+    i.dkv_smem[0] = BackwardKernelConfig<half_t, kHeadDim, true, false>::kSmemBytes;
+    i.dkv_smem[1] = BackwardKernelConfig<half_t, kHeadDim, true, true>::kSmemBytes;
   }
   if constexpr (sm90_head_dim(kHeadDim)) {
     i.forward_sm90_smem = ForwardSm90Config<half_t, kHeadDim>::kSmemBytes;
@@ -129,13 +168,24 @@ void check_arch(const DeviceInfo& device, const Problem& p) {
 }
 
 // A kernel's CTA must fit the device's shared memory.
-void check_smem(int bytes, const DeviceInfo& device, const Problem& p, const Instance& i, const char* direction) {
+void check_smem(int bytes, const DeviceInfo& device, const Problem& p, const Instance& i, const char* direction,
+                const char* kernel) {
   if (bytes > device.smem_optin)
     throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
                 std::string("a head dim whose CUDA ") + direction + " fits in " + std::to_string(device.smem_optin) +
-                    " bytes of shared memory a block",
-                std::to_string(p.head_dim) + " (compiled head dim " + std::to_string(i.head_dim) + ": " +
-                    std::to_string(bytes) + " bytes)");
+                    " bytes of shared memory a block (" +
+                    (device.smem_capped ? "DMATTN_SMEM_LIMIT" : "this GPU's opt-in limit") + ")",
+                std::to_string(p.head_dim) + " (compiled head dim " + std::to_string(i.head_dim) + ": its " + kernel +
+                    " needs " + std::to_string(bytes) + " bytes)");
+}
+
+// The small tile of a backward kernel (true) where the large one's CTA does
+// not fit the device's shared memory; kUnsupported where neither fits.
+bool small_tile(const int (&bytes)[2], const DeviceInfo& device, const Problem& p, const Instance& i,
+                const char* kernel) {
+  if (bytes[0] <= device.smem_optin) return false;
+  check_smem(bytes[1], device, p, i, "backward", kernel);
+  return true;
 }
 
 // ---- Problem -> kernel parameters -----------------------------------------
@@ -246,20 +296,24 @@ int dtype_index(const Problem& p) { return p.q.dtype == DType::kBFloat16 ? 1 : 0
 
 }  // namespace
 
-const DeviceInfo& device_info(int device) {
+DeviceInfo device_info(int device) {
   static std::mutex mutex;
   static std::vector<std::unique_ptr<DeviceInfo>> known;  // by device index, queried once
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (known.size() <= static_cast<std::size_t>(device)) known.resize(device + 1);
-  if (known[device] == nullptr) known[device] = std::make_unique<DeviceInfo>(query_device(device));
-  return *known[device];
+  const DeviceInfo* hardware = nullptr;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (known.size() <= static_cast<std::size_t>(device)) known.resize(device + 1);
+    if (known[device] == nullptr) known[device] = std::make_unique<DeviceInfo>(query_device(device));
+    hardware = known[device].get();
+  }
+  return emulate(*hardware);
 }
 
 ForwardPlan plan_forward(const Problem& p) {
   ForwardPlan plan;
   plan.empty = p.batch == 0 || p.seqlen_q == 0;
   if (plan.empty) return plan;
-  const DeviceInfo& device = device_info(p.device.index);
+  const DeviceInfo device = device_info(p.device.index);
   check_arch(device, p);
   const Instance& instance = instance_for(p.head_dim);
   plan.head_dim = instance.head_dim;
@@ -279,7 +333,8 @@ ForwardPlan plan_forward(const Problem& p) {
   const bool decode = forward_block_m(instance.head_dim) > kForwardDecodeRows && params.seqlen_q <= kForwardDecodeRows;
   plan.kernel = decode ? ForwardKernel::kSm80Decode : ForwardKernel::kSm80;
   plan.block_m = decode ? kForwardDecodeRows : forward_block_m(instance.head_dim);
-  check_smem(decode ? instance.decode_smem : instance.forward_smem, device, p, instance, "forward");
+  check_smem(decode ? instance.decode_smem : instance.forward_smem, device, p, instance, "forward",
+             decode ? "64-row forward kernel" : "forward kernel");
   // Split-KV where the grid leaves SMs idle.
   const int dtype = dtype_index(p);
   const int per_sm = instance.ctas_per_sm[dtype](plan.kernel);
@@ -296,7 +351,7 @@ BackwardPlan plan_backward(const Problem& p) {
   BackwardPlan plan;
   plan.empty = p.batch == 0;
   if (plan.empty) return plan;
-  const DeviceInfo& device = device_info(p.device.index);
+  const DeviceInfo device = device_info(p.device.index);
   check_arch(device, p);
   const Instance& instance = instance_for(p.head_dim);
   const int dtype = dtype_index(p);
@@ -304,7 +359,8 @@ BackwardPlan plan_backward(const Problem& p) {
     throw Error(Error::Kind::kUnsupported, "q.shape[-1]",
                 "a head_dim whose compiled CUDA head dim has a backward (<= 128, 192 or 256)",
                 std::to_string(p.head_dim) + " (compiled head dim " + std::to_string(instance.head_dim) + ")");
-  check_smem(instance.backward_smem, device, p, instance, "backward");
+  plan.small_dq = small_tile(instance.dq_smem, device, p, instance, "dq kernel");
+  plan.small_dkv = small_tile(instance.dkv_smem, device, p, instance, "dk/dv kernel");
   plan.head_dim = instance.head_dim;
   plan.batch = static_cast<int>(p.batch);
 

@@ -15,17 +15,24 @@
 
 namespace dmattn::cuda {
 
-// What the dispatch needs to know of a GPU, queried once a device.
+// What the dispatch needs to know of a GPU: its attributes, queried once a
+// device, under the emulation settings, read at every call (an invalid value
+// is Error::kValue naming the variable):
+//   DMATTN_SMEM_LIMIT=<KiB>  caps smem_optin (99: an RTX 3090 / 4090 or L40,
+//                            163: an A100), so that a larger GPU runs the
+//                            tiles a smaller one would get
+//   DMATTN_PORTABLE=1        the sm80-class kernels only (sm90a false)
 struct DeviceInfo {
   int arch = 0;        // compute capability, 10 major + minor (90: H100, H200)
   int sms = 0;         // streaming multiprocessors
-  int smem_optin = 0;  // bytes of dynamic shared memory a block may opt in to
+  int smem_optin = 0;  // bytes of dynamic shared memory a block may opt in to (capped)
+  bool smem_capped = false;  // DMATTN_SMEM_LIMIT lowered smem_optin
   // The Hopper kernels can run: an sm_90 device, a build with sm_90a code
-  // (DMATTN_CUDA_ARCHS) and the driver's TMA descriptor encoder.
+  // (DMATTN_CUDA_ARCHS), the driver's TMA descriptor encoder, and no DMATTN_PORTABLE=1.
   bool sm90a = false;
 };
-// The device's DeviceInfo (the current device must be `device`).
-const DeviceInfo& device_info(int device);
+// The device's DeviceInfo under the emulation settings (the current device must be `device`).
+DeviceInfo device_info(int device);
 
 enum class ForwardKernel {
   kSm90,        // Hopper: dense D = 64 or 128, wgmma and TMA (fwd/kernel_sm90.cuh)
@@ -70,6 +77,9 @@ struct BackwardPlan {
   int batch = 0;
   int head_dim = 0;  // the instantiation
   DkvKernel dkv = DkvKernel::kSm80;
+  // The small tile of the sm80-class dq and dk/dv kernels (bwd/config.cuh
+  // backward_tile) where the large one does not fit the device's shared memory.
+  bool small_dq = false, small_dkv = false;
   int dbias_slices = 0;      // float32 slices of dbias that reduce_bias_grad sums (0: written directly)
   bool key_lists = false;    // the dq walk follows key lists (a mask and/or top-k)
   bool mask_tiles = false;   // the dk/dv walk skips empty mask tiles (a mask without top-k intervals)

@@ -65,14 +65,19 @@ inline int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms, in
 // (192 and 256).
 constexpr bool backward_compiled(int head_dim) { return head_dim <= 128 || head_dim % 64 == 0; }
 constexpr int kBackwardWarps = 8;
+// Rows a CTA owns (keys of dk/dv, queries of dq): 16 a warp up to D = 128.
 // Above 128 features the accumulators of 16 rows x D a warp (dK and dV: 256
 // registers a thread at D = 256) do not fit: two warps then own the same 16
-// rows, each the accumulators of half the features.
-constexpr int backward_feature_split(int head_dim) { return head_dim > 128 ? 2 : 1; }
+// rows, each the accumulators of half the features (the feature split), and a
+// CTA owns 64 rows. The small tiles below split the features of 64-multiple
+// head dims up to 128 too, for the shared memory of half the rows.
+constexpr int backward_rows(int head_dim) { return head_dim > 128 ? 64 : 128; }
 // Columns a step: the accumulators of 16 x D / split rows a warp (dK and dV,
-// or dQ) and the S and dP tiles of 16 x step must fit in 255 registers; above
-// 128 features, 32-column dq steps keep shared memory within sm_80's 163 KB.
-constexpr int kBackwardDkvStep = 32;
+// or dQ) and the S and dP tiles of 16 x step must fit in 255 registers; the dq
+// kernel takes 64 columns up to D = 128, 32 above (within sm_80's 163 KiB).
+// dk/dv takes 64 queries up to D = 64, where a step of 32 spent more on the
+// step (its barrier, loads and dQ reductions) than on its products, 32 above.
+constexpr int backward_dkv_step(int head_dim) { return head_dim > 64 ? 32 : 64; }
 constexpr int backward_dq_step(int head_dim) { return head_dim > 128 ? 32 : 64; }
 // S and dP in one k-loop (two independent MMA chains): registers for two
 // k-slices; at D = 256 that spills (sm_90a, bf16: 620 / 648 B instead of 196 / 252).
@@ -81,6 +86,28 @@ constexpr bool backward_paired_sdp(int head_dim) { return head_dim <= 192; }
 // its dQ = dS^T K tiles are 16 queries x 16 features on 2 x 4 warps, 64
 // features a pass.
 constexpr bool backward_atomic_dq(int head_dim) { return head_dim % 64 == 0; }
+
+// Shared memory a block may opt in to on the smallest GPUs of the sm80 class,
+// sm_86 / sm_89 (RTX 3090 / 4090, L40): 99 KiB (an A100 gives 163, an H100 227).
+constexpr int kSmemSm86 = 99 * 1024;
+// A backward kernel's tile: rows a CTA owns and columns a step. Each kernel
+// has a large tile (the rows and steps above) and a small one: the first of
+// (large rows, 32 columns) and (64 rows with the feature split, 32 columns)
+// whose CTA fits kSmemSm86, or the large one where none does (bwd/config.cuh
+// backward_tile). The dispatch runs the large tile where the device's opt-in
+// limit allows it, else the small one, else refuses the head dim.
+struct BackwardTile {
+  int rows, step;
+};
+constexpr BackwardTile backward_large_tile(int head_dim, bool key_rows) {
+  return {backward_rows(head_dim), key_rows ? backward_dkv_step(head_dim) : backward_dq_step(head_dim)};
+}
+// The feature split needs halves of whole 32-feature atoms; 16 rows a warp
+// without it need D <= 128 (the accumulators' registers).
+constexpr bool backward_tile_valid(int head_dim, BackwardTile tile) {
+  const int split = 16 * kBackwardWarps / tile.rows;
+  return (split == 1 && head_dim <= 128) || (split == 2 && head_dim % 64 == 0);
+}
 
 // ---- Backward, Hopper dk/dv kernel (sm_90a: wgmma, TMA, bulk reductions) ----
 // 128 keys a CTA (a warpgroup 64; one top-k key group) and query steps of 64

@@ -17,6 +17,7 @@
 
 #include "check.h"
 #include "device.h"
+#include "harness.h"
 
 namespace dmattn_gpu_test {
 
@@ -82,6 +83,46 @@ void check_one(const char* name, Outcome (*runner)(Rng&)) {
   const Outcome r = runner(rng());
   std::printf("%s  %s  %s\n", r.pass ? "PASS" : "FAIL", name, r.detail.c_str());
   EXPECT_TRUE(r.pass) << r.detail;
+}
+
+// An invalid emulation setting (src/cuda/dispatch.h DeviceInfo: the dispatch
+// reads them at every call) is refused naming the variable; a shared-memory
+// cap below what the kernels need refuses the call naming the cap.
+TEST(FullEmulation, SettingsAreChecked) {
+  using dmattn_test::ScopedEnv;
+  if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  HostTensor q(DType::kBFloat16, {1, 16, 1, 64}), out(DType::kBFloat16, {1, 16, 1, 64}), lse(DType::kFloat32, {1, 1, 16});
+  q.fill([](std::int64_t i) { return 0.01 * static_cast<double>(i % 7); });
+  const DeviceTensor dq(q), dout(out), dlse(lse);
+  const auto forward = [&] {
+    dmattn::forward({dq.view(), dq.view(), dq.view(), std::nullopt, std::nullopt}, dout.view(), dlse.view(), {});
+  };
+  const auto refused = [&](const char* argument, dmattn::Error::Kind kind, const char* needle) {
+    try {
+      forward();
+    } catch (const dmattn::Error& e) {
+      EXPECT_EQ(e.argument(), argument) << e.what();
+      EXPECT_EQ(e.kind(), kind) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "not refused: " << argument << " " << needle;
+  };
+  for (const char* bad : {"abc", "0", "-5", " 99", "99KiB", "1.5", "99999999999999999999"}) {
+    const ScopedEnv limit("DMATTN_SMEM_LIMIT", bad);
+    refused("DMATTN_SMEM_LIMIT", dmattn::Error::Kind::kValue, bad);
+  }
+  for (const char* bad : {"yes", "2", "true"}) {
+    const ScopedEnv portable("DMATTN_PORTABLE", bad);
+    refused("DMATTN_PORTABLE", dmattn::Error::Kind::kValue, bad);
+  }
+  {
+    const ScopedEnv limit("DMATTN_SMEM_LIMIT", "1");
+    refused("q.shape[-1]", dmattn::Error::Kind::kUnsupported, "1024 bytes of shared memory a block (DMATTN_SMEM_LIMIT)");
+  }
+  const ScopedEnv limit("DMATTN_SMEM_LIMIT", "99"), portable("DMATTN_PORTABLE", "1");
+  forward();
+  check_cuda(cudaDeviceSynchronize(), "forward at a 99 KiB cap");
 }
 
 TEST(FullTopk, NanSweep) { check_one(kTopkNanSweepName, topk_nan_sweep); }

@@ -16,7 +16,7 @@ import torch
 # What CUDA refuses on purpose (the core's messages): a build without the CUDA
 # backend, head dims that are not a multiple of 8, the backward of compiled
 # head dims above 128 other than 192 and 256, and a backward whose
-# shared memory the device lacks (head dim 128 below sm_90, 192 and 256 on
+# shared memory the device lacks (compiled head dims 96, 192 and 256 on
 # sm_86/89).
 CUDA_GAPS = re.compile("|".join([
     r"this build of dmattn has no CUDA backend",

@@ -11,6 +11,7 @@
 #include <cutlass/numeric_types.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <type_traits>
 
 #include "../common/sm90.cuh"
@@ -19,26 +20,75 @@
 
 namespace dmattn::cuda {
 
-template <class Element_, int kHeadDim_>
+// The shared-memory layout of a CTA of the dq kernel (key_rows false) or the
+// dk/dv kernel with `tile` (bf16 and fp16 alike), in elements and floats:
+//   rows      two row tiles (dq: Q, dO; dk/dv: K, V), rows x D each
+//   columns   two buffers of two column tiles (dq: K, V; dk/dv: Q, dO), step x D
+//   stats     row statistics (max, inv, delta): dq of its rows, dk/dv of a
+//             step's columns in two buffers
+//   add       the staged tile (bias / allowed term; dk/dv: then dS^T for dq by
+//             atomics and the dS kept for dbias), rows x add_ld floats, and a
+//             key-only bias of the step's keys (rows floats)
+//   then 16 bytes a row: dq, the list bits of the rows (two buffers of 64-bit
+//   words); dk/dv, the keys of the rows and their intervals.
+struct BackwardLayout {
+  int split, stat_floats, keep_ds_at, add_ld, bytes;
+};
+constexpr BackwardLayout backward_layout(int head_dim, bool key_rows, BackwardTile tile) {
+  BackwardLayout l{};
+  l.split = 16 * kBackwardWarps / tile.rows;
+  l.stat_floats = key_rows ? 6 * tile.step : 3 * tile.rows;
+  // dk/dv: dS^T (Element, two buffers of `step` queries) from float column
+  // `step` on; with the feature split both warps of a row block read the
+  // staged term, so the stager keeps dS behind the dS^T buffers instead of
+  // over it. Rows 4 words past a multiple of 32: fewer bank conflicts.
+  l.keep_ds_at = key_rows && l.split > 1 ? 2 * tile.step : 0;
+  const int used = key_rows ? std::max(2 * tile.step, l.keep_ds_at + tile.step) : tile.step;
+  l.add_ld = (used + 31) / 32 * 32 + 4;
+  const int floats = l.stat_floats + tile.rows * l.add_ld + tile.rows;
+  l.bytes = (2 * tile.rows + 4 * tile.step) * head_dim * 2 + floats * 4 + tile.rows * 16;
+  return l;
+}
+
+// The tile of the dq kernel (key_rows false) or the dk/dv kernel: the large
+// one, or with `small` the first candidate that is valid and fits kSmemSm86
+// (heuristics.h), else the large one.
+constexpr BackwardTile backward_tile(int head_dim, bool key_rows, bool small) {
+  const BackwardTile large = backward_large_tile(head_dim, key_rows);
+  if (small)
+    for (const BackwardTile tile : {large, BackwardTile{large.rows, 32}, BackwardTile{64, 32}})
+      if (backward_tile_valid(head_dim, tile) && backward_layout(head_dim, key_rows, tile).bytes <= kSmemSm86)
+        return tile;
+  return large;
+}
+
+// The sm80-class dq kernel (kKeyRows false) or dk/dv kernel with a tile of
+// kRows rows and kStep columns (BackwardKernelConfig: the large or the small one).
+template <class Element_, int kHeadDim_, bool kKeyRows_, int kRows_, int kStep_>
 struct BackwardConfig {
   using Element = Element_;
+  static_assert(sizeof(Element) == 2, "16-bit elements (backward_layout)");
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kKeyRows = kKeyRows_;  // dk/dv (the CTA's rows are keys) or dq
+  static constexpr BackwardTile kTile{kRows_, kStep_};
+  static constexpr BackwardLayout kLayout = backward_layout(kHeadDim, kKeyRows, kTile);
   static constexpr int kWarps = kBackwardWarps;
   static constexpr int kThreads = kWarps * 32;
-  // Feature split (above 128 features): warps w and w + kMmaWarps own the
-  // same 16 rows, compute the same S, dP, P and dS tiles (a 4-warp MMA over
-  // the whole head dim; only the first one stages dS), and each keeps the
-  // accumulators of its half of the features (kAccDim, as at D = 128).
-  static constexpr int kFeatureSplit = backward_feature_split(kHeadDim);
+  // Feature split (64 rows): warps w and w + kMmaWarps own the same 16 rows,
+  // compute the same S, dP, P and dS tiles (a 4-warp MMA over the whole head
+  // dim; only the first one stages dS), and each keeps the accumulators of its
+  // half of the features (kAccDim).
+  static constexpr int kFeatureSplit = kLayout.split;
   static constexpr int kMmaWarps = kWarps / kFeatureSplit, kMmaThreads = kMmaWarps * 32;
   static constexpr int kAccDim = kHeadDim / kFeatureSplit;
-  static constexpr int kBlockRows = 16 * kMmaWarps;  // the CTA's own rows: keys (dk/dv) or queries (dq)
+  static constexpr int kBlockRows = kTile.rows;  // the CTA's own rows: keys (dk/dv) or queries (dq)
   static_assert(kHeadDim <= 256 && backward_compiled(kHeadDim), "a head dim with a CUDA backward");
+  static_assert(backward_tile_valid(kHeadDim, kTile) && 16 * kMmaWarps == kBlockRows, "16 rows a warp");
   // A top-k key group (selection.h, kKeyGroupKeys keys) is walked by
   // kGroupBlocks CTAs, each over the group's rows with its share of the keys.
   static constexpr int kGroupBlocks = kKeyGroupKeys / kBlockRows;
   static_assert(kGroupBlocks * kBlockRows == kKeyGroupKeys, "a key group splits into whole CTAs");
-  static constexpr int kDkvStep = kBackwardDkvStep, kDqStep = backward_dq_step(kHeadDim);
+  static constexpr int kStep = kTile.step;  // columns a step: queries (dk/dv) or keys (dq)
   static constexpr bool kPairedSdp = backward_paired_sdp(kHeadDim);
   static constexpr int kSmemRow = kAccDim % 64 == 0 ? 64 : 32;  // a feature half is whole atoms (D = 192: 3 of 32)
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
@@ -50,57 +100,49 @@ struct BackwardConfig {
       cute::Swizzle<kSwizzleBits, 3, 3>{},
       cute::Layout<cute::Shape<cute::_8, cute::Int<kSmemRow>>, cute::Stride<cute::Int<kSmemRow>, cute::_1>>{}));
   using SmemLayoutRows = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockRows>, cute::Int<kHeadDim>>{}));
-  template <int kStep>
   using SmemLayoutCols = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kStep>, cute::Int<kHeadDim>>{}));
   // A column tile seen as (feature, column), a thread's kAccDim features: the
   // B operand of dS B0 and P B1. Feature half f starts kStep * kAccDim
   // elements on (whole swizzle atoms, so the offset commutes with the swizzle).
-  template <int kStep>
   using SmemLayoutColsT = decltype(cute::composition(
-      SmemLayoutCols<kStep>{}, cute::make_layout(cute::Shape<cute::Int<kAccDim>, cute::Int<kStep>>{}, cute::GenRowMajor{})));
+      SmemLayoutCols{}, cute::make_layout(cute::Shape<cute::Int<kAccDim>, cute::Int<kStep>>{}, cute::GenRowMajor{})));
   using LdsmAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
   using LdsmAtomT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
 
-  static constexpr int kMaxStep = kDkvStep > kDqStep ? kDkvStep : kDqStep;
-  static constexpr int kRowElems = kBlockRows * kHeadDim, kColElems = kMaxStep * kHeadDim;
-  // Row statistics of the queries: three arrays of a step's columns (two buffers)
-  // or of the CTA's rows, whichever is larger.
-  static constexpr int kStatFloats = 6 * kMaxStep > 3 * kBlockRows ? 6 * kMaxStep : 3 * kBlockRows;
-  // The dS tile kept for dbias (dk/dv) goes over the staged terms, each element
-  // read and then written by one thread; with the feature split both warps of
-  // a row block read the staged term, so the stager writes dS behind the dS^T
-  // buffers (below) instead.
-  static constexpr int kKeepDsAt = kFeatureSplit == 1 ? 0 : 2 * kDkvStep;
-  // Row stride of the staged tile (4 words past a multiple of 32: fewer bank
-  // conflicts), room for the dS^T buffers below and the kept dS tile.
-  static constexpr int kAddLd =
-      std::max({kMaxStep, 2 * kDkvStep, kKeepDsAt + kDkvStep}) + 4;
+  static constexpr int kRowElems = kBlockRows * kHeadDim, kColElems = kStep * kHeadDim;
+  static constexpr int kStatFloats = kLayout.stat_floats;
+  static constexpr int kKeepDsAt = kLayout.keep_ds_at;  // dk/dv: the dS tile kept for dbias
+  static constexpr int kAddLd = kLayout.add_ld;
   static_assert(kAddLd % 32 == 4, "rows of the staged tile 4 banks apart");
-  static constexpr int kFloats = kStatFloats + kBlockRows * kAddLd + kBlockRows;
-  static_assert(kFloats % 2 == 0, "the per-row words behind the floats are 8-byte aligned");
-  // Behind the floats, 16 bytes a row: dq, the list bits of the rows (two
-  // buffers of 64-bit words); dk/dv, the keys of the rows and their intervals.
-  static constexpr int kSmemBytes = (2 * kRowElems + 4 * kColElems) * int(sizeof(Element)) + kFloats * 4 + kBlockRows * 16;
+  static_assert((kStatFloats + kBlockRows * kAddLd + kBlockRows) % 2 == 0,
+                "the per-row words behind the floats are 8-byte aligned");
+  static constexpr int kSmemBytes = kLayout.bytes;
 
-  // dq by atomics (BackwardParams::dq_acc), dk/dv kernel: dQ of a step (kDkvStep
+  // dq by atomics (BackwardParams::dq_acc), dk/dv kernel: dQ of a step (kStep
   // queries x D) = dS^T K, 2 x 4 warps over the output (16 queries x 16 columns
   // an MMA tile, so head dims that are multiples of 64). dS^T is staged as
   // Element in the columns of tile_add that the dk/dv kernel leaves free (it
-  // stages kDkvStep of kAddLd), two buffers (by the step's buf) so that the
+  // stages kStep of kAddLd), two buffers (by the step's buf) so that the
   // product of a step can run after the barrier that opens the next one: key
-  // r's queries at r * kDsLd + kDsAt + buf * kDkvStep elements, 16-byte rows
+  // r's queries at r * kDsLd + kDsAt + buf * kStep elements, 16-byte rows
   // kAddLd words apart, so that ldmatrix and the stores hit every bank once.
-  static constexpr bool kAtomicDq = backward_atomic_dq(kHeadDim);
-  static constexpr int kDsLd = 2 * kAddLd, kDsAt = 2 * kDkvStep;
-  static_assert(kDsAt + 2 * kDkvStep <= kDsLd, "two dS^T buffers fit in the unused columns of tile_add");
+  static constexpr bool kAtomicDq = kKeyRows && backward_atomic_dq(kHeadDim);
+  static constexpr int kDsLd = 2 * kAddLd, kDsAt = 2 * kStep;
+  static_assert(!kKeyRows || kDsAt + 2 * kStep <= kDsLd, "two dS^T buffers fit in the unused columns of tile_add");
   using TiledMmaDq = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::_2, cute::_4, cute::_1>>,
-                                    cute::Tile<cute::Int<kDkvStep>, cute::_64, cute::_16>>;
-  static_assert(kDkvStep == 32, "two warps of 16 queries a step");
+                                    cute::Tile<cute::Int<kStep>, cute::_64, cute::_16>>;
+  static_assert(!kKeyRows || kStep % 32 == 0, "dk/dv: two warps of 16 queries a step, or twice that");
   // dS^T as (query, key), and the CTA's key rows as (feature, key): A and B of dS^T K.
-  using SmemLayoutDsT = cute::Layout<cute::Shape<cute::Int<kDkvStep>, cute::Int<kBlockRows>>, cute::Stride<cute::_1, cute::Int<kDsLd>>>;
+  using SmemLayoutDsT = cute::Layout<cute::Shape<cute::Int<kStep>, cute::Int<kBlockRows>>, cute::Stride<cute::_1, cute::Int<kDsLd>>>;
   using SmemLayoutRowsT = decltype(cute::composition(
       SmemLayoutRows{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockRows>>{}, cute::GenRowMajor{})));
 };
+
+// The configuration of the dq (kKeyRows false) or dk/dv kernel with the large
+// or the small tile (one type, one kernel, where the two tiles are the same).
+template <class Element, int kHeadDim, bool kKeyRows, bool kSmall>
+using BackwardKernelConfig = BackwardConfig<Element, kHeadDim, kKeyRows, backward_tile(kHeadDim, kKeyRows, kSmall).rows,
+                                            backward_tile(kHeadDim, kKeyRows, kSmall).step>;
 
 // The Hopper dk/dv kernel's dq_acc (BackwardParams::dq_blocks) at head dim
 // kFeatures: blocks of kRows query rows (the kernel's step, heuristics.h) x

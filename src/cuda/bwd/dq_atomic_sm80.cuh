@@ -20,7 +20,7 @@ __device__ __forceinline__ void red_add2(float* at, float x, float y) {
 #endif
 }
 
-// dq by atomics: dQ of a dk/dv step's kDkvStep queries = dS^T K (ds_t staged by
+// dq by atomics: dQ of a dk/dv step's kStep queries = dS^T K (ds_t staged by
 // the step, k_rows the CTA's keys), added into dq_rows (float32, kHeadDim a row)
 // for queries below `rows` and features below d: up to D = 128 all features in
 // one pass (4 independent MMA chains a warp), above it 64 at a time; no
@@ -30,7 +30,7 @@ __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Ele
                             int d) {
   using namespace cute;
   constexpr int kCols = Config::kHeadDim <= 128 ? Config::kHeadDim : 64;
-  using Block = Shape<Int<Config::kDkvStep>, Int<kCols>>;
+  using Block = Shape<Int<Config::kStep>, Int<kCols>>;
   typename Config::TiledMmaDq mma;
   // The thread index, read anew each step: the compiler would otherwise keep
   // the offsets derived from it live across the whole walk (sm_90a, dk/dv
@@ -65,7 +65,7 @@ __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Ele
     // Elements e, e + 1: adjacent features of a query. A whole tile (the usual
     // case) takes no tests and constant offsets from one address.
     float* at = dq_rows + get<0>(c(0)) * Config::kHeadDim + n0 + get<1>(c(0));
-    if (rows == Config::kDkvStep && n0 + kCols <= d) {
+    if (rows == Config::kStep && n0 + kCols <= d) {
 #pragma unroll
       for (int e = 0; e < size(acc); e += 2)
         red_add2(at + (get<0>(c(e)) - get<0>(c(0))) * Config::kHeadDim + get<1>(c(e)) - get<1>(c(0)), acc(e), acc(e + 1));

@@ -6,13 +6,15 @@
 // adds dQ = dS^T K of each step into float32 scratch by atomics, the dq kernel
 // only recomputes the row statistics that need it, and finish_dq rounds dq.
 //   row_stats:       delta_i = <do_i, o_i> and the row statistics from lse.
-//   backward_kernel<kKeyRows = false> (dq): one CTA owns 128 query rows of one
-//                    (batch, head) and walks their key blocks, or with a mask or
-//                    top-k the block's key list (the forward's pre-passes: keys
-//                    gathered 64 a step, one bit per allowed pair); it first
+//   backward_kernel<Config>, Config::kKeyRows false (dq): one CTA owns 128
+//                    query rows of one (batch, head) (64 with the feature split)
+//                    and walks their key blocks, or with a mask or top-k the
+//                    block's key list (the forward's pre-passes: keys gathered
+//                    64 or 32 a step, one bit per allowed pair); it first
 //                    recomputes the row max and sum where |lse| is too large for
 //                    float32 to hold them (a bias of -1e30), for itself and dk/dv.
-//   backward_kernel<kKeyRows = true> (dk, dv, dbias): one CTA owns 128 keys of one
+//   backward_kernel<Config>, Config::kKeyRows true (dk, dv, dbias): one CTA owns
+//                    128 keys (64 with the feature split) of one
 //                    (batch, kv head) and walks the query blocks of the G query
 //                    heads of the group; dbias is reduced inside the CTA in its
 //                    fixed loop order, across CTAs through float32 slices. Top-k
@@ -27,10 +29,11 @@
 //                    by atomics) and of top-k key groups with warpgroup MMAs.
 //   reduce_bias_grad: sums the dbias slices in order (or zero-fills dbias).
 //   finish_dq:       dq = scale * the atomic float32 sums (deterministic = false).
-// Both walks use the same tile: each warp owns 16 rows (its accumulators), the
-// columns stream through double-buffered shared memory (above 128 features a
-// CTA owns 64 rows, two warps a row block, and a top-k group is two CTAs:
-// BackwardConfig::kFeatureSplit), and
+// Both walks use the same kind of tile (BackwardConfig: a large one and one
+// that fits sm_86's shared memory): each warp owns 16 rows (its accumulators),
+// the columns stream through double-buffered shared memory (with the feature
+// split, above 128 features and in the small tiles, a CTA owns 64 rows, two
+// warps a row block, and a top-k group is two CTAs: BackwardConfig::kFeatureSplit), and
 //   S  = A0 B0^T, dP = A1 B1^T          (dq: Q K^T, dO V^T;  dk/dv: K Q^T, V dO^T)
 //   acc_a += dS B0, acc_b += P B1        (dq: dQ += dS K;     dk/dv: dK += dS^T Q, dV += P^T dO)
 // with P and dS going from the accumulators to the next MMA in registers.
@@ -89,14 +92,14 @@ __device__ void load_row_stats(const BackwardParams& p, float* dst, int b, int h
   cute::cp_async_fence();
 }
 
-template <class Config, bool kKeyRows>
+template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const BackwardParams p) {
   using namespace cute;
   using Element = typename Config::Element;
-  constexpr int kBlockRows = Config::kBlockRows, kHeadDim = Config::kHeadDim;
-  constexpr int kStep = kKeyRows ? Config::kDkvStep : Config::kDqStep;
-  using SmemLayoutCols = typename Config::template SmemLayoutCols<kStep>;
-  using SmemLayoutColsT = typename Config::template SmemLayoutColsT<kStep>;
+  constexpr bool kKeyRows = Config::kKeyRows;
+  constexpr int kBlockRows = Config::kBlockRows, kHeadDim = Config::kHeadDim, kStep = Config::kStep;
+  using SmemLayoutCols = typename Config::SmemLayoutCols;
+  using SmemLayoutColsT = typename Config::SmemLayoutColsT;
 
   const int b = blockIdx.z;
   const Sequence seq(p, b);
@@ -207,7 +210,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto* own_rows = reinterpret_cast<KeyRows*>(own_keys + kBlockRows);                             // dk/dv
   auto* piece_info = reinterpret_cast<int*>(key_add);  // dk/dv with pieces: a row's rank and last flag
   __shared__ int segment_lo;  // dk/dv key groups: the segment's first row (in a register, the walk spills)
-  static_assert(kKeySegmentRows % Config::kDkvStep == 0, "a dk/dv query tile lies in one row segment");
+  static_assert(!kKeyRows || kKeySegmentRows % kStep == 0, "a dk/dv query tile lies in one row segment");
   constexpr int kAddLd = Config::kAddLd, kKeepDsAt = Config::kKeepDsAt;  // dk/dv: the dS tile kept for dbias
   Tensor sA0 = make_tensor(make_smem_ptr(rows_smem), typename Config::SmemLayoutRows{});
   Tensor sA1 = make_tensor(make_smem_ptr(rows_smem + Config::kRowElems), typename Config::SmemLayoutRows{});
@@ -251,7 +254,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     if constexpr (kDqAtomic) {
       if (t < 0) return;
       const std::int64_t q0 = std::int64_t{step_block(t)} * kStep;
-      add_dq_step<Config>(ds_t + from * Config::kDkvStep, rows_smem,
+      add_dq_step<Config>(ds_t + from * kStep, rows_smem,
                           p.dq_acc + ((std::int64_t{b} * p.heads + step_head(t)) * p.seqlen_q + q0) * kHeadDim,
                           clamp_to_tile(sq - q0), d);
     }

@@ -36,6 +36,16 @@ DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch) {
   }
 }
 
+// Launches the sm80-class kernel of Config over `grid`, its shared-memory limit raised.
+template <class Config>
+cudaError_t launch_sm80_kernel(const BackwardParams& p, dim3 grid, cudaStream_t stream) {
+  auto kernel = backward_kernel<Config>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
 // Launches the planned dk/dv kernel over `blocks` key blocks (or key groups)
 // of each (batch, kv head).
 template <class Element, int kHeadDim>
@@ -43,11 +53,9 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
                               std::int64_t blocks, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.heads / p.group),
                   static_cast<unsigned>(plan.batch));
-  if (plan.dkv == DkvKernel::kSm80) {
-    using Config = BackwardConfig<Element, kHeadDim>;
-    backward_kernel<Config, true><<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
-    return cudaGetLastError();
-  }
+  if (plan.dkv == DkvKernel::kSm80)
+    return plan.small_dkv ? launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, true>>(p, grid, stream)
+                          : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, false>>(p, grid, stream);
   if constexpr (sm90_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
     auto kernel =
@@ -62,13 +70,16 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
 
 template <class Element, int kHeadDim>
 void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStream_t stream) {
-  using Config = BackwardConfig<Element, kHeadDim>;
+  // The planned tiles of the sm80-class kernels: rows a CTA of each.
+  const int dq_rows = backward_tile(kHeadDim, false, plan.small_dq).rows;
+  const BackwardTile dkv_tile = backward_tile(kHeadDim, true, plan.small_dkv);
+  const int dkv_rows = dkv_tile.rows;
   BackwardParams p = plan.params;
   const int batch = plan.batch, kv_heads = p.heads / p.group;
   const DkvSm90Maps maps = plan.dkv == DkvKernel::kSm80 ? DkvSm90Maps{} : dkv_sm90_maps<Element, kHeadDim>(p, batch);
   const std::int64_t rows = std::int64_t{batch} * p.heads * p.seqlen_q;
-  const std::int64_t key_blocks = (p.seqlen_k + Config::kBlockRows - 1) / Config::kBlockRows;
-  const std::int64_t query_blocks = (p.seqlen_q + Config::kBlockRows - 1) / Config::kBlockRows;
+  const std::int64_t key_blocks = (p.seqlen_k + dkv_rows - 1) / dkv_rows;
+  const std::int64_t query_blocks = (p.seqlen_q + dq_rows - 1) / dq_rows;
   const std::int64_t db_elements = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
 
   std::uint8_t* dkv_tiles = nullptr;
@@ -100,8 +111,8 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   if (err == cudaSuccess && plan.key_lists) {
     p.build_if = p.huge_rows;
     const DType dtype = std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBFloat16 : DType::kFloat16;
-    build_key_lists(p, dtype, Config::kBlockRows, batch, p.heads, stream);
-    if (plan.mask_tiles) p.dkv_tiles = classify_mask_tiles(p, Config::kBlockRows, batch, p.heads, stream, &dkv_tiles);
+    build_key_lists(p, dtype, dq_rows, batch, p.heads, stream);
+    if (plan.mask_tiles) p.dkv_tiles = classify_mask_tiles(p, dkv_tile.step, dkv_rows, batch, p.heads, stream, &dkv_tiles);
   }
   const auto reduce = [&](int n) {
     if (err != cudaSuccess || db_elements == 0) return;
@@ -110,14 +121,10 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
     err = cudaGetLastError();
   };
   if (p.bias_grad != BiasGrad::kNone && plan.dbias_slices == 0) reduce(0);  // zero-fill what no tile writes
-  auto dq_kernel = backward_kernel<Config, false>;
-  auto dkv_kernel = backward_kernel<Config, true>;
-  for (auto kernel : {dq_kernel, dkv_kernel})
-    if (err == cudaSuccess) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
   if (err == cudaSuccess && query_blocks > 0) {
-    dq_kernel<<<dim3(static_cast<unsigned>(query_blocks), static_cast<unsigned>(p.heads), static_cast<unsigned>(batch)),
-                Config::kThreads, Config::kSmemBytes, stream>>>(p);
-    err = cudaGetLastError();
+    const dim3 grid(static_cast<unsigned>(query_blocks), static_cast<unsigned>(p.heads), static_cast<unsigned>(batch));
+    err = plan.small_dq ? launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, false, true>>(p, grid, stream)
+                        : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, false, false>>(p, grid, stream);
   }
   // Pieces of keys (key groups cut at row segments): a float32 slot and a turn
   // counter a key.
@@ -131,9 +138,9 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
     p.piece_turn = piece_memory;
     p.piece_acc = reinterpret_cast<float*>(piece_memory + turn_words);
   }
-  // dk/dv CTAs: the key blocks, or the key groups (kGroupBlocks CTAs each on the sm80 kernel).
+  // dk/dv CTAs: the key blocks, or the key groups (a CTA a group's dkv_rows keys on the sm80 kernel).
   const std::int64_t dkv_blocks =
-      p.group_rows == nullptr ? key_blocks : p.key_groups * (plan.dkv == DkvKernel::kSm80 ? Config::kGroupBlocks : 1);
+      p.group_rows == nullptr ? key_blocks : p.key_groups * (plan.dkv == DkvKernel::kSm80 ? kKeyGroupKeys / dkv_rows : 1);
   if (err == cudaSuccess && dkv_blocks > 0) err = launch_dkv_kernel<Element, kHeadDim>(plan, p, maps, dkv_blocks, stream);
   if (err == cudaSuccess && p.key_pieces != nullptr) {
     const std::int64_t keys = std::int64_t{batch} * kv_heads * p.seqlen_k;

@@ -20,10 +20,11 @@ constexpr int kListThreads = 128;
 // with folded query heads). dtype: q's (a 16-bit bias is read in it).
 void build_key_lists(KeyListParams& params, DType dtype, int block_m, int batch, int heads, cudaStream_t stream);
 
-// Enqueues the classes of the kBackwardDkvStep x block_n (128, or 64 above 128
-// features) tiles of params' mask for batch x heads into stream-ordered
-// memory it allocates (*memory; the caller frees it).
-MaskTiles classify_mask_tiles(const AttentionParams& params, int block_n, int batch, int heads, cudaStream_t stream,
-                              std::uint8_t** memory);
+// Enqueues the classes of the block_m x block_n tiles of params' mask (the
+// dk/dv kernel's query step x its keys: 32 x 128, 32 x 64 or 64 x 128) for
+// batch x heads into stream-ordered memory it allocates (*memory; the caller
+// frees it).
+MaskTiles classify_mask_tiles(const AttentionParams& params, int block_m, int block_n, int batch, int heads,
+                              cudaStream_t stream, std::uint8_t** memory);
 
 }  // namespace dmattn::cuda

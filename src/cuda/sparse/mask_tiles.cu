@@ -2,9 +2,10 @@
 // are skipped, loads included, and full ones need no mask work.
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "../common/check.h"
-#include "../heuristics.h"
 #include "key_lists.h"
 
 namespace dmattn::cuda {
@@ -59,10 +60,12 @@ MaskTiles classify(const AttentionParams& p, int batch, int heads, cudaStream_t 
 
 }  // namespace
 
-MaskTiles classify_mask_tiles(const AttentionParams& params, int block_n, int batch, int heads, cudaStream_t stream,
-                              std::uint8_t** memory) {
-  if (block_n == 64) return classify<kBackwardDkvStep, 64, kClassifyThreads>(params, batch, heads, stream, memory);
-  return classify<kBackwardDkvStep, 128, kClassifyThreads>(params, batch, heads, stream, memory);
+MaskTiles classify_mask_tiles(const AttentionParams& params, int block_m, int block_n, int batch, int heads,
+                              cudaStream_t stream, std::uint8_t** memory) {
+  if (block_m == 32 && block_n == 128) return classify<32, 128, kClassifyThreads>(params, batch, heads, stream, memory);
+  if (block_m == 32 && block_n == 64) return classify<32, 64, kClassifyThreads>(params, batch, heads, stream, memory);
+  if (block_m == 64 && block_n == 128) return classify<64, 128, kClassifyThreads>(params, batch, heads, stream, memory);
+  throw std::logic_error("dmattn: no mask tile classes of " + std::to_string(block_m) + " x " + std::to_string(block_n));
 }
 
 }  // namespace dmattn::cuda
