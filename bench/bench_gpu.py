@@ -269,9 +269,11 @@ def make_dmattn(torch, case, grad):
         def forward():
             return dmattn.varlen_attention(*flat, cu, cu, s.sq, s.sq, flat_bias, **options).view(q.shape)
     elif s.api == "flash_dmattn_func":
+        from dmattn.flash_dmattn_compat import flash_dmattn_func
+
         def forward():
-            return dmattn.flash_dmattn_func(q, k, v, attn_mask=case.mask, attn_bias=bias, is_causal=s.causal,
-                                            softcap=s.softcap or None, deterministic=s.deterministic)
+            return flash_dmattn_func(q, k, v, attn_mask=case.mask, attn_bias=bias, is_causal=s.causal,
+                                     softcap=s.softcap or None, deterministic=s.deterministic)
     else:
         def forward():
             return dmattn.attention(q, k, v, mask=case.mask, bias=bias, **options)
@@ -471,7 +473,10 @@ def run(args):
                 dmattn=dmattn.build_info())
     print(f"benchmark: {meta}", flush=True)
     for name in args.suite.split(","):
-        results = suites[name] = dict(meta=dict(meta), rows=[])
+        # --only re-measures some cases: the suite's other rows stay, each row keeps the device and date it was
+        # measured on (the report names those that differ from the suite's).
+        kept = [r for r in suites.get(name, {}).get("rows", []) if args.only and args.only not in r["case"]]
+        results = suites[name] = dict(meta=dict(suites[name]["meta"] if kept else meta), rows=kept)
         if name == "shapes":
             results["meta"]["copy_gbps"] = copy_gbps(torch)
         for spec in SUITES[name]:
@@ -493,7 +498,8 @@ def run(args):
                     else:
                         result, kept = measure(torch, case, system, grad, reference)
                         reference = kept if kept is not None else reference
-                    row = dict(where, allowed=case.allowed, system=system, mode="fwd+bwd" if grad else "fwd", **result)
+                    row = dict(where, allowed=case.allowed, system=system, mode="fwd+bwd" if grad else "fwd",
+                               measured=f"{meta['device']}, {meta['date']}, {meta['commit']}", **result)
                     results["rows"].append(row)
                     print(json.dumps(row), flush=True)
             del case, reference
@@ -529,10 +535,20 @@ def header(title, meta, lines):
             f"{meta['dmattn']['head_dims']}); torch {meta['torch']}, CUDA {meta['cuda']}", ""] + lines
 
 
+def measured_apart(suite):
+    """Lines naming the rows measured on another device, date or commit than the suite's header."""
+    meta = suite["meta"]
+    here = f"{meta['device']}, {meta['date']}, {meta['commit']}"
+    apart = sorted({f"- {r['case']}: {r['measured']}" for r in suite["rows"] if r.get("measured", here) != here})
+    return ["", "Measured apart from the header's run:", ""] + apart if apart else []
+
+
 def skipped(rows):
-    lines = [f"- {r['case']}, S={r['sq']}, {r['system']}, {r['mode']}: {r['skip']}" for r in rows
-             if "skip" in r and "system" in r]
-    lines += [f"- {r['case']}, S={r['sq']}: {r['skip']}" for r in rows if "system" not in r]
+    def where(r):
+        return r["case"] if "S=" in r["case"] else f"{r['case']}, S={r['sq']}"
+
+    lines = [f"- {where(r)}, {r['system']}, {r['mode']}: {r['skip']}" for r in rows if "skip" in r and "system" in r]
+    lines += [f"- {where(r)}: {r['skip']}" for r in rows if "system" not in r]
     notes = sorted({f"{r['system']}: {n}" for r in rows if "notes" in r for n in r["notes"]})
     return (["", "Skipped (the reason each system gave):", ""] + (lines or ["- nothing"]) +
             (["", "Notes:", ""] + [f"- {n}" for n in notes] if notes else []))
@@ -574,7 +590,7 @@ def main_report(suite):
             seed = "; ".join(f"{label} {value}" for label, value, ours in SEED_REFERENCE.get(spec.case, [])
                              if ours == system and length == 16384)
             lines.append(f"| {spec.case} | {length} | {system} | " + " | ".join(cells) + f" | {diff} | {seed} |")
-    lines += skipped(suite["rows"])
+    lines += skipped(suite["rows"]) + measured_apart(suite)
     lines += ["", "Where dmattn stands against the targets (forward):", "",
               "| case | S | measure | target | dmattn |", "|---|---|---|---|---|"]
     for kind, length, what, target, op in TARGETS:
@@ -681,8 +697,8 @@ def shapes_report(suite):
     for row, target, value, met in shapes_targets(rows, meta.get("copy_gbps", 1.0)):
         shown = "not measured" if value is None else (f"{value:.2f} ms" if target.endswith(" ms") else f"{value:.2f}x")
         lines.append(f"| {row} | {target} | {shown} | {'yes' if met else 'no'} |")
-    return lines + skipped(suite["rows"]) + ["", "![training shapes against the best peer](performance-shapes.png)",
-                                             ""]
+    return (lines + skipped(suite["rows"]) + measured_apart(suite) +
+            ["", "![training shapes against the best peer](performance-shapes.png)", ""])
 
 
 def topk_pairs():
@@ -712,7 +728,7 @@ def topk_report(suite):
                       "" if a is None or b is None else f"{a / b:.2f}"]
         peak = rows.get(spec, "dmattn", "fwd+bwd", "peak_mib")
         lines.append(f"| {spec.case} | " + " | ".join(cells) + f" | {ideal:.3f} | {'' if peak is None else f'{peak:.0f}'} |")
-    return lines + skipped(suite["rows"]) + ["", "![top-k time over dense](performance-topk.png)", ""]
+    return lines + skipped(suite["rows"]) + measured_apart(suite) + ["", "![top-k time over dense](performance-topk.png)", ""]
 
 
 def report(suites, out_dir):
