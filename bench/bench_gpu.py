@@ -620,7 +620,7 @@ def main_report(suite):
 
 
 def shapes_targets(rows, copy_gbps):
-    """(row, target, measured, met) of each line of the Hopper issue's table."""
+    """(row, target, measured, its unit, met) of each line of the Hopper issue's table."""
     spec = {s.case: s for s in SHAPES}
 
     def ms(case, system="dmattn", mode="fwd"):
@@ -637,28 +637,28 @@ def shapes_targets(rows, copy_gbps):
             ("D=64, 16/4 heads, B=16, S=2048", 1.1, 1.1, "SDPA cuDNN")):
         for mode, limit in (("fwd", fwd_limit), ("fwd+bwd", bwd_limit)):
             r = ratio(ms(case, mode=mode), ms(case, peer, mode))
-            out.append((f"{case}, {mode}", f"<= {limit}x {peer}", r, r is not None and r <= limit))
+            out.append((f"{case}, {mode}", f"<= {limit}x {peer}", r, "x", r is not None and r <= limit))
     for d in (96, 192, 256):
         case = f"D={d}, 32/8 heads, S=8192"
         for peer, limit in (("SDPA flash", 1.0), ("SDPA cuDNN", 1.2)):
             r = ratio(ms(case, mode="fwd+bwd"), ms(case, peer, "fwd+bwd"))
-            out.append((f"{case}, fwd+bwd", f"<= {limit}x {peer}", r, r is not None and r <= limit))
+            out.append((f"{case}, fwd+bwd", f"<= {limit}x {peer}", r, "x", r is not None and r <= limit))
     for case, base, limit, what in (
             ("key bias, varlen 8 x 2048", "key bias, B=8, S=2048", 1.05, "batched B=8"),
             ("softcap 30 + key bias, S=16384", "key bias, S=16384", 1.15, "the same call without softcap")):
         for mode in ("fwd", "fwd+bwd"):
             r = ratio(ms(case, mode=mode), ms(base, mode=mode))
-            out.append((f"{case}, {mode}", f"<= {limit}x {what}", r, r is not None and r <= limit))
+            out.append((f"{case}, {mode}", f"<= {limit}x {what}", r, "x", r is not None and r <= limit))
     r = ratio(ms("deterministic, key bias, S=16384", mode="fwd+bwd"), ms("key bias, S=16384", mode="fwd+bwd"))
-    out.append(("deterministic, key bias, S=16384, fwd+bwd", "<= 1.15x non-deterministic", r,
+    out.append(("deterministic, key bias, S=16384, fwd+bwd", "<= 1.15x non-deterministic", r, "x",
                 r is not None and r <= 1.15))
     for mode in ("fwd", "fwd+bwd"):
         case = "bool mask ~50% + key bias, (1, 8, 8192, 8192)"
         r = ratio(ms(case, mode=mode), ms(case, "FlexAttention", mode))
-        out.append((f"{case}, {mode}", "<= 0.9x FlexAttention", r, r is not None and r <= 0.9))
+        out.append((f"{case}, {mode}", "<= 0.9x FlexAttention", r, "x", r is not None and r <= 0.9))
     case = "flash_dmattn_func, top-1024 mask + key bias, S=16384"
     value = ms(case, mode="fwd+bwd")
-    out.append((f"{case}, fwd+bwd", "<= 20 ms", value, value is not None and value <= 20))
+    out.append((f"{case}, fwd+bwd", "<= 20 ms", value, "ms", value is not None and value <= 20))
     full = spec["full 4-D bias (1, 8, 8192, 8192) with dbias"]
     bias_bytes = full.kv_heads * full.sq * full.keys * 2
     # fwd reads the bias, the backward reads it again and writes dbias: three passes at the copy bandwidth,
@@ -666,11 +666,11 @@ def shapes_targets(rows, copy_gbps):
     floor = max(3 * bias_bytes / (copy_gbps * 1e6), ms("no bias, S=8192", mode="fwd+bwd") or 0.0)
     r = ratio(ms(full.case, mode="fwd+bwd"), floor)
     out.append((f"{full.case}, fwd+bwd", f"<= 1.3x max(bias bandwidth floor, no bias) = 1.3 x {floor:.2f} ms", r,
-                r is not None and r <= 1.3))
+                "x", r is not None and r <= 1.3))
     for mode in ("fwd", "fwd+bwd"):
         case = "sliding window (1023, 0) + key bias, S=16384"
         r = ratio(ms(case, mode=mode), ms(case, "FlexAttention", mode))
-        out.append((f"{case}, {mode}", "<= 1.0x FlexAttention", r, r is not None and r <= 1.0))
+        out.append((f"{case}, {mode}", "<= 1.0x FlexAttention", r, "x", r is not None and r <= 1.0))
     return out
 
 
@@ -694,8 +694,8 @@ def shapes_report(suite):
                 cells += ["skipped", ""] if row is None or "skip" in row else [fmt(row, "ms", 2), fmt(row, "tflops", 0)]
             lines.append(f"| {spec.case} | {system} | " + " | ".join(cells) + f" | {fmt(bwd, 'peak_mib', 0)} |")
     lines += ["", "Targets:", "", "| row | target | measured | met |", "|---|---|---|---|"]
-    for row, target, value, met in shapes_targets(rows, meta.get("copy_gbps", 1.0)):
-        shown = "not measured" if value is None else (f"{value:.2f} ms" if target.endswith(" ms") else f"{value:.2f}x")
+    for row, target, value, unit, met in shapes_targets(rows, meta.get("copy_gbps", 1.0)):
+        shown = "not measured" if value is None else f"{value:.2f} ms" if unit == "ms" else f"{value:.2f}x"
         lines.append(f"| {row} | {target} | {shown} | {'yes' if met else 'no'} |")
     return (lines + skipped(suite["rows"]) + measured_apart(suite) +
             ["", "![training shapes against the best peer](performance-shapes.png)", ""])
