@@ -21,13 +21,12 @@ import argparse
 import json
 import pathlib
 import statistics
-import time
 
 import torch
 from transformers import DogeConfig, DogeForCausalLM
 
 from dmattn.integrations.transformers import use_dmattn_for_doge
-from doge_training import spec_ties
+from doge_training import spec_ties, train
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, KEEP = 4096, 1024, 8, 2, 128, 2048
 
@@ -44,24 +43,6 @@ def model_for(length, layers, implementation, base=None):
     if implementation == "dmattn":
         return use_dmattn_for_doge(model)
     return spec_ties(model) if implementation == "eager" else model
-
-
-def train(model, data):
-    """Losses and per-step seconds of AdamW steps over `data`, and the peak memory (bytes) of the steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, seconds = [], []
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    for ids in data:
-        start = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return losses, seconds, torch.cuda.max_memory_allocated()
 
 
 def main():
@@ -86,7 +67,9 @@ def main():
             run = dict(length=length, path=path)
             try:
                 model = model_for(length, args.layers, path, base)
-                losses[path], seconds, peak = train(model, data)
+                torch.cuda.reset_peak_memory_stats()
+                losses[path], seconds = train(model, data, 1e-3)
+                peak = torch.cuda.max_memory_allocated()
                 run.update(losses=losses[path], step_ms=1e3 * statistics.median(seconds[1:] or seconds),
                            peak_gib=peak / 2**30)
             except torch.OutOfMemoryError:

@@ -74,19 +74,21 @@ def spec_ties(model):
 
 
 def train(model, data, lr):
+    """The losses and the seconds of each AdamW step over `data` (synchronised after every step)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
+    losses, seconds = [], []
     torch.cuda.synchronize()
-    start = time.perf_counter()
     for ids in data:
+        start = time.perf_counter()
         ids = ids.cuda()
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    torch.cuda.synchronize()
-    return losses, time.perf_counter() - start
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return losses, seconds
 
 
 def main():
@@ -112,6 +114,7 @@ def main():
     data = batches(args.steps)
     eager_losses, eager_s = train(eager, data, args.lr)
     ours_losses, ours_s = train(ours, data, args.lr)
+    eager_s, ours_s = sum(eager_s), sum(ours_s)
     diffs = [abs(a - b) for a, b in zip(eager_losses, ours_losses)]
     result = {
         "device": torch.cuda.get_device_name(),
@@ -126,7 +129,8 @@ def main():
         "seconds": {"eager": eager_s, "dmattn": ours_s},
     }
     if sparse:
-        result["eager_stock_ties"], result["seconds"]["eager_stock_ties"] = train(stock, data, args.lr)
+        result["eager_stock_ties"], stock_s = train(stock, data, args.lr)
+        result["seconds"]["eager_stock_ties"] = sum(stock_s)
         result["eager_tie_rule"] = "SPEC 3 (stable sort, most recent key first); eager_stock_ties: torch.topk"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
