@@ -55,37 +55,43 @@ __global__ void __launch_bounds__(256) zero_unselected(const BackwardParams p, i
 
 // dq by atomics: dq = scale * dq_acc in the dtype, for the rows of each
 // sequence, four floats of dq_acc a thread (rows of kHeadDim floats, or
-// DqBlocks).
+// DqBlocks): blockIdx.y walks the (batch, head) pairs, x the head's quads (no
+// 64-bit division an element), each pair of dq one 32-bit store where dq's
+// strides allow.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) finish_dq(const BackwardParams p, int batch) {
   using Blocks = DqBlocks<kHeadDim>;
   constexpr int kQuads = kHeadDim / 4;
   const std::int64_t rows = p.dq_blocks ? (p.seqlen_q + Blocks::kRows - 1) / Blocks::kRows * Blocks::kRows : p.seqlen_q;
-  const std::int64_t head_quads = rows * kQuads, quads = std::int64_t{batch} * p.heads * head_quads;
-  for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < quads;
-       e += std::int64_t{gridDim.x} * blockDim.x) {
-    const std::int64_t bh = e / head_quads, at = e % head_quads;
+  const std::int64_t head_quads = rows * kQuads;
+  const bool aligned = pairs_aligned(p.dq.data, p.dq.sb, p.dq.sh, p.dq.sr);
+  for (std::int64_t bh = blockIdx.y; bh < std::int64_t{batch} * p.heads; bh += gridDim.y) {
     const int h = static_cast<int>(bh % p.heads), b = static_cast<int>(bh / p.heads);
-    // The two pairs of the quad: rows i[half], features col[half] and col[half] + 1.
-    std::int64_t i[2];
-    int col[2];
-    if (p.dq_blocks) {
-      int row = 0, c = 0;
-      Blocks::quad(static_cast<int>(at % Blocks::kQuads), &row, &c);
-      i[0] = at / Blocks::kQuads * Blocks::kRows + row, i[1] = i[0] + 8;
-      col[0] = col[1] = c;
-    } else {
-      i[0] = i[1] = at / kQuads;
-      col[0] = static_cast<int>(at % kQuads) * 4, col[1] = col[0] + 2;
-    }
     const Sequence s(p, b);
-    const float4 x = reinterpret_cast<const float4*>(p.dq_acc)[e];
-    const float pair[2][2] = {{x.x, x.y}, {x.z, x.w}};
+    const auto* acc = reinterpret_cast<const float4*>(p.dq_acc) + bh * head_quads;
+    auto* dq = static_cast<Element*>(p.dq.data) + b * p.dq.sb + h * p.dq.sh + s.qs * p.dq.sr;
+    for (std::int64_t at = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; at < head_quads;
+         at += std::int64_t{gridDim.x} * blockDim.x) {
+      // The two pairs of the quad: rows i[half], features col[half] and col[half] + 1.
+      std::int64_t i[2];
+      int col[2];
+      if (p.dq_blocks) {
+        int row = 0, c = 0;
+        Blocks::quad(static_cast<int>(at % Blocks::kQuads), &row, &c);
+        i[0] = at / Blocks::kQuads * Blocks::kRows + row, i[1] = i[0] + 8;
+        col[0] = col[1] = c;
+      } else {
+        i[0] = i[1] = at / kQuads;
+        col[0] = static_cast<int>(at % kQuads) * 4, col[1] = col[0] + 2;
+      }
+      const float4 x = acc[at];
+      const float pair[2][2] = {{x.x, x.y}, {x.z, x.w}};
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (col[half] >= p.head_dim || i[half] >= s.sq) continue;
-      auto* dst = static_cast<Element*>(p.dq.data) + b * p.dq.sb + h * p.dq.sh + (s.qs + i[half]) * p.dq.sr + col[half];
-      dst[0] = static_cast<Element>(pair[half][0] * p.scale), dst[1] = static_cast<Element>(pair[half][1] * p.scale);
+      for (int half = 0; half < 2; ++half) {
+        // col is even and the head dim a multiple of 8 on CUDA: a pair is whole or padding.
+        if (col[half] >= p.head_dim || i[half] >= s.sq) continue;
+        store_pair(dq + i[half] * p.dq.sr + col[half], pair[half][0] * p.scale, pair[half][1] * p.scale, aligned);
+      }
     }
   }
 }

@@ -1,4 +1,5 @@
-// Bias and dbias elements, float32 or the inputs' Element, as float.
+// Bias and dbias elements, float32 or the inputs' Element, as float; pairs of
+// output elements.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,25 @@ __device__ inline void store_float(void* data, bool is_float32, std::int64_t at,
     static_cast<float*>(data)[at] = x;
   else
     static_cast<Element*>(data)[at] = static_cast<Element>(x);
+}
+
+// Whether a strided output's pairs (2 e, 2 e + 1) along its contiguous last
+// dim are 4-byte aligned wherever they start: an aligned base and even strides.
+__host__ __device__ inline bool pairs_aligned(const void* data, std::int64_t sb, std::int64_t sh, std::int64_t sr) {
+  return reinterpret_cast<std::uintptr_t>(data) % 4 == 0 && sb % 2 == 0 && sh % 2 == 0 && sr % 2 == 0;
+}
+
+// x and y into dst[0] and dst[1] (rounded once each): one 32-bit store where
+// `aligned` (pairs_aligned, dst at an even element), else two.
+template <class Element>
+__device__ inline void store_pair(Element* dst, float x, float y, bool aligned) {
+  static_assert(sizeof(Element) == 2, "pairs of 16-bit elements");
+  if (aligned) {
+    struct alignas(4) Pair { Element a, b; };
+    *reinterpret_cast<Pair*>(dst) = Pair{static_cast<Element>(x), static_cast<Element>(y)};
+  } else {
+    dst[0] = static_cast<Element>(x), dst[1] = static_cast<Element>(y);
+  }
 }
 
 }  // namespace dmattn::cuda

@@ -79,7 +79,6 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   };
 
   const int tid = threadIdx.x, lane = tid % 32;
-  const int d = p.head_dim;
   // The key-only bias: thread t < kBlockN stages key t of a tile in float.
   const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh : 0;
   auto fetch_bias = [&](int n) {
@@ -254,12 +253,14 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
       static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (blk.qs + row) * p.lse.sr] =
           sum > 0.0f ? row_max[half] * unit + logf(sum) : -kInf;
   }
+  // A thread's pairs (f, f + 1) start at even features: one 32-bit store each
+  // where out's strides allow (the dispatch plans this kernel at the exact
+  // head dim: no feature is padding).
+  const bool aligned = pairs_aligned(p.out.data, p.out.sb, p.out.sh, p.out.sr);
 #pragma unroll
   for (int e = 0; e < size(acc_o); e += 2) {
     const int half = e / 2 % 2, qi = get<0>(cO(e)), f = get<1>(cO(e));
-    if (row0 + qi >= sq || f >= d) continue;
-    out[qi * p.out.sr + f] = static_cast<Element>(acc_o(e) * inv[half]);
-    if (f + 1 < d) out[qi * p.out.sr + f + 1] = static_cast<Element>(acc_o(e + 1) * inv[half]);
+    if (row0 + qi < sq) store_pair(out + qi * p.out.sr + f, acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
   }
 #endif
 }
