@@ -10,7 +10,8 @@
 #   env: OUT (default build-gpu/all), BUILD (the CMake build; default build-gpu),
 #        DMATTN_CUDA_ARCHS (default 90a), DMATTN_CUTLASS_DIR, PYTHON (default
 #        python3), BENCH_DEADLINE (epoch seconds: bench cases after it are not run),
-#        BENCH_ONLY (run only the bench cases whose name contains it), DMATTN_COMMIT
+#        BENCH_ONLY (run only the bench cases whose name contains it), BENCH_SUITES (e.g.
+#        shapes,topk; default all), DMATTN_COMMIT
 #        (the commit to report, where the tree's git metadata is not its own)
 #
 # Writes only OUT/summary.txt and OUT/logs.tar.gz (every log, the benchmark's
@@ -66,8 +67,9 @@ for s in "${stages[@]}"; do
     pytest) stage pytest python_tests
             tail -1 "$logs/pytest.log" >>"$summary" ;;
     bench) OUT=$logs stage bench bash scripts/bench_gpu.sh ${BENCH_DEADLINE:+--deadline "$BENCH_DEADLINE"} \
-             ${BENCH_ONLY:+--only "$BENCH_ONLY"}
-           sed -n '/^## Where dmattn stands/,/^## Reference/p' "$logs/performance.md" >>"$summary" 2>/dev/null ;;
+             ${BENCH_ONLY:+--only "$BENCH_ONLY"} ${BENCH_SUITES:+--suite "$BENCH_SUITES"}
+           # each section's heading and its target rows (met: yes / no)
+           grep -E '^## |^\| .* \| (yes|no) \|$' "$logs/performance.md" >>"$summary" 2>/dev/null ;;
     doge) stage doge doge
           grep -E "^(eager|dmattn|max)" "$logs/doge.log" >>"$summary" ;;
     *) echo "unknown stage $s (check selection pytest bench doge)"; exit 2 ;;
