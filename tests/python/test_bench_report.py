@@ -1,0 +1,85 @@
+"""bench/bench_gpu.py off the GPU: the allowed-pair counts behind its TFLOP/s and ideal ratios, and the
+report's targets from given timings (the plots left out)."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_gpu  # noqa: E402
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 9), (7, 7), (5, 12), (12, 5)])
+@pytest.mark.parametrize("window", [None, (2, 0), (0, 3), (3, 1), (-1, 2)])
+@pytest.mark.parametrize("keep", [None, 1, 3])
+def test_allowed_per_row_counts_the_mask(sq, sk, window, keep):
+    spec = bench_gpu.Spec("case", sq=sq, sk=sk, window=window, keep=keep)
+    rows, keys = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    diagonal = rows + sk - sq
+    allowed = keys <= diagonal if spec.causal else torch.ones(sq, sk, dtype=torch.bool)
+    if window is not None:
+        left, right = window
+        allowed &= (keys >= diagonal - left) if left >= 0 else True
+        allowed &= (keys <= diagonal + right) if right >= 0 else True
+    expected = allowed.sum(1)
+    if keep is not None:
+        expected = expected.clamp(max=keep)
+    assert torch.equal(bench_gpu.allowed_per_row(torch, spec), expected)
+
+
+def _results(suite, ours_over_peers):
+    """Timings of every case of a suite: each peer 1 ms (fwd) and 3 ms (fwd+bwd), dmattn that times the factor."""
+    rows = []
+    for spec in bench_gpu.SUITES[suite]:
+        for system in spec.systems:
+            for mode, ms in (("fwd", 1.0), ("fwd+bwd", 3.0)):
+                if system == "dmattn":
+                    ms *= ours_over_peers
+                rows.append(dict(case=spec.case, batch=spec.batch, sq=spec.sq, sk=spec.keys, system=system, mode=mode,
+                                 ms=ms, tflops=1.0, peak_mib=1.0))
+    meta = dict(date="d", device="gpu", torch="t", cuda="c", commit="abc", copy_gbps=1000.0,
+                dmattn=dict(version="v", cuda_architectures="90a", head_dims="64,128"))
+    return dict(meta=meta, rows=rows)
+
+
+@pytest.mark.parametrize("factor,met", [(2.0, "no"), (0.5, "yes")])
+def test_peer_targets_follow_the_timings(monkeypatch, tmp_path, factor, met):
+    monkeypatch.setattr(bench_gpu, "plot", lambda suites, out_dir: None)
+    bench_gpu.report({"shapes": _results("shapes", factor), "topk": _results("topk", factor)}, tmp_path)
+    text = (tmp_path / "performance.md").read_text()
+    for spec in bench_gpu.SHAPES + [s for s in bench_gpu.TOPK if s.keep is not None]:  # dense: a column of top-k's
+        assert f"| {spec.case} |" in text
+    # Every row against a peer measured factor x that peer.
+    for row in ("D=128, 32/8 heads, S=16384, fwd | <= 1.0x SDPA cuDNN", "D=64, 16/4 heads, B=16, S=2048, fwd+bwd",
+                "sliding window (1023, 0) + key bias, S=16384, fwd+bwd | <= 1.0x FlexAttention"):
+        line = next(line for line in text.splitlines() if line.startswith(f"| {row}"))
+        assert line.endswith(f"| {factor:.2f}x | {met} |"), line
+    # dmattn against its own calls: the same factor on both sides, ratio 1.
+    line = next(line for line in text.splitlines() if line.startswith("| key bias, varlen 8 x 2048, fwd |"))
+    assert "| 1.00x | yes |" in line
+
+
+def test_topk_fraction_and_ideal():
+    suite = _results("topk", 1.0)
+    for row in suite["rows"]:  # top-k at a quarter of dense
+        if "keep" in row["case"]:
+            row["ms"] /= 4
+    text = "\n".join(bench_gpu.topk_report(suite))
+    line = next(line for line in text.splitlines() if line.startswith("| key bias, keep 1024, S=4096 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[3] == "0.25" and cells[6] == "0.25"
+    spec = next(s for s in bench_gpu.TOPK if s.case == "key bias, keep 1024, S=4096")
+    kept = bench_gpu.allowed_per_row(torch, spec).sum()
+    causal = bench_gpu.allowed_per_row(torch, dataclasses.replace(spec, keep=None)).sum()
+    assert cells[7] == f"{float(kept / causal):.3f}"
+
+
+def test_load_reads_the_single_table_format(tmp_path):
+    old = dict(meta=dict(date="d"), rows=[dict(case="no mask", sq=1, sk=1)])
+    (tmp_path / "performance.json").write_text(json.dumps(old))
+    assert bench_gpu.load(tmp_path / "performance.json") == {"main": old}
+    assert bench_gpu.load(tmp_path / "missing.json") == {}
