@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -95,6 +96,18 @@ std::string bounds_text(double lowp, const std::optional<double>& naive);
 // The varlen layout of a case, its cu_seqlens in `storage` (host) or copied to
 // `device_storage` (2 (B + 1) int32) where that is given.
 dmattn::VarlenLayout varlen_layout(const Case& c, std::vector<std::int32_t>& storage, void* device_storage);
+// A case's varlen layout with its cu_seqlens on the device, owning that
+// memory; layout() is nullptr for a batched case.
+class DeviceVarlen {
+ public:
+  explicit DeviceVarlen(const Case& c);
+  const dmattn::VarlenLayout* layout() const { return layout_ ? &*layout_ : nullptr; }
+
+ private:
+  std::unique_ptr<void, decltype(&cudaFree)> memory_{nullptr, cudaFree};
+  std::vector<std::int32_t> host_;
+  std::optional<dmattn::VarlenLayout> layout_;
+};
 // Case::given_intervals: the CPU's select_topk of the case's inputs on the
 // device, and whether the GPU's select_topk (of gpu_in and gpu_layout, the GPU
 // calls' own; nullptr: batched) wrote the same. Without given_intervals: none.

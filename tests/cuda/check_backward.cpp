@@ -120,16 +120,8 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
   dmattn::Inputs in{q.view(), k.view(), v.view(), std::nullopt, std::nullopt};
   if (mask) in.mask = mask->view();
   if (bias) in.bias = bias->view();
-  std::unique_ptr<void, decltype(&cudaFree)> cu_dev(nullptr, cudaFree);
-  std::vector<std::int32_t> cu;
-  std::optional<dmattn::VarlenLayout> layout;
-  if (varlen) {
-    void* p = nullptr;
-    check_cuda(cudaMalloc(&p, 2 * (c.seqlens_q.size() + 1) * 4), "cudaMalloc");
-    cu_dev.reset(p);
-    layout = varlen_layout(c, cu, p);
-  }
-  const GivenIntervals given = given_intervals(c, inputs, in, layout ? &*layout : nullptr);
+  const DeviceVarlen cu(c);
+  const GivenIntervals given = given_intervals(c, inputs, in, cu.layout());
   if (given.device) in.topk_intervals = given.device->view();
   bool untouched = true;
   auto gpu_grads = [&]() {
@@ -145,7 +137,7 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
     dmattn::Gradients g{dq.view(), dk.view(), dv.view(), std::nullopt};
     if (dbias) g.dbias = dbias->view();
     if (varlen)
-      dmattn::varlen_backward(in, *layout, out.view(), dO.view(), lse.view(), g, c.options);
+      dmattn::varlen_backward(in, *cu.layout(), out.view(), dO.view(), lse.view(), g, c.options);
     else
       dmattn::backward(in, out.view(), dO.view(), lse.view(), g, c.options);
     check_cuda(cudaDeviceSynchronize(), "backward kernels");

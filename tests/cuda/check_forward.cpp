@@ -164,6 +164,14 @@ dmattn::VarlenLayout varlen_layout(const Case& c, std::vector<std::int32_t>& sto
           *std::max_element(c.seqlens_k.begin(), c.seqlens_k.end())};
 }
 
+DeviceVarlen::DeviceVarlen(const Case& c) {
+  if (!c.varlen()) return;
+  void* p = nullptr;
+  check_cuda(cudaMalloc(&p, 2 * (c.seqlens_q.size() + 1) * 4), "cudaMalloc");
+  memory_.reset(p);
+  layout_ = varlen_layout(c, host_, p);
+}
+
 GivenIntervals given_intervals(const Case& c, const CaseInputs& inputs, const dmattn::Inputs& gpu_in,
                                const dmattn::VarlenLayout* gpu_layout) {
   GivenIntervals given;
@@ -224,13 +232,8 @@ Outcome run_forward_case(const Case& c, Rng& rng) {
     if (bc) in.bias = bc->view();
     dmattn::Options o = c.options;
     if (varlen) {
-      std::vector<std::int32_t> cq = cumulative(c.seqlens_q), ck = cumulative(c.seqlens_k);
-      const std::int64_t nb = static_cast<std::int64_t>(cq.size());
-      dmattn::VarlenLayout layout{dmattn::TensorView::contiguous(cq.data(), DType::kInt32, {nb}),
-                                  dmattn::TensorView::contiguous(ck.data(), DType::kInt32, {nb}),
-                                  *std::max_element(c.seqlens_q.begin(), c.seqlens_q.end()),
-                                  *std::max_element(c.seqlens_k.begin(), c.seqlens_k.end())};
-      dmattn::varlen_forward(in, layout, out.view(), lse.view(), o);
+      std::vector<std::int32_t> cu;
+      dmattn::varlen_forward(in, varlen_layout(c, cu, nullptr), out.view(), lse.view(), o);
     } else {
       dmattn::forward(in, out.view(), lse.view(), o);
     }
@@ -257,19 +260,11 @@ Outcome run_forward_case(const Case& c, Rng& rng) {
   options.return_lse = c.with_lse;
   const std::optional<dmattn::TensorView> gpu_lse_view =
       c.with_lse ? std::optional<dmattn::TensorView>(dlse.view()) : std::nullopt;
-  std::unique_ptr<void, decltype(&cudaFree)> cu_dev(nullptr, cudaFree);
-  std::vector<std::int32_t> cu;
-  std::optional<dmattn::VarlenLayout> layout;
-  if (varlen) {
-    void* p = nullptr;
-    check_cuda(cudaMalloc(&p, 2 * (c.seqlens_q.size() + 1) * 4), "cudaMalloc");
-    cu_dev.reset(p);
-    layout = varlen_layout(c, cu, p);
-  }
-  const GivenIntervals given = given_intervals(c, inputs, in, layout ? &*layout : nullptr);
+  const DeviceVarlen cu(c);
+  const GivenIntervals given = given_intervals(c, inputs, in, cu.layout());
   if (given.device) in.topk_intervals = given.device->view();
   if (varlen)
-    dmattn::varlen_forward(in, *layout, dout.view(), gpu_lse_view, options);
+    dmattn::varlen_forward(in, *cu.layout(), dout.view(), gpu_lse_view, options);
   else
     dmattn::forward(in, dout.view(), gpu_lse_view, options);
   check_cuda(cudaDeviceSynchronize(), "forward kernel");
