@@ -112,7 +112,14 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
     p.build_if = p.huge_rows;
     const DType dtype = std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBFloat16 : DType::kFloat16;
     build_key_lists(p, dtype, dq_rows, batch, p.heads, stream);
-    if (plan.mask_tiles) p.dkv_tiles = classify_mask_tiles(p, dkv_tile.step, dkv_rows, batch, p.heads, stream, &dkv_tiles);
+    if constexpr (sm90_head_dim(kHeadDim)) {
+      using Config = DkvSm90Config<Element, kHeadDim>;
+      if (plan.mask_tiles && plan.dkv == DkvKernel::kSm90)
+        p.dkv_tiles = pack_mask(p, Config::kBlockM, Config::kBlockN, true, batch, p.heads, stream, &dkv_tiles,
+                                p.dkv_packed);
+    }
+    if (plan.mask_tiles && plan.dkv == DkvKernel::kSm80)
+      p.dkv_tiles = classify_mask_tiles(p, dkv_tile.step, dkv_rows, batch, p.heads, stream, &dkv_tiles);
   }
   const auto reduce = [&](int n) {
     if (err != cudaSuccess || db_elements == 0) return;
