@@ -12,56 +12,86 @@
 namespace dmattn::cuda {
 namespace {
 
-// Threads of a classifying CTA: 32 x 32, one mask element each of a 32 x 32
-// square of the tile at a time.
-constexpr int kClassifyThreads = 1024;
+// Threads of a classifying CTA.
+constexpr int kClassifyThreads = 256;
 
 // The bits a pass writes: none, by query row (the forward's) or by key (the
 // dk/dv walk's).
 enum class Packing { kNone, kByRow, kByKey };
 
+// Bit t of the result: byte t of w is not zero (t < 4).
+__device__ inline std::uint32_t byte_bits(std::uint32_t w) { return ((__vcmpne4(w, 0) & 0x01010101u) * 0x01020408u) >> 24; }
+
 // Block (n, m, z) classifies the mask tile of key block n and query block m
 // (m = 0 when the mask is broadcast over rows) of mask batch and head z as
 // empty (no key allowed), full (every in-range key allowed) or partial, and
-// writes its bits. Reads clamp to the last row and key: the bits past the
-// sequences repeat them.
+// writes its bits: first the tile's words by row in shared memory (32 keys a
+// thread, two 16-byte loads where the mask's keys are consecutive and
+// aligned), then those words (by row) or their 32 x 32 transposes (by key, a
+// warp's ballots). Bits past the sequences are 0; a dimension the mask
+// broadcasts over has one word of 32 equal bits (the inner one) or one
+// index (the outer one).
 template <int kTileM, int kTileN, Packing kPacking>
 __global__ void __launch_bounds__(kClassifyThreads)
     mask_tile_pass(const AttentionParams p, MaskTiles tiles, MaskBits bits, std::uint32_t* words, int mask_heads) {
-  __shared__ std::uint8_t square[32][33];
+  constexpr int kWordsN = kTileN / 32;
+  __shared__ std::uint32_t tile_bits[kTileM][kWordsN];
   const bool row_broadcast = p.mask.sr == 0, key_broadcast = p.mask.sc == 0;
   const std::int64_t rows = row_broadcast ? 1 : p.seqlen_q, cols = p.seqlen_k;
   const std::int64_t row0 = std::int64_t{blockIdx.y} * kTileM, col0 = std::int64_t{blockIdx.x} * kTileN;
   const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
   const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh;
-  std::uint32_t* slice = words + mb * bits.sb + mh * bits.sh;
-  const int x = threadIdx.x % 32, y = threadIdx.x / 32;
+  const int tile_rows = row_broadcast ? 1 : kTileM;
   bool any = false, all = true;
-  const int squares_m = row_broadcast ? 1 : kTileM / 32;
-  for (int sm = 0; sm < squares_m; ++sm)
+  for (int item = threadIdx.x; item < tile_rows * kWordsN; item += kClassifyThreads) {
+    const int r = item / kWordsN, w = item % kWordsN;
+    const std::int64_t i = row0 + r, j0 = col0 + 32 * w;
+    const int valid = i < rows ? static_cast<int>(max(min(cols - j0, std::int64_t{32}), std::int64_t{0})) : 0;
+    std::uint32_t word = 0;
+    if (valid > 0) {
+      const std::uint8_t* at = mask + i * p.mask.sr + j0 * p.mask.sc;
+      if (valid == 32 && p.mask.sc == 1 && reinterpret_cast<std::uintptr_t>(at) % 16 == 0) {
+        const uint4 lo = reinterpret_cast<const uint4*>(at)[0], hi = reinterpret_cast<const uint4*>(at)[1];
+        const std::uint32_t parts[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-    for (int sn = 0; sn < kTileN / 32; ++sn) {
-      const std::int64_t r0 = row0 + 32 * sm, c0 = col0 + 32 * sn, i = r0 + y, j = c0 + x;
-      const bool allowed = mask[min(i, rows - 1) * p.mask.sr + min(j, cols - 1) * p.mask.sc] != 0;
-      const bool in = i < rows && j < cols;
-      any |= in && allowed, all &= !in || allowed;
-      if constexpr (kPacking == Packing::kByRow) {  // warp y: row i, its 32 keys from c0
-        const std::uint32_t word = __ballot_sync(0xffffffff, allowed);
-        if (x == 0 && (!row_broadcast || i == 0) && (!key_broadcast || c0 == 0))
-          slice[i * bits.so + c0 / 32 * bits.si] = word;
-      } else if constexpr (kPacking == Packing::kByKey) {  // warp y: key c0 + y, its 32 rows from r0
-        square[y][x] = allowed;
-        __syncthreads();
-        const std::uint32_t word = __ballot_sync(0xffffffff, square[x][y] != 0);
-        if (x == 0 && (!key_broadcast || c0 + y == 0) && (!row_broadcast || r0 == 0))
-          slice[(c0 + y) * bits.so + r0 / 32 * bits.si] = word;
-        __syncthreads();
+        for (int t = 0; t < 8; ++t) word |= byte_bits(parts[t]) << (4 * t);
+      } else {
+        for (int t = 0; t < valid; ++t) word |= std::uint32_t{at[t * p.mask.sc] != 0} << t;
       }
     }
-  any = __syncthreads_or(any), all = __syncthreads_and(all);
+    const std::uint32_t in = valid == 32 ? ~0u : (1u << valid) - 1;
+    any |= (word & in) != 0, all &= (word & in) == in;
+    tile_bits[r][w] = word;
+  }
+  any = __syncthreads_or(any), all = __syncthreads_and(all);  // tile_bits complete
   if (threadIdx.x == 0)
     tiles.data[mb * tiles.sb + mh * tiles.sh + blockIdx.y * tiles.sm + blockIdx.x] =
         !any ? kTileEmpty : (all ? kTileFull : kTilePartial);
+  std::uint32_t* slice = words + mb * bits.sb + mh * bits.sh;
+  if constexpr (kPacking == Packing::kByRow) {
+    for (int item = threadIdx.x; item < tile_rows * kWordsN; item += kClassifyThreads) {
+      const int r = item / kWordsN, w = item % kWordsN;
+      if (key_broadcast && col0 + 32 * w != 0) continue;
+      const std::uint32_t word = tile_bits[r][w];
+      slice[(row0 + r) * bits.so + (col0 / 32 + w) * bits.si] = key_broadcast ? 0u - (word & 1) : word;
+    }
+  } else if constexpr (kPacking == Packing::kByKey) {  // a warp a 32 x 32 square: lane l row 32 bm + l, then key
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int squares = (row_broadcast ? 1 : kTileM / 32) * kWordsN;
+    for (int square = warp; square < squares; square += kClassifyThreads / 32) {
+      const int bm = square / kWordsN, w = square % kWordsN;
+      const std::uint32_t mine = tile_bits[row_broadcast ? 0 : 32 * bm + lane][w];
+      std::uint32_t column = 0;
+#pragma unroll
+      for (int k = 0; k < 32; ++k) {
+        const std::uint32_t t = __ballot_sync(0xffffffff, (mine >> k) & 1);
+        if (lane == k) column = t;
+      }
+      if (row_broadcast) column = 0u - ((mine >> lane) & 1);  // row 0's bit of key lane, 32 times
+      const std::int64_t key = col0 + 32 * w + lane;
+      if (!key_broadcast || key == 0) slice[key * bits.so + (row0 / 32 + bm) * bits.si] = column;
+    }
+  }
 }
 
 // The pass of one tiling (kTileM query rows x kTileN keys): the classes, then
