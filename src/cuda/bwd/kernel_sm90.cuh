@@ -14,7 +14,8 @@
 // of key_order (rows of absent keys zero), the query range the group's rows,
 // each element tested against its key's rows within the group's segment, and
 // the pieces of a key add up in segment order (KeyPieces), as in
-// backward_kernel. The user's mask (dense walk): packed by key
+// backward_kernel. kMasked, the user's mask (dense walk, a kernel of its own
+// for the registers of the walk without one): packed by key
 // (BackwardParams::dkv_packed) with the classes of its kBlockM x 128 tiles
 // (dkv_tiles); empty steps are skipped, loads included, full ones test
 // nothing, partial ones each element against its bit (the thread's two keys'
@@ -61,9 +62,10 @@
 
 namespace dmattn::cuda {
 
-template <class Config, bool kKeyGroups>
+template <class Config, bool kKeyGroups, bool kMasked>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     dkv_kernel_sm90(const __grid_constant__ BackwardParams p, const __grid_constant__ DkvSm90Maps maps) {
+  static_assert(!(kKeyGroups && kMasked), "a mask with top-k intervals is folded into the key groups");
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
   using Element = typename Config::Element;
@@ -101,31 +103,34 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int h_first = kvh * p.group, total = p.group * span;
   // The mask (dense walk): step s = (head h_first + s / span, query block
   // first + s % span) is walked unless its tile is empty.
-  const bool masked = !kKeyGroups && p.dkv_packed.words != nullptr;
-  const std::int64_t mask_b = masked && p.mask.sb != 0 ? b : 0;
-  const std::uint8_t* classes = masked ? p.dkv_tiles.data + mask_b * p.dkv_tiles.sb + key_block : nullptr;
-  const std::uint32_t* mask_words = masked ? p.dkv_packed.words + mask_b * p.dkv_packed.sb : nullptr;
+  const std::int64_t mask_b = kMasked && p.mask.sb != 0 ? b : 0;
+  const std::uint8_t* classes = kMasked ? p.dkv_tiles.data + mask_b * p.dkv_tiles.sb + key_block : nullptr;
+  const std::uint32_t* mask_words = kMasked ? p.dkv_packed.words + mask_b * p.dkv_packed.sb : nullptr;
   struct Step {
     int s;
     bool partial;
   };
   // The walk's step after step s (total: none), 32 classes a look by each warp.
   auto next_step = [&](int s) {
-    for (int at = s + 1; masked && at < total; at += 32) {
-      const int t = at + static_cast<int>(threadIdx.x % 32);
-      int cls = kTileEmpty;
-      if (t < total) {
-        const int mh = (h_first + t / span) / p.mask_group;
-        cls = classes[mh * p.dkv_tiles.sh + std::int64_t{first + t % span} * p.dkv_tiles.sm];
+    if constexpr (kMasked) {
+      for (int at = s + 1; at < total; at += 32) {
+        const int t = at + static_cast<int>(threadIdx.x % 32);
+        int cls = kTileEmpty;
+        if (t < total) {
+          const int mh = (h_first + t / span) / p.mask_group;
+          cls = classes[mh * p.dkv_tiles.sh + std::int64_t{first + t % span} * p.dkv_tiles.sm];
+        }
+        const unsigned found = __ballot_sync(0xffffffff, cls != kTileEmpty);
+        const unsigned partial = __ballot_sync(0xffffffff, cls == kTilePartial);
+        if (found != 0) {
+          const int low = __ffs(found) - 1;
+          return Step{at + low, ((partial >> low) & 1) != 0};
+        }
       }
-      const unsigned found = __ballot_sync(0xffffffff, cls != kTileEmpty);
-      const unsigned partial = __ballot_sync(0xffffffff, cls == kTilePartial);
-      if (found != 0) {
-        const int low = __ffs(found) - 1;
-        return Step{at + low, ((partial >> low) & 1) != 0};
-      }
+      return Step{total, false};
+    } else {
+      return Step{s + 1, false};
     }
-    return masked ? Step{total, false} : Step{s + 1, false};
   };
   const int q_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
 
@@ -233,7 +238,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // A partial step's mask words: the thread's two keys, queries [q0, q0 + kBlockM).
     constexpr int kWords = kBlockM / 32;
     std::uint32_t key_bits[2][kWords];
-    if (cur.partial) {
+    if (kMasked && cur.partial) {
       const std::uint32_t* words = mask_words + (h / p.mask_group) * p.dkv_packed.sh;
 #pragma unroll
       for (int half = 0; half < 2; ++half)
@@ -288,17 +293,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       }
     }
     const float4* st = stats + buf * kBlockM;
-    // P^T and dS^T in place of S^T and dP^T; kMasked: each element tested (the
+    // P^T and dS^T in place of S^T and dP^T; kTested: each element tested (the
     // code of whole tiles, most of a causal walk, has no test), against the
     // mask's bit too on a partial tile (query qi's word: e / 16).
-    const bool partial = cur.partial;
+    const bool partial = kMasked && cur.partial;
     auto gradients = [&](auto tested) {
-      constexpr bool kMasked = decltype(tested)::value;
+      constexpr bool kTested = decltype(tested)::value;
 #pragma unroll
       for (int e = 0; e < kAccS; ++e) {
         const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
         float x = acc_s(e) * scale + key_bias[half];
-        if (kMasked && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
+        if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
                                    : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
                                          (partial && ((key_bits[half][e / 16] >> (qi % 32)) & 1) == 0)))
           x = -kInf;

@@ -6,8 +6,9 @@
 // split-KV, top-k key lists, per-row biases, varlen, other head dims) runs
 // forward_kernel (fwd/kernel_sm80.cuh).
 //
-// A mask comes packed (ForwardParams::packed, bits by query row) with the
-// classes of its 128-row x kBlockN-key tiles (ForwardParams::tiles): the walk
+// kMasked: a mask comes packed (ForwardParams::packed, bits by query row) with
+// the classes of its 128-row x kBlockN-key tiles (ForwardParams::tiles); a
+// kernel of its own, so that the walk without one keeps its registers. The walk
 // skips empty tiles, loads included, tests nothing on full ones, and on a
 // partial one tests each element against its bit (a thread's two rows' words
 // of the tile load while S = Q K^T runs).
@@ -44,7 +45,7 @@
 
 namespace dmattn::cuda {
 
-template <class Config>
+template <class Config, bool kMasked>
 __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     forward_kernel_sm90(const __grid_constant__ ForwardParams p, const __grid_constant__ ForwardSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
@@ -86,29 +87,31 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   const int tid = threadIdx.x, lane = tid % 32;
   // The walk's key tiles, from tile_end - 1 down, the mask's empty ones left
   // out; partial: the tile's elements test the mask.
-  const bool masked = p.packed.words != nullptr;
   const int mh = h / p.mask_group;
   const std::uint8_t* classes =
-      masked ? p.tiles.data + b * p.tiles.sb + mh * p.tiles.sh + row0 / kBlockM * p.tiles.sm : nullptr;
-  const std::uint32_t* mask_words = masked ? p.packed.words + b * p.packed.sb + mh * p.packed.sh : nullptr;
+      kMasked ? p.tiles.data + b * p.tiles.sb + mh * p.tiles.sh + row0 / kBlockM * p.tiles.sm : nullptr;
+  const std::uint32_t* mask_words = kMasked ? p.packed.words + b * p.packed.sb + mh * p.packed.sh : nullptr;
   struct Tile {
     int n;
     bool partial;
   };
   // The walk's tile after tile n (n < tile_first: none), 32 classes a look by each warp.
   auto next_tile = [&](int n) {
-    if (!masked) return Tile{n - 1, false};
-    for (int top = n - 1; top >= tile_first; top -= 32) {
-      const int t = top - lane;
-      const int cls = t >= tile_first ? classes[t] : kTileEmpty;
-      const unsigned found = __ballot_sync(0xffffffff, cls != kTileEmpty);
-      const unsigned partial = __ballot_sync(0xffffffff, cls == kTilePartial);
-      if (found != 0) {
-        const int at = __ffs(found) - 1;
-        return Tile{top - at, ((partial >> at) & 1) != 0};
+    if constexpr (kMasked) {
+      for (int top = n - 1; top >= tile_first; top -= 32) {
+        const int t = top - lane;
+        const int cls = t >= tile_first ? classes[t] : kTileEmpty;
+        const unsigned found = __ballot_sync(0xffffffff, cls != kTileEmpty);
+        const unsigned partial = __ballot_sync(0xffffffff, cls == kTilePartial);
+        if (found != 0) {
+          const int at = __ffs(found) - 1;
+          return Tile{top - at, ((partial >> at) & 1) != 0};
+        }
       }
+      return Tile{tile_first - 1, false};
+    } else {
+      return Tile{n - 1, false};
     }
-    return Tile{tile_first - 1, false};
   };
   // The key-only bias: thread t < kBlockN stages key t of a tile in float.
   const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh : 0;
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     // A partial tile's mask words: the thread's two rows, keys [n kBlockN, + kBlockN).
     constexpr int kWords = kBlockN / 32;
     std::uint32_t row_bits[2][kWords];
-    if (partial) {
+    if (kMasked && partial) {
 #pragma unroll
       for (int half = 0; half < 2; ++half)
 #pragma unroll
@@ -236,7 +239,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
         if (!(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) acc_s(e) = -kInf;
       });
     }
-    if (partial)  // key kj's word: e / 16 (kj % 8 < 8: the thread's keys of 8 a group)
+    if (kMasked && partial)  // key kj's word: e / 16
       for_each([&](int e, int half, int kj) {
         if (((row_bits[half][e / 16] >> (kj % 32)) & 1) == 0) acc_s(e) = -kInf;
       });

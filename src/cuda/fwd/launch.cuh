@@ -78,7 +78,7 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
     case ForwardKernel::kSm90:
       if constexpr (sm90_head_dim(kHeadDim)) {
         using Config = ForwardSm90Config<Element, kHeadDim>;
-        auto kernel = forward_kernel_sm90<Config>;
+        auto kernel = plan.mask_tiles ? forward_kernel_sm90<Config, true> : forward_kernel_sm90<Config, false>;
         const cudaError_t err =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
         if (err != cudaSuccess) return err;
