@@ -2,16 +2,18 @@
 // parameters and the kernel of every step out, or Error::kUnsupported, before
 // anything is enqueued. The table it implements (docs/architecture.md):
 //
-//   forward        Hopper kSm90       sm_90a device, D = 64 or 128 compiled and exact, no mask or top-k,
-//                                     batched or varlen, no bias or a key-only one, one split,
-//                                     TMA-addressable q, k, v (varlen: the packed rows)
+//   forward        Hopper kSm90       sm_90a device, D = 64 or 128 compiled and exact, no top-k (a mask:
+//                                     packed with its tile classes, no key lists), batched or varlen, no
+//                                     bias or a key-only one, one split, TMA-addressable q, k, v (varlen:
+//                                     the packed rows)
 //                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
 //                  sm80 kSm80         everything else (128 rows a CTA; 64 above D = 128)
 //                  split-KV           grids that leave SMs idle (choose_splits), sm80 kernels only
 //   backward dq    sm80 kernel        always; with dq by atomics (deterministic = false, D % 64 == 0)
 //                                     it only recomputes the row statistics that need it
 //   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D = 64 or 128 compiled and exact, dq by atomics,
-//                                     no mask or top-k intervals (their key groups), no softcap,
+//                                     no top-k or top-k intervals (their key groups; a mask without
+//                                     top-k: packed by key with its tile classes), no softcap,
 //                                     batched or varlen, no bias or a key-only one, TMA-addressable q, dout
 //                  sm80 kSm80         everything else
 //   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
@@ -266,26 +268,25 @@ void plan_selection(const Problem& p, Plan& plan) {
 // ---- The Hopper kernels' conditions ---------------------------------------
 
 // The Hopper forward: written for the dense training shapes at D = 64 and 128
-// (its tiles and TMA boxes hold exactly the head dim); the 128-row sm80 walk
-// otherwise.
+// (its tiles and TMA boxes hold exactly the head dim), a mask tested by tile
+// class and bit; the 128-row sm80 walk otherwise.
 bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device) {
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
   return device.sm90a && i.forward_sm90_smem > 0 && p.head_dim == i.head_dim && plan.kernel == ForwardKernel::kSm80 &&
-         plan.block_m == kForwardSm90BlockM && p.num_splits == 1 && !plan.key_lists && p.vector_q && p.vector_k &&
-         p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) &&
+         plan.block_m == kForwardSm90BlockM && p.num_splits == 1 && plan.selection == DeviceSelection::kNone &&
+         p.vector_q && p.vector_k && p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) &&
          i.forward_sm90_smem <= device.smem_optin && tma_addressable(p.q, p.query_tokens(p.batch), p.heads) &&
          tma_addressable(p.k, p.key_tokens(p.batch), p.heads / p.group) &&
          tma_addressable(p.v, p.key_tokens(p.batch), p.heads / p.group);
 }
 
 // The Hopper dk/dv kernel: D = 64 or 128 exactly, with dq by atomics (its dQ
-// blocks), the dense walk or top-k key groups (a mask folded into them),
-// key-only dbias.
+// blocks), the dense walk (a mask tested by tile class and bit) or top-k key
+// groups (a mask folded into them), key-only dbias.
 bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceInfo& device) {
   const BackwardParams& p = plan.params;
-  const bool walk = plan.selection == DeviceSelection::kNone ? p.mask.data == nullptr
-                                                             : plan.selection == DeviceSelection::kIntervals;
+  const bool walk = plan.selection == DeviceSelection::kNone || plan.selection == DeviceSelection::kIntervals;
   return device.sm90a && i.dkv_sm90_smem > 0 && p.head_dim == i.head_dim && p.atomic_dq && walk &&
          p.softcap == 0.0f &&
          (p.bias_kind() == BiasKind::kNone || p.bias_kind() == BiasKind::kKeyOnly) &&
@@ -345,7 +346,11 @@ ForwardPlan plan_forward(const Problem& p) {
   const int block_n = forward_block_n(instance.head_dim, plan.block_m);
   params.num_splits = choose_splits(blocks_m * params.heads * params.batch, (params.seqlen_k + block_n - 1) / block_n,
                                     device.sms, device.sms * per_sm);
-  if (forward_sm90_applies(plan, instance, device)) plan.kernel = ForwardKernel::kSm90;
+  if (forward_sm90_applies(plan, instance, device)) {
+    plan.kernel = ForwardKernel::kSm90;
+    plan.mask_tiles = plan.key_lists;  // a mask alone: tile classes and bits instead of key lists
+    plan.key_lists = false;
+  }
   plan.run = instance.forward[dtype];
   return plan;
 }

@@ -54,6 +54,7 @@ struct ForwardPlan {
   ForwardKernel kernel = ForwardKernel::kSm80;
   int block_m = 0;          // query rows a CTA of the kernel
   bool key_lists = false;   // the key-list passes run first (a mask and/or top-k)
+  bool mask_tiles = false;  // the Hopper forward's mask pass runs first (its tile classes and bits)
   ForwardRun run = nullptr;  // the instantiation's launcher
 };
 
@@ -82,7 +83,8 @@ struct BackwardPlan {
   bool small_dq = false, small_dkv = false;
   int dbias_slices = 0;      // float32 slices of dbias that reduce_bias_grad sums (0: written directly)
   bool key_lists = false;    // the dq walk follows key lists (a mask and/or top-k)
-  bool mask_tiles = false;   // the dk/dv walk skips empty mask tiles (a mask without top-k intervals)
+  bool mask_tiles = false;   // the dk/dv walk skips empty mask tiles (a mask without top-k intervals;
+                             // the Hopper one with the mask's bits)
   bool sort_groups = false;  // top-k intervals: key groups sorted by their rows (sparse/selection.h group_keys)
   bool split_groups = false;  // ... and cut at row segments
   BackwardRun run = nullptr;

@@ -98,6 +98,28 @@ struct KeyLists {
 // and its lists.
 struct KeyListParams : AttentionParams, KeyLists {};
 
+// Mask tile classes of one tiling: tile (mask batch b, mask head mh, query block
+// m, key block n) at b * sb + mh * sh + m * sm + n; sb or sm is 0 where the mask
+// broadcasts. Empty: no allowed key; full: every in-range key allowed.
+enum : std::uint8_t { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
+struct MaskTiles {
+  std::uint8_t* data = nullptr;
+  std::int64_t sb = 0, sh = 0, sm = 0;
+};
+
+// A mask packed into bits for the Hopper kernels (sparse/key_lists.h
+// pack_mask): bit t % 32 of words[b * sb + mh * sh + o * so + w * si] is the
+// mask of mask batch b, mask head mh at outer index o and inner index 32 w + t.
+// The forward's outer index is the query row and the inner one the key; the
+// dk/dv walk's the key and the query row. so = 0 where the mask broadcasts over
+// the outer dimension, si = 0 (one word of 32 equal bits) over the inner one,
+// sb = 0 over batches. Bits outside the sequences are unspecified: the kernels
+// test the ranges too.
+struct MaskBits {
+  const std::uint32_t* words = nullptr;
+  std::int64_t sb = 0, sh = 0, so = 0, si = 0;
+};
+
 // A validated forward Problem reduced to what the kernel reads.
 struct ForwardParams : KeyListParams {
   // A key-only bias (row stride 0) of consecutive keys whose tile runs copy as
@@ -119,6 +141,11 @@ struct ForwardParams : KeyListParams {
   // them into rows): the kernel's one-dimensional grid enumerates
   // (query block, split, batch, head), head fastest.
   int batch = 1, heads = 1;
+  // The Hopper forward's mask (no key lists): the classes of its query block x
+  // key tile tiles (empty ones skipped, full ones untested) and its bits by
+  // query row.
+  MaskTiles tiles;
+  MaskBits packed;
 };
 
 // Where the dbias reduction of an element happens (SPEC 4: dbias sums dl over
@@ -129,15 +156,6 @@ enum class BiasGrad : int {
   kPerKey,      // key-only bias (rows broadcast): column sums over the query loop, in registers
 };
 // (A bias broadcast over keys has an exactly zero gradient, written by the API.)
-
-// Mask tile classes of one tiling: tile (mask batch b, mask head mh, query block
-// m, key block n) at b * sb + mh * sh + m * sm + n; sb or sm is 0 where the mask
-// broadcasts. Empty: no allowed key; full: every in-range key allowed.
-enum : std::uint8_t { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
-struct MaskTiles {
-  std::uint8_t* data = nullptr;
-  std::int64_t sb = 0, sh = 0, sm = 0;
-};
 
 // A validated backward Problem reduced to what the kernels read (dout, dq, dk,
 // dv like the token operands, dbias like the bias). With a mask or a top-k
@@ -158,6 +176,7 @@ struct BackwardParams : KeyListParams {
   float* query_stats = nullptr;
 
   MaskTiles dkv_tiles;  // mask tiles of the dk/dv walk (a mask without top-k, or top-k thresholds)
+  MaskBits dkv_packed;  // the Hopper dk/dv walk's mask, by key
 
   // Top-k intervals, dk/dv walk (selection.h KeyGroups): CTA (b, kv head, g)
   // owns the 128 entries of key_order from group_first[z * key_groups + g]

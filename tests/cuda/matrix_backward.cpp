@@ -381,6 +381,12 @@ std::vector<Case> backward_matrix(bool small) {
       hopper_varlen(v, d == 128 ? 0 : 2);
       cases.push_back(finish(v));
     }
+    for (std::int64_t d : {128, 64})
+      for (int variant : {0, 3}) {
+        const Case m = hopper_mask_case(make("", 1, 1, 4, 2), d, variant);
+        cases.push_back(finish(m));
+        cases.back().name = "bwd small " + cases.back().name;
+      }
     return cases;
   }
   // Sizes, GQA and MQA, causal or not.
@@ -511,6 +517,12 @@ std::vector<Case> backward_matrix(bool small) {
   for (Case& c : deterministic_pairs(make)) cases.push_back(finish(c));
   for (Case& c : wide_head_cases(make, false)) cases.push_back(finish(c));
   add_head_dim_64(cases);
+  for (std::int64_t d : {128, 64})
+    for (int variant = 0; variant < kHopperMaskVariants; ++variant) {
+      const Case m = hopper_mask_case(make("", 1, 1, 4, 2), d, variant);
+      cases.push_back(finish(m));
+      cases.back().name = "bwd " + cases.back().name;
+    }
   // The Hopper dk/dv kernel at D = 64 (128-query steps): GQA and MQA, lengths
   // off its tiles, a key-only bias and its gradient (per kv head, and shared by
   // every head: summed through slices), a window, permuted q, k, v, dout and

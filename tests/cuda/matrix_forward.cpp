@@ -172,6 +172,35 @@ void add_head_dim_64(std::vector<Case>& cases) {
   }
 }
 
+// The Hopper kernels' masks: random (partial tiles), sparse (fully masked
+// rows), bands (empty tiles), key padding of (B, Hk, Sq, Sk) (full, empty and
+// one partial tile a block) and of (B, 1, 1, Sk) (broadcast over rows), a mask
+// broadcast over keys (rows with no allowed key); a key-only bias (dbias in the
+// backward), causal or a window. Fewer than 8 key tiles of 64: no split-KV.
+Case hopper_mask_case(Case c, std::int64_t d, int variant) {
+  c.B = 2, c.H = 4, c.Hk = 2, c.D = d;
+  c.Sq = variant % 2 ? 300 : 260, c.Sk = variant % 2 ? 440 : 260;
+  c.bias_dtype = c.dtype;
+  const Shape key_bias[3] = {{1, c.Hk, 1, c.Sk}, {c.B, c.H, 1, c.Sk}, {}};
+  c.bias_shape = key_bias[variant % 3];
+  switch (variant) {
+    case 0: c.mask_shape = {1, c.H, c.Sq, c.Sk}, c.mask_density = 0.5, c.options.causal = true; break;
+    case 1: c.mask_shape = {c.B, 1, c.Sq, c.Sk}, c.mask_density = 0.01; break;
+    case 2:
+      c.mask_pattern = Case::MaskPattern::kBands, c.mask_shape = {c.B, c.Hk, c.Sq, c.Sk};
+      c.options.sliding_window = {100, 20};
+      break;
+    case 3: c.mask_pattern = Case::MaskPattern::kKeyPadding, c.mask_shape = {c.B, c.Hk, c.Sq, c.Sk}; break;
+    case 4:
+      c.mask_pattern = Case::MaskPattern::kKeyPadding, c.mask_shape = {c.B, 1, 1, c.Sk};
+      c.options.causal = true;
+      break;
+    default: c.mask_shape = {c.B, c.H, c.Sq, 1}, c.mask_density = 0.6; break;
+  }
+  c.name = "Hopper mask " + std::to_string(variant) + " " + dmattn_test::shape_str(c.mask_shape);
+  return c;
+}
+
 std::vector<Case> forward_matrix(bool small) {
   std::vector<Case> cases;
   const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
@@ -258,6 +287,11 @@ std::vector<Case> forward_matrix(bool small) {
       hopper_varlen(v, d == 128 ? 0 : 1);
       v.name = name(v, "small Hopper varlen");
       cases.push_back(v);
+      for (int variant : {0, 3}) {
+        Case m = hopper_mask_case(base(0, 0, DType::kBFloat16), d, variant);
+        m.name = name(m, "small " + m.name);
+        cases.push_back(m);
+      }
     }
     return cases;
   }
@@ -597,6 +631,12 @@ std::vector<Case> forward_matrix(bool small) {
     cases.push_back(c);
   }
   add_head_dim_64(cases);
+  for (std::int64_t d : {128, 64})
+    for (int variant = 0; variant < kHopperMaskVariants; ++variant) {
+      Case m = hopper_mask_case(base(0, 0, variant % 2 ? DType::kFloat16 : DType::kBFloat16), d, variant);
+      m.name = name(m, m.name);
+      cases.push_back(m);
+    }
   // The Hopper forward at D = 64 (grids of at least 132 CTAs or fewer than 8
   // key tiles: no split-KV): GQA and MQA, lengths off its 128-row and 64-key
   // tiles, a key-only bias (float32 too), softcap, a window, a causal offset,

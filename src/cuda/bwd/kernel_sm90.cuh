@@ -2,9 +2,9 @@
 // of the common training case and the top-k key groups (intervals), dq by
 // bulk reductions, batched or varlen. The dispatch plans it where it applies
 // (dispatch.cu dkv_sm90_applies: an sm_90a device, TMA can address Q and dO);
-// everything else (masks without top-k intervals, top-k thresholds, softcap,
-// deterministic dq, head dims other than 64 and 128, dbias other than
-// key-only) runs backward_kernel<.., true> (bwd/kernel_sm80.cuh).
+// everything else (top-k thresholds, softcap, deterministic dq, head dims
+// other than 64 and 128, dbias other than key-only) runs
+// backward_kernel<.., true> (bwd/kernel_sm80.cuh).
 //
 // Varlen: K and V rows, the key-only bias, dk and dv from the sequence's
 // first key; Q and dO by TMA over the packed rows (TokenExtent), a step's
@@ -21,7 +21,12 @@
 // of key_order (rows of absent keys zero), the query range the group's rows,
 // each element tested against its key's rows within the group's segment, and
 // the pieces of a key add up in segment order (KeyPieces), as in
-// backward_kernel; kKeyGroups compiles that walk apart from the dense one (in
+// backward_kernel. kMasked, the user's mask (dense walk, a kernel of its own
+// for the registers of the walk without one): packed by key
+// (BackwardParams::dkv_packed) with the classes of its kBlockM x 128 tiles
+// (dkv_tiles); empty steps are skipped, loads included, full ones test
+// nothing, partial ones each element against its bit (the thread's two keys'
+// words of the step load while the S and dP MMAs run); kKeyGroups compiles that walk apart from the dense one (in
 // one kernel both, at 1335552 ptxas spilled 160 bytes instead of 80 and 88,
 // and the dense backward took 10% longer). A step:
 //   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x kBlockM a warpgroup)
@@ -64,9 +69,10 @@
 
 namespace dmattn::cuda {
 
-template <class Config, bool kKeyGroups>
+template <class Config, bool kKeyGroups, bool kMasked>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     dkv_kernel_sm90(const __grid_constant__ BackwardParams p, const __grid_constant__ DkvSm90Maps maps) {
+  static_assert(!(kKeyGroups && kMasked), "a mask with top-k intervals is folded into the key groups");
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
   using Element = typename Config::Element;
@@ -102,6 +108,37 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int first = q_hi > q_lo ? static_cast<int>(q_lo / kBlockM) : 0;
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;
+  // The mask (dense walk): step s = (head h_first + s / span, query block
+  // first + s % span) is walked unless its tile is empty.
+  const std::int64_t mask_b = kMasked && p.mask.sb != 0 ? b : 0;
+  const std::uint8_t* classes = kMasked ? p.dkv_tiles.data + mask_b * p.dkv_tiles.sb + key_block : nullptr;
+  const std::uint32_t* mask_words = kMasked ? p.dkv_packed.words + mask_b * p.dkv_packed.sb : nullptr;
+  struct Step {
+    int s;
+    bool partial;
+  };
+  // The walk's step after step s (total: none), 32 classes a look by each warp.
+  auto next_step = [&](int s) {
+    if constexpr (kMasked) {
+      for (int at = s + 1; at < total; at += 32) {
+        const int t = at + static_cast<int>(threadIdx.x % 32);
+        int cls = kTileEmpty;
+        if (t < total) {
+          const int mh = (h_first + t / span) / p.mask_group;
+          cls = classes[mh * p.dkv_tiles.sh + std::int64_t{first + t % span} * p.dkv_tiles.sm];
+        }
+        const unsigned found = __ballot_sync(0xffffffff, cls != kTileEmpty);
+        const unsigned partial = __ballot_sync(0xffffffff, cls == kTilePartial);
+        if (found != 0) {
+          const int low = __ffs(found) - 1;
+          return Step{at + low, ((partial >> low) & 1) != 0};
+        }
+      }
+      return Step{total, false};
+    } else {
+      return Step{s + 1, false};
+    }
+  };
   const int q_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
 
   extern __shared__ __align__(1024) char smem[];
@@ -200,14 +237,24 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   cp_async_wait<0>();
   fence_async_shared();
   __syncthreads();  // K, V, the zeroed statistics and the barriers
-  if (tid == 0 && total > 0) issue(h_first, first, 0);
-  // The walk's step: head h, query block blk; (h_next, blk_next) the next step's.
-  int h = h_first, blk = first;
-  for (int t = 0; t < total; ++t) {
+  Step cur = next_step(-1);
+  if (tid == 0 && cur.s < total) issue(h_first + cur.s / span, first + cur.s % span, 0);
+  // The walk's step t: head h, query block blk; (h_next, blk_next) the next step's.
+  for (int t = 0; cur.s < total; ++t) {
+    const int h = h_first + cur.s / span, blk = first + cur.s % span;
     const int buf = t & 1, hb = static_cast<int>(unsigned(h) / unsigned(p.bias_group));
-    const bool last_block = blk + 1 == first + span;
-    const int h_next = last_block ? h + 1 : h, blk_next = last_block ? first : blk + 1;
     const std::int64_t q0 = std::int64_t{blk} * kBlockM;
+    // A partial step's mask words: the thread's two keys, queries [q0, q0 + kBlockM).
+    constexpr int kWords = kBlockM / 32;
+    std::uint32_t key_bits[2][kWords];
+    if (kMasked && cur.partial) {
+      const std::uint32_t* words = mask_words + (h / p.mask_group) * p.dkv_packed.sh;
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int w = 0; w < kWords; ++w)
+          key_bits[half][w] = words[(row0 + my_key[half]) * p.dkv_packed.so + (q0 / 32 + w) * p.dkv_packed.si];
+    }
     if (has_bias && hb != key_bias_head) {
       key_bias_head = hb;
 #pragma unroll
@@ -235,6 +282,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     Tensor tSrDo = thr_sdp.partition_fragment_B(rows_tile(do_smem, buf));
     wgmma_batch<true>(mma_sdp, tSrK, tSrQ, acc_s);
     wgmma_batch<true>(mma_sdp, tSrV, tSrDo, acc_dp);
+    // While they run: the next step.
+    const Step next = next_step(cur.s);
+    const bool more = next.s < total;
+    const int h_next = h_first + next.s / span, blk_next = first + next.s % span;
     warpgroup_wait<0>();
 
     // A tile wholly inside the sequences, the causal band and the window tests
@@ -252,16 +303,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       }
     }
     const float4* st = stats + buf * kBlockM;
-    // P^T and dS^T in place of S^T and dP^T; kMasked: each element tested (the
-    // code of whole tiles, most of a causal walk, has no test).
-    auto gradients = [&](auto masked) {
-      constexpr bool kMasked = decltype(masked)::value;
+    // P^T and dS^T in place of S^T and dP^T; kTested: each element tested (the
+    // code of whole tiles, most of a causal walk, has no test), against the
+    // mask's bit too on a partial tile (query qi's word: e / 16).
+    const bool partial = kMasked && cur.partial;
+    auto gradients = [&](auto tested) {
+      constexpr bool kTested = decltype(tested)::value;
 #pragma unroll
       for (int e = 0; e < kAccS; ++e) {
         const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
         float x = acc_s(e) * scale + key_bias[half];
-        if (kMasked && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
-                                   : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)))
+        if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
+                                   : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
+                                         (partial && ((key_bits[half][e / 16] >> (qi % 32)) & 1) == 0)))
           x = -kInf;
         // (x - max) first: x and max near the float32 limit would overflow times log2(e).
         const float4 row = st[qi];
@@ -272,7 +326,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         if (key_sums) key_sum[half] += ds;
       }
     };
-    if (kKeyGroups || !whole)
+    if (kKeyGroups || !whole || partial)
       gradients(std::true_type{});
     else
       gradients(std::false_type{});
@@ -303,7 +357,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // memory, and both are done with step t - 1 (Q, dO and statistics buffer
     // buf ^ 1, which the next step's copies then fill, and dS^T buffer buf ^ 1).
     __syncthreads();
-    if (tid == 0 && t + 1 < total) issue(h_next, blk_next, buf ^ 1);
+    if (tid == 0 && more) issue(h_next, blk_next, buf ^ 1);
     Tensor tQrDs = thr_dq.partition_fragment_A(
         make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), typename Config::LayoutDsT{}));
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -341,7 +395,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
     // Key-only dbias: a bias head's sums are complete when the next step has
     // another (pieces of keys: in the epilogue, one bias head).
-    if (key_sums && !pieces && (t + 1 >= total || (last_block && unsigned(h_next) % unsigned(p.bias_group) == 0))) {
+    if (key_sums && !pieces && (!more || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb))) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float x = quad_sum(key_sum[half]);
@@ -350,7 +404,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         if (lane % 4 == 0 && key >= 0) db_out.add(p, hb, 0, key, x);
       }
     }
-    h = h_next, blk = blk_next;
+    cur = next;
   }
   if (lane == 0) tma_store_wait<0>();
 

@@ -59,8 +59,9 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
                           : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, false>>(p, grid, stream);
   if constexpr (sm90_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
-    auto kernel =
-        plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, true> : dkv_kernel_sm90<Config, false>;
+    auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, true, false>
+                  : plan.mask_tiles                   ? dkv_kernel_sm90<Config, false, true>
+                                                      : dkv_kernel_sm90<Config, false, false>;
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, maps);
@@ -113,7 +114,14 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
     p.build_if = p.huge_rows;
     const DType dtype = std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBFloat16 : DType::kFloat16;
     build_key_lists(p, dtype, dq_rows, batch, p.heads, stream);
-    if (plan.mask_tiles) p.dkv_tiles = classify_mask_tiles(p, dkv_tile.step, dkv_rows, batch, p.heads, stream, &dkv_tiles);
+    if constexpr (sm90_head_dim(kHeadDim)) {
+      using Config = DkvSm90Config<Element, kHeadDim>;
+      if (plan.mask_tiles && plan.dkv == DkvKernel::kSm90)
+        p.dkv_tiles = pack_mask(p, Config::kBlockM, Config::kBlockN, true, batch, p.heads, stream, &dkv_tiles,
+                                p.dkv_packed);
+    }
+    if (plan.mask_tiles && plan.dkv == DkvKernel::kSm80)
+      p.dkv_tiles = classify_mask_tiles(p, dkv_tile.step, dkv_rows, batch, p.heads, stream, &dkv_tiles);
   }
   const auto reduce = [&](int n) {
     if (err != cudaSuccess || db_elements == 0) return;

@@ -1,15 +1,23 @@
 // The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the dense query
-// blocks of head dims 64 and 128 without split-KV or a mask / top-k
-// selection, batched or varlen, with no bias or a key-only one, and softcap.
-// The dispatch plans it where it applies (dispatch.cu forward_sm90_applies:
-// an sm_90a device, TMA can address Q, K and V); everything else (decode
-// tiles, split-KV, key lists, per-row biases, other head dims) runs
-// forward_kernel (fwd/kernel_sm80.cuh).
+// blocks of head dims 64 and 128 without split-KV or a top-k selection,
+// batched or varlen, with no bias or a key-only one, softcap and the user's
+// mask. The dispatch plans it where it applies (dispatch.cu
+// forward_sm90_applies: an sm_90a device, TMA can address Q, K and V);
+// everything else (decode tiles, split-KV, top-k key lists, per-row biases,
+// other head dims) runs forward_kernel (fwd/kernel_sm80.cuh).
 //
 // Varlen: the TMA maps span the packed rows (TokenExtent), a sequence's tiles
 // start at its first row; a tile's rows or keys past the sequence (the next
 // sequence's, or zeros past the packed rows) are masked like those past a
 // batched length and never stored.
+//
+// kMasked (batched: a mask and varlen exclude each other): a mask comes packed
+// (ForwardParams::packed, bits by query row) with the classes of its 128-row x
+// kBlockN-key tiles (ForwardParams::tiles); a kernel of its own, so that the
+// walk without one keeps its registers. The walk skips empty tiles, loads
+// included, tests nothing on full ones, and on a partial one tests each
+// element against its bit (a thread's two rows' words of the tile load while
+// S = Q K^T runs).
 //
 // One CTA of two warpgroups owns 128 query rows, 64 a warpgroup, and walks key
 // tiles of kBlockN (the last first, as forward_kernel): 128 at D = 128; 64 at
@@ -43,7 +51,7 @@
 
 namespace dmattn::cuda {
 
-template <class Config>
+template <class Config, bool kMasked>
 __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     forward_kernel_sm90(const __grid_constant__ ForwardParams p, const __grid_constant__ ForwardSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
@@ -57,8 +65,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   const int h = blk.h, b = blk.b, hk = h / p.group;
   const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
   const bool has_bias = p.bias.data != nullptr;
-  const int tiles = blk.tile_end - blk.tile_first;  // iteration i: key tile tile_end - 1 - i
-  const auto tile_of = [&](int i) { return blk.tile_end - 1 - i; };
+  const int tile_first = blk.tile_first;
 
   extern __shared__ __align__(1024) char smem[];
   auto* q_smem = reinterpret_cast<Element*>(smem);
@@ -87,6 +94,34 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   };
 
   const int tid = threadIdx.x, lane = tid % 32;
+  // The walk's key tiles, from tile_end - 1 down, the mask's empty ones left
+  // out; partial: the tile's elements test the mask.
+  const int mh = h / p.mask_group;
+  const std::uint8_t* classes =
+      kMasked ? p.tiles.data + b * p.tiles.sb + mh * p.tiles.sh + row0 / kBlockM * p.tiles.sm : nullptr;
+  const std::uint32_t* mask_words = kMasked ? p.packed.words + b * p.packed.sb + mh * p.packed.sh : nullptr;
+  struct Tile {
+    int n;
+    bool partial;
+  };
+  // The walk's tile after tile n (n < tile_first: none), 32 classes a look by each warp.
+  auto next_tile = [&](int n) {
+    if constexpr (kMasked) {
+      for (int top = n - 1; top >= tile_first; top -= 32) {
+        const int t = top - lane;
+        const int cls = t >= tile_first ? classes[t] : kTileEmpty;
+        const unsigned found = __ballot_sync(0xffffffff, cls != kTileEmpty);
+        const unsigned partial = __ballot_sync(0xffffffff, cls == kTilePartial);
+        if (found != 0) {
+          const int at = __ffs(found) - 1;
+          return Tile{top - at, ((partial >> at) & 1) != 0};
+        }
+      }
+      return Tile{tile_first - 1, false};
+    } else {
+      return Tile{n - 1, false};
+    }
+  };
   // The key-only bias: thread t < kBlockN stages key t of a tile in float.
   const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
   auto fetch_bias = [&](int n) {
@@ -138,24 +173,39 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  if (tid == 0 && tiles > 0) {
+  // The walk's tile and the one after it.
+  Tile cur = next_tile(blk.tile_end);
+  Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
+  if (tid == 0 && cur.n >= tile_first) {
     load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
-    load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, blk.ks, std::int64_t{tile_of(0)} * kBlockN, hk);
+    load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, blk.ks, std::int64_t{cur.n} * kBlockN, hk);
   }
-  if (tiles > 0) {
-    store_bias(0, fetch_bias(tile_of(0)));
+  if (cur.n >= tile_first) {
+    store_bias(0, fetch_bias(cur.n));
     Barrier::wait(q_full, 0);
   }
-  // Iteration i; kPipelined (all but the first): with the previous tile's P V.
-  auto iteration = [&](int i, auto pipelined) {
+  // Iteration i over tile n (next_n: the next iteration's, < tile_first:
+  // none); kPipelined (all but the first): with the previous tile's P V.
+  // Returns the tile after next_n.
+  auto iteration = [&](int i, int n, bool partial, int next_n, auto pipelined) {
     constexpr bool kPipelined = decltype(pipelined)::value;
-    const int n = tile_of(i), buf = i & 1;
-    __syncthreads();  // tile i's bias is staged; every thread is done with iteration i - 1
-    // K_{i+1} and V_i, into the buffers that S_{i-1} and P V_{i-2} used.
+    const int buf = i & 1;
+    // A partial tile's mask words: the thread's two rows, keys [n kBlockN, + kBlockN).
+    constexpr int kWords = kBlockN / 32;
+    std::uint32_t row_bits[2][kWords];
+    if (kMasked && partial) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int w = 0; w < kWords; ++w)
+          row_bits[half][w] = mask_words[(row0 + my_row[half]) * p.packed.so + (std::int64_t{n} * kWords + w) * p.packed.si];
+    }
+    __syncthreads();  // tile n's bias is staged; every thread is done with iteration i - 1
+    // K of next_n and V of n, into the buffers that S_{i-1} and P V_{i-2} used.
     if (tid == 0) {
-      if (i + 1 < tiles)
+      if (next_n >= tile_first)
         load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, blk.ks,
-             std::int64_t{n - 1} * kBlockN, hk);
+             std::int64_t{next_n} * kBlockN, hk);
       load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks, std::int64_t{n} * kBlockN,
            hk);
     }
@@ -165,8 +215,9 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     Tensor tSrK = thr_s.partition_fragment_B(stage_k(buf));
     wgmma_batch<true>(mma_s, tSrQ, tSrK, acc_s);
     if constexpr (kPipelined) mma_pv(i - 1);
-    // While they run: the next tile's bias.
-    const float next_bias = i + 1 < tiles ? fetch_bias(n - 1) : 0.0f;
+    // While they run: the next tile's bias and the tile after it.
+    const float next_bias = next_n >= tile_first ? fetch_bias(next_n) : 0.0f;
+    const Tile after = next_n >= tile_first ? next_tile(next_n) : Tile{tile_first - 1, false};
     if constexpr (kPipelined)
       warpgroup_wait<1>();
     else
@@ -198,6 +249,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
         if (!(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) acc_s(e) = -kInf;
       });
     }
+    if (kMasked && partial)  // key kj's word: e / 16
+      for_each([&](int e, int half, int kj) {
+        if (((row_bits[half][e / 16] >> (kj % 32)) & 1) == 0) acc_s(e) = -kInf;
+      });
 
     // Online softmax (forward_kernel's): lazily moved maxima (move_row_max), the
     // exact exponent for large logits.
@@ -241,9 +296,15 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     using Convert = cutlass::NumericArrayConverter<Element, float, kAccS>;
     *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rP.data())) =
         Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_s.data())));
+    return after;
   };
-  if (tiles > 0) iteration(0, std::false_type{});
-  for (int i = 1; i < tiles; ++i) iteration(i, std::true_type{});
+  int tiles = 0;  // iterations run
+  auto step = [&](auto pipelined) {
+    const Tile after = iteration(tiles++, cur.n, cur.partial, next.n, pipelined);
+    cur = next, next = after;
+  };
+  if (cur.n >= tile_first) step(std::false_type{});
+  while (cur.n >= tile_first) step(std::true_type{});
   if (tiles > 0) {  // the last tile's P V
     mma_pv(tiles - 1);
     warpgroup_wait<0>();

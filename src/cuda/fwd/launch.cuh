@@ -79,7 +79,7 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
     case ForwardKernel::kSm90:
       if constexpr (sm90_head_dim(kHeadDim)) {
         using Config = ForwardSm90Config<Element, kHeadDim>;
-        auto kernel = forward_kernel_sm90<Config>;
+        auto kernel = plan.mask_tiles ? forward_kernel_sm90<Config, true> : forward_kernel_sm90<Config, false>;
         const cudaError_t err =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
         if (err != cudaSuccess) return err;
@@ -110,6 +110,13 @@ void ForwardInstance<Element, kHeadDim>::run(const ForwardPlan& plan, cudaStream
     const DType dtype = std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBFloat16 : DType::kFloat16;
     build_key_lists(params, dtype, plan.block_m, params.batch, params.heads, stream);
   }
+  std::uint8_t* mask_memory = nullptr;
+  if constexpr (sm90_head_dim(kHeadDim)) {
+    using Config = ForwardSm90Config<Element, kHeadDim>;
+    if (plan.mask_tiles)
+      params.tiles = pack_mask(params, Config::kBlockM, Config::kBlockN, false, params.batch, params.heads, stream,
+                               &mask_memory, params.packed);
+  }
   cudaError_t err = cudaGetLastError();
   const std::int64_t partial_rows = std::int64_t{params.num_splits} * params.batch * params.heads * params.seqlen_q;
   if (err == cudaSuccess && params.num_splits > 1) {
@@ -126,6 +133,7 @@ void ForwardInstance<Element, kHeadDim>::run(const ForwardPlan& plan, cudaStream
   }
   if (params.o_partial != nullptr) cudaFreeAsync(params.o_partial, stream);
   if (params.mask_bits != nullptr) cudaFreeAsync(params.mask_bits, stream);
+  if (mask_memory != nullptr) cudaFreeAsync(mask_memory, stream);
   check_cuda(err, "forward launch (head dim " + std::to_string(kHeadDim) + ")");
 }
 

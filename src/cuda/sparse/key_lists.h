@@ -1,6 +1,7 @@
 // Key lists of a mask and/or a top-k selection (KeyLists) for the sm80
 // forward and the backward's dq walk, and the mask tile classes of the
-// backward's dk/dv walk: passes enqueued before those kernels.
+// backward's dk/dv walk and the Hopper forward (with the mask's bits for the
+// Hopper kernels): passes enqueued before those kernels.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,5 +27,14 @@ void build_key_lists(KeyListParams& params, DType dtype, int block_m, int batch,
 // frees it).
 MaskTiles classify_mask_tiles(const AttentionParams& params, int block_m, int block_n, int batch, int heads,
                               cudaStream_t stream, std::uint8_t** memory);
+
+// Enqueues the Hopper kernels' one pass over params' mask: the classes of its
+// block_m x block_n tiles (the forward's query block x key tile, 128 x 128 or
+// 128 x 64, by_key false; the dk/dv walk's query step x keys, 64 x 128 or
+// 128 x 128, by_key true) and its bits (MaskBits: by query row for the
+// forward, by key for the dk/dv walk), into stream-ordered memory it allocates
+// (*memory; the caller frees it).
+MaskTiles pack_mask(const AttentionParams& params, int block_m, int block_n, bool by_key, int batch, int heads,
+                    cudaStream_t stream, std::uint8_t** memory, MaskBits& bits);
 
 }  // namespace dmattn::cuda
