@@ -2,15 +2,15 @@
 // parameters and the kernel of every step out, or Error::kUnsupported, before
 // anything is enqueued. The table it implements (docs/architecture.md):
 //
-//   forward        Hopper kSm90       sm_90a device, D = 64 or 128 compiled and exact, no mask or top-k,
+//   forward        Hopper kSm90       sm_90a device, D' = 64 or 128 compiled (D <= D'), no mask or top-k,
 //                                     batched, no bias or a key-only one, one split, TMA-addressable q, k, v
 //                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
 //                  sm80 kSm80         everything else (128 rows a CTA; 64 above D = 128)
 //                  split-KV           grids that leave SMs idle (choose_splits), sm80 kernels only
 //   backward dq    sm80 kernel        always; with dq by atomics (deterministic = false, D % 64 == 0)
 //                                     it only recomputes the row statistics that need it
-//   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D = 64 or 128 compiled and exact, dq by atomics,
-//                                     no mask or top-k intervals (their key groups), no softcap,
+//   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D' = 64 or 128 compiled (D <= D'), dq by atomics,
+//                                     no mask or top-k intervals (their key groups; without softcap),
 //                                     batched, no bias or a key-only one, TMA-addressable q, dout
 //                  sm80 kSm80         everything else
 //   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
@@ -263,13 +263,13 @@ void plan_selection(const Problem& p, Plan& plan) {
 
 // ---- The Hopper kernels' conditions ---------------------------------------
 
-// The Hopper forward: written for the dense training shapes at D = 64 and 128
-// (its tiles and TMA boxes hold exactly the head dim); the 128-row sm80 walk
-// otherwise.
+// The Hopper forward: written for the dense training shapes at D' = 64 and 128
+// (TMA fills the features past a smaller head dim with zeros); the 128-row
+// sm80 walk otherwise.
 bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device) {
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
-  return device.sm90a && i.forward_sm90_smem > 0 && p.head_dim == i.head_dim && plan.kernel == ForwardKernel::kSm80 &&
+  return device.sm90a && i.forward_sm90_smem > 0 && plan.kernel == ForwardKernel::kSm80 &&
          plan.block_m == kForwardSm90BlockM && p.num_splits == 1 && !plan.key_lists && p.cu_seqlens_q == nullptr &&
          p.vector_q && p.vector_k && p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) &&
          i.forward_sm90_smem <= device.smem_optin && tma_addressable(p.q, p.batch, p.heads, p.seqlen_q) &&
@@ -277,15 +277,15 @@ bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const Devi
          tma_addressable(p.v, p.batch, p.heads / p.group, p.seqlen_k);
 }
 
-// The Hopper dk/dv kernel: D = 64 or 128 exactly, with dq by atomics (its dQ
-// blocks), the dense walk or top-k key groups (a mask folded into them),
-// key-only dbias.
+// The Hopper dk/dv kernel: D' = 64 or 128 (a smaller D padded), with dq by
+// atomics (its dQ blocks), the dense walk or top-k key groups (a mask folded
+// into them), key-only dbias.
 bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceInfo& device) {
   const BackwardParams& p = plan.params;
   const bool walk = plan.selection == DeviceSelection::kNone ? p.mask.data == nullptr
                                                              : plan.selection == DeviceSelection::kIntervals;
-  return device.sm90a && i.dkv_sm90_smem > 0 && p.head_dim == i.head_dim && p.atomic_dq && walk &&
-         p.softcap == 0.0f && p.cu_seqlens_q == nullptr &&
+  return device.sm90a && i.dkv_sm90_smem > 0 && p.atomic_dq && walk && p.cu_seqlens_q == nullptr &&
+         (p.softcap == 0.0f || plan.selection == DeviceSelection::kNone) &&
          (p.bias_kind() == BiasKind::kNone || p.bias_kind() == BiasKind::kKeyOnly) &&
          (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k &&
          p.vector_v && p.vector_dout && i.dkv_sm90_smem <= device.smem_optin &&

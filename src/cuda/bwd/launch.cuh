@@ -31,8 +31,8 @@ DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch) {
     throw std::logic_error("dmattn: the Hopper dk/dv kernel planned for head dim " + std::to_string(kHeadDim));
   } else {
     using Config = DkvSm90Config<Element, kHeadDim>;
-    return {encode_token_map<Element, kHeadDim>(p.q, batch, p.heads, p.seqlen_q, Config::kBlockM, "q"),
-            encode_token_map<Element, kHeadDim>(p.dout, batch, p.heads, p.seqlen_q, Config::kBlockM, "dout")};
+    return {encode_token_map<Element, kHeadDim>(p.q, p.head_dim, batch, p.heads, p.seqlen_q, Config::kBlockM, "q"),
+            encode_token_map<Element, kHeadDim>(p.dout, p.head_dim, batch, p.heads, p.seqlen_q, Config::kBlockM, "dout")};
   }
 }
 
@@ -58,8 +58,9 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
                           : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, false>>(p, grid, stream);
   if constexpr (sm90_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
-    auto kernel =
-        plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, true> : dkv_kernel_sm90<Config, false>;
+    auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, true, false>
+                  : p.softcap > 0.0f                 ? dkv_kernel_sm90<Config, false, true>
+                                                     : dkv_kernel_sm90<Config, false, false>;
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, maps);
