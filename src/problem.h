@@ -31,6 +31,7 @@ struct Problem {
   std::int64_t seqlen_q = 0, seqlen_k = 0;  // batched: the lengths; varlen: the max lengths
   const std::int32_t* cu_seqlens_q = nullptr;  // varlen only, B + 1 entries
   const std::int32_t* cu_seqlens_k = nullptr;
+  std::int64_t total_q = 0, total_k = 0;  // varlen only: the packed rows of q and of k
 
   Operand q, k, v, out, lse;
   Operand mask, bias;            // absent: data == nullptr

@@ -297,6 +297,7 @@ Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options
       throw Error(Kind::kValue, "cu_seqlens_k.shape[0]", std::to_string(s.B + 1) + " (the length of cu_seqlens_q)",
                   std::to_string(bk + 1));
     s.Sq = layout->max_seqlen_q, s.Sk = layout->max_seqlen_k;
+    p.total_q = total_q, p.total_k = total_k;
     p.cu_seqlens_q = static_cast<const std::int32_t*>(layout->cu_seqlens_q.data);
     p.cu_seqlens_k = static_cast<const std::int32_t*>(layout->cu_seqlens_k.data);
     if (layout->cu_seqlens_q.stride[0] != 1 || layout->cu_seqlens_k.stride[0] != 1)

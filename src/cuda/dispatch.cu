@@ -3,7 +3,8 @@
 // anything is enqueued. The table it implements (docs/architecture.md):
 //
 //   forward        Hopper kSm90       sm_90a device, D' = 64 or 128 compiled (D <= D'), no mask or top-k,
-//                                     batched, no bias or a key-only one, one split, TMA-addressable q, k, v
+//                                     batched or varlen, no bias or a key-only one, one split,
+//                                     TMA-addressable q, k, v (varlen: the packed rows)
 //                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
 //                  sm80 kSm80         everything else (128 rows a CTA; 64 above D = 128)
 //                  split-KV           grids that leave SMs idle (choose_splits), sm80 kernels only
@@ -11,7 +12,7 @@
 //                                     it only recomputes the row statistics that need it
 //   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D' = 64 or 128 compiled (D <= D'), dq by atomics,
 //                                     no mask or top-k intervals (their key groups; without softcap),
-//                                     batched, no bias or a key-only one, TMA-addressable q, dout
+//                                     batched or varlen, no bias or a key-only one, TMA-addressable q, dout
 //                  sm80 kSm80         everything else
 //   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
 //                  intervals (Problem::topk_by_intervals) or per-row thresholds
@@ -218,6 +219,7 @@ void set_attention_params(const Problem& p, AttentionParams& params) {
   params.head_dim = static_cast<int>(p.head_dim);
   params.seqlen_q = p.seqlen_q, params.seqlen_k = p.seqlen_k;
   params.cu_seqlens_q = p.cu_seqlens_q, params.cu_seqlens_k = p.cu_seqlens_k;
+  params.total_q = p.total_q, params.total_k = p.total_k;
   params.scale = static_cast<float>(p.scale), params.softcap = static_cast<float>(p.softcap);
   params.band = Band{p.causal, p.window_left, p.window_right};
 }
@@ -270,11 +272,11 @@ bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const Devi
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
   return device.sm90a && i.forward_sm90_smem > 0 && plan.kernel == ForwardKernel::kSm80 &&
-         plan.block_m == kForwardSm90BlockM && p.num_splits == 1 && !plan.key_lists && p.cu_seqlens_q == nullptr &&
-         p.vector_q && p.vector_k && p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) &&
-         i.forward_sm90_smem <= device.smem_optin && tma_addressable(p.q, p.batch, p.heads, p.seqlen_q) &&
-         tma_addressable(p.k, p.batch, p.heads / p.group, p.seqlen_k) &&
-         tma_addressable(p.v, p.batch, p.heads / p.group, p.seqlen_k);
+         plan.block_m == kForwardSm90BlockM && p.num_splits == 1 && !plan.key_lists && p.vector_q && p.vector_k &&
+         p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) &&
+         i.forward_sm90_smem <= device.smem_optin && tma_addressable(p.q, p.query_tokens(p.batch), p.heads) &&
+         tma_addressable(p.k, p.key_tokens(p.batch), p.heads / p.group) &&
+         tma_addressable(p.v, p.key_tokens(p.batch), p.heads / p.group);
 }
 
 // The Hopper dk/dv kernel: D' = 64 or 128 (a smaller D padded), with dq by
@@ -284,12 +286,13 @@ bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceI
   const BackwardParams& p = plan.params;
   const bool walk = plan.selection == DeviceSelection::kNone ? p.mask.data == nullptr
                                                              : plan.selection == DeviceSelection::kIntervals;
-  return device.sm90a && i.dkv_sm90_smem > 0 && p.atomic_dq && walk && p.cu_seqlens_q == nullptr &&
+  return device.sm90a && i.dkv_sm90_smem > 0 && p.atomic_dq && walk &&
          (p.softcap == 0.0f || plan.selection == DeviceSelection::kNone) &&
          (p.bias_kind() == BiasKind::kNone || p.bias_kind() == BiasKind::kKeyOnly) &&
          (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k &&
          p.vector_v && p.vector_dout && i.dkv_sm90_smem <= device.smem_optin &&
-         tma_addressable(p.q, plan.batch, p.heads, p.seqlen_q) && tma_addressable(p.dout, plan.batch, p.heads, p.seqlen_q);
+         tma_addressable(p.q, p.query_tokens(plan.batch), p.heads) &&
+         tma_addressable(p.dout, p.query_tokens(plan.batch), p.heads);
 }
 
 int dtype_index(const Problem& p) { return p.q.dtype == DType::kBFloat16 ? 1 : 0; }

@@ -31,6 +31,7 @@ struct AttentionParams {
   std::int64_t seqlen_q = 0, seqlen_k = 0;  // batched: the lengths; varlen: the max lengths
   const std::int32_t* cu_seqlens_q = nullptr;  // device pointers, varlen only
   const std::int32_t* cu_seqlens_k = nullptr;
+  std::int64_t total_q = 0, total_k = 0;  // varlen: the packed rows of q (out, dout) and of k (v)
   float scale = 1.0f, softcap = 0.0f;
   Band band;  // causal and sliding window
   // 16-byte cp.async loads are legal for q, k, v rows (base and strides checked).
@@ -47,6 +48,16 @@ struct AttentionParams {
   // the forward's head h is kv head h, its row i query head h * topk_fold + i
   // at query row 0; the top-k lists then have a slice per (b, kv head). 1: not folded.
   int topk_fold = 1;
+
+  // The TokenExtent of q-like (q, out, dout) and of k-like (k, v) operands of
+  // `batch` sequences, and the batch coordinate of sequence b in it.
+  DMATTN_HOST_DEVICE TokenExtent query_tokens(std::int64_t batch) const {
+    return cu_seqlens_q != nullptr ? TokenExtent{1, total_q} : TokenExtent{batch, seqlen_q};
+  }
+  DMATTN_HOST_DEVICE TokenExtent key_tokens(std::int64_t batch) const {
+    return cu_seqlens_q != nullptr ? TokenExtent{1, total_k} : TokenExtent{batch, seqlen_k};
+  }
+  DMATTN_HOST_DEVICE int token_batch(int b) const { return cu_seqlens_q != nullptr ? 0 : b; }
 
   // The bias kind, defined here once for the dispatch and the kernels.
   DMATTN_HOST_DEVICE bool key_only_bias() const { return bias.data != nullptr && bias.sr == 0; }

@@ -124,6 +124,7 @@ std::vector<Shape> broadcast_shapes(std::int64_t B, std::int64_t H, std::int64_t
 void topk_per_row(Case& c, int i);
 void topk_padding(Case& c, int i);
 void topk_varlen(Case& c, int i);
+void hopper_varlen(Case& c, int i);
 std::vector<Case> given_interval_cases();
 std::vector<Case> bias_magnitude_sweep(const std::string& prefix);
 void add_head_dim_64(std::vector<Case>& cases);

@@ -384,6 +384,12 @@ std::vector<Case> backward_matrix(bool small) {
       pad.name = "bwd small key bias window padded", pad.D = d;
       cases.push_back(finish(pad));
     }
+    for (std::int64_t d : {128, 64}) {  // the Hopper dk/dv kernel over packed sequences: dense, key groups
+      Case v = make("small Hopper varlen", 1, 1, 4, 2);
+      v.D = d;
+      hopper_varlen(v, d == 128 ? 0 : 2);
+      cases.push_back(finish(v));
+    }
     return cases;
   }
   // Sizes, GQA and MQA, causal or not.
@@ -551,6 +557,14 @@ std::vector<Case> backward_matrix(bool small) {
   Case perm = hopper("layout permuted", 777, 777, 8, 2);
   perm.options.causal = true, perm.qkv_layout.permuted = true, perm.out_layout = perm.qkv_layout;
   cases.push_back(finish(perm));
+  for (std::int64_t dim : {128, 64})  // over packed sequences, dbias too
+    for (int i = 0; i < 3; ++i) {
+      Case v = make("Hopper varlen #" + std::to_string(i), 1, 1, 8, 2);
+      v.D = dim;
+      v.bias_dtype = i == 1 ? DType::kFloat32 : v.dtype;
+      hopper_varlen(v, i);
+      cases.push_back(finish(v));
+    }
   Case groups = hopper("top-k 256 key groups", 2048, 2048, 4, 2);
   groups.B = 1, groups.options.causal = true, groups.options.keep_window_size = 256;
   groups.bias_shape = {1, groups.Hk, 1, groups.Sk};

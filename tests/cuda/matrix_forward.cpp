@@ -59,6 +59,19 @@ void topk_varlen(Case& c, int i) {
   if (i) c.options.sliding_window = {80, 0};
 }
 
+// Varlen on the Hopper kernels (D = 64 or 128, the caller's; more than 64
+// query rows): lengths off the tiles, an empty sequence, one of a single row
+// without keys, sq < sk and sq > sk; a key-only bias of (total_k, Hb), Hb by
+// i: causal, bias of one head (i = 0); window (50, 20), Hk heads (i = 1);
+// causal top-k 64 (intervals: the dk/dv key groups), H heads (i = 2).
+void hopper_varlen(Case& c, int i) {
+  c.seqlens_q = {300, 0, 129, 1, 65}, c.seqlens_k = {300, 7, 200, 0, 130};
+  c.bias_shape = {637, i == 0 ? 1 : i == 1 ? c.Hk : c.H};
+  c.options.causal = i != 1;
+  if (i == 1) c.options.sliding_window = {50, 20};
+  if (i == 2) c.options.keep_window_size = 64;
+}
+
 // Calls given their top-k selection (Case::given_intervals), forward and
 // backward alike, named by what they cover: a key-only bias of Hk heads, causal
 // (key lists, key groups); a padding mask of H heads (H selection heads);
@@ -242,6 +255,11 @@ std::vector<Case> forward_matrix(bool small) {
       h.bias_shape = {1, h.Hk, 1, h.Sk};
       h.name = name(h, "small Hopper key-only bias");
       cases.push_back(h);
+      Case v = base(1, 1, DType::kBFloat16);  // the Hopper forward over packed sequences
+      v.H = 4, v.Hk = 2, v.D = d;
+      hopper_varlen(v, d == 128 ? 0 : 1);
+      v.name = name(v, "small Hopper varlen");
+      cases.push_back(v);
     }
     return cases;
   }
@@ -371,6 +389,16 @@ std::vector<Case> forward_matrix(bool small) {
       c.options.causal = i % 2 == 0;
       if (i == 3) c.options.sliding_window = {40, variant ? 0 : 10};
       c.name = name(c, "varlen #" + std::to_string(i) + " bias heads " + std::to_string(c.bias_shape[1]));
+      cases.push_back(c);
+    }
+  // Varlen on the Hopper forward, both head dims and dtypes.
+  for (std::int64_t d : {128, 64})
+    for (int i = 0; i < 3; ++i) {
+      Case c = base(1, 1, i % 2 ? DType::kFloat16 : DType::kBFloat16);
+      c.H = 8, c.Hk = 2, c.D = d;
+      c.bias_dtype = i == 1 ? DType::kFloat32 : c.dtype;
+      hopper_varlen(c, i);
+      c.name = name(c, "Hopper varlen #" + std::to_string(i));
       cases.push_back(c);
     }
   // Long: Sq = Sk = 4095 with a key-only bias (a grid of 256 CTAs: no key split),

@@ -1,10 +1,17 @@
 // The Hopper dk/dv kernel (sm_90a): warpgroup MMAs (wgmma) for the dense walk
 // of the common training case and the top-k key groups (intervals), dq by
-// bulk reductions. The dispatch plans it where it applies (dispatch.cu
-// dkv_sm90_applies: an sm_90a device, TMA can address Q and dO); everything
-// else (masks without top-k intervals, top-k thresholds, varlen,
-// deterministic dq, head dims above 128, dbias other than
+// bulk reductions, batched or varlen. The dispatch plans it where it applies
+// (dispatch.cu dkv_sm90_applies: an sm_90a device, TMA can address Q and dO);
+// everything else (masks without top-k intervals, top-k thresholds, top-k
+// with softcap, deterministic dq, head dims above 128, dbias other than
 // key-only) runs backward_kernel<.., true> (bwd/kernel_sm80.cuh).
+//
+// Varlen: K and V rows, the key-only bias, dk and dv from the sequence's
+// first key; Q and dO by TMA over the packed rows (TokenExtent), a step's
+// rows past the sequence (the next sequence's, or zeros past the packed rows)
+// masked as those past a batched length: their P and dS are 0, so their dQ
+// rows add zeros to the sequence's own dq_acc rows, which finish_dq never
+// stores.
 //
 // One CTA of two warpgroups owns 128 keys of one (batch, kv head), 64 a
 // warpgroup, and walks steps of kBlockM queries (64 at D = 128, 128 at
@@ -122,8 +129,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     return make_tensor(make_smem_ptr(base + buf * Config::kQElems), typename Config::LayoutQt{});
   };
 
-  const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh;
-  const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + kvh * p.v.sh;
+  const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh + seq.ks * p.k.sr;
+  const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + kvh * p.v.sh + seq.ks * p.v.sr;
   const int d = p.head_dim, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   if constexpr (kKeyGroups) {  // the CTA's keys gathered from key_order
     const std::int64_t key = group_key(p, entry0, row0, sk, tile_row<Config, kBlockN>());
@@ -151,10 +158,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // Q, dO and the statistics of the step at head h, query block blk into
   // buffer buf (thread 0): TMA tiles, and one bulk copy of the statistics'
   // rows before sq.
+  const int tma_b = p.token_batch(b);
   auto issue = [&](int h, int blk, int buf) {
     const int q0 = blk * kBlockM, rows = static_cast<int>(min(std::int64_t{kBlockM}, sq - q0));
     Barrier::arrive_and_expect_tx(&loaded[buf], Config::kTxBytes + 16 * rows);
-    tma_load_rows<kBlockM, kHeadDim>(&loaded[buf], q0, h, b, std::pair{&maps.q, q_smem + buf * Config::kQElems},
+    tma_load_rows<kBlockM, kHeadDim>(&loaded[buf], static_cast<int>(seq.qs + q0), h, tma_b,
+                                     std::pair{&maps.q, q_smem + buf * Config::kQElems},
                                      std::pair{&maps.dout, do_smem + buf * Config::kQElems});
     SM90_BULK_COPY_G2S::copy(p.query_stats + 4 * ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0), &loaded[buf],
                              stats + buf * kBlockM, 16 * rows);
@@ -208,7 +217,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       for (int half = 0; half < 2; ++half) {
         const std::int64_t key = thread_key(half);
         key_bias[half] =
-            key >= 0 ? load_float<Element>(p.bias.data, p.bias_float32, b * p.bias.sb + hb * p.bias.sh + key * p.bias.sc)
+            key >= 0 ? load_float<Element>(p.bias.data, p.bias_float32,
+                                           b * p.bias.sb + hb * p.bias.sh + (seq.ks + key) * p.bias.sc)
                      : 0.0f;
       }
     }
@@ -379,8 +389,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         db_out.add(p, h_first / p.bias_group, 0, key, key_sum[half]);
     }
   }
-  auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh;
-  auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh;
+  auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh + seq.ks * p.dk.sr;
+  auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh + seq.ks * p.dv.sr;
   const std::int64_t store_key[2] = {stores[0] ? thread_key(0) : -1, stores[1] ? thread_key(1) : -1};
   // A thread's pairs (f, f + 1) start at even features: whole or padding (past
   // a head dim of whole 8-feature chunks).

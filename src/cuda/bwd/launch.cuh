@@ -31,8 +31,9 @@ DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch) {
     throw std::logic_error("dmattn: the Hopper dk/dv kernel planned for head dim " + std::to_string(kHeadDim));
   } else {
     using Config = DkvSm90Config<Element, kHeadDim>;
-    return {encode_token_map<Element, kHeadDim>(p.q, p.head_dim, batch, p.heads, p.seqlen_q, Config::kBlockM, "q"),
-            encode_token_map<Element, kHeadDim>(p.dout, p.head_dim, batch, p.heads, p.seqlen_q, Config::kBlockM, "dout")};
+    const TokenExtent queries = p.query_tokens(batch);
+    return {encode_token_map<Element, kHeadDim>(p.q, p.head_dim, queries, p.heads, Config::kBlockM, "q"),
+            encode_token_map<Element, kHeadDim>(p.dout, p.head_dim, queries, p.heads, Config::kBlockM, "dout")};
   }
 }
 

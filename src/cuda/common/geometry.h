@@ -38,6 +38,15 @@ struct Sequence {
   DMATTN_HOST_DEVICE std::int64_t offset() const { return sk - sq; }
 };
 
+// The (batch, rows) extent of a token operand as the Hopper kernels' TMA maps
+// address it: batched, (B, the length), sequence b at batch b from row 0;
+// varlen, one batch of the packed rows, sequence b at batch 0 from its start
+// (Sequence::qs or ks). A tile may run past its sequence into the next one
+// (the kernels mask those rows) or past the packed rows (TMA zero-fills).
+struct TokenExtent {
+  std::int64_t batch, rows;
+};
+
 // The causal and sliding-window limits (SPEC 2): query i sees key j iff
 // i + offset - left <= j (left >= 0) and j <= i + offset (causal) and
 // j <= i + offset + right (right >= 0); -1: unbounded on that side.

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "../../problem.h"
+#include "geometry.h"
 
 namespace dmattn::cuda {
 
@@ -94,31 +95,32 @@ inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
 }
 
 // Whether TMA can address a token operand of 2-byte elements as (feature, row,
-// head, batch) of `rows` x `heads` x `batch`: contiguous features, a 16-byte
-// aligned base, and the strides of the row, head and batch dimensions of more
-// than one element whole 16 bytes below 2^40 (extents at most 2^32).
-inline bool tma_addressable(const Operand& t, std::int64_t batch, std::int64_t heads, std::int64_t rows) {
-  const std::int64_t extent[3] = {rows, heads, batch}, stride[3] = {t.sr, t.sh, t.sb};
+// head, batch) of tokens.rows x `heads` x tokens.batch (geometry.h
+// TokenExtent): contiguous features, a 16-byte aligned base, and the strides
+// of the row, head and batch dimensions of more than one element whole 16
+// bytes below 2^40 (extents from 1 to 2^32: no map of an empty operand).
+inline bool tma_addressable(const Operand& t, TokenExtent tokens, std::int64_t heads) {
+  const std::int64_t extent[3] = {tokens.rows, heads, tokens.batch}, stride[3] = {t.sr, t.sh, t.sb};
   for (int i = 0; i < 3; ++i) {
     const std::int64_t bytes = 2 * stride[i];
-    if (extent[i] > (std::int64_t{1} << 32)) return false;
+    if (extent[i] < 1 || extent[i] > (std::int64_t{1} << 32)) return false;
     if (extent[i] != 1 && (bytes <= 0 || bytes % 16 != 0 || bytes >= (std::int64_t{1} << 40))) return false;
   }
   return t.sc == 1 && reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
 }
 
 // The TMA descriptor of a token operand of Element (bf16 or fp16) as
-// (feature, row, head, batch) of `features` x `rows` x `heads` x `batch`,
-// boxes of 64 features (128 bytes, swizzled as GMMA's 128-byte K-major atoms)
-// x `box_rows` rows, where tma_addressable holds; throws naming the operand
-// where the driver refuses it. A kernel's tiles hold kFeatures >= features:
-// TMA fills the features past the operand's (a head dim padded to the
-// instantiation's) with zeros, as it does rows past `rows`.
+// (feature, row, head, batch) of `features` x tokens.rows x `heads` x
+// tokens.batch, boxes of 64 features (128 bytes, swizzled as GMMA's 128-byte
+// K-major atoms) x `box_rows` rows, where tma_addressable holds; throws naming
+// the operand where the driver refuses it. A kernel's tiles hold kFeatures >=
+// features: TMA fills the features past the operand's (a head dim padded to
+// the instantiation's) with zeros, as it does rows past tokens.rows.
 template <class Element, int kFeatures>
-CUtensorMap encode_token_map(const Operand& t, int features, int batch, int heads, std::int64_t rows, int box_rows,
+CUtensorMap encode_token_map(const Operand& t, int features, TokenExtent tokens, int heads, int box_rows,
                              const char* name) {
   static_assert(sizeof(Element) == 2 && kFeatures % 64 == 0, "2-byte elements, whole boxes of 64 features");
-  const std::int64_t extent[3] = {rows, heads, batch}, stride[3] = {t.sr, t.sh, t.sb};
+  const std::int64_t extent[3] = {tokens.rows, heads, tokens.batch}, stride[3] = {t.sr, t.sh, t.sb};
   cuuint64_t dims[4] = {static_cast<cuuint64_t>(features), 0, 0, 0}, strides[3] = {};
   for (int i = 0; i < 3; ++i) {
     const std::int64_t bytes = extent[i] == 1 ? 16 : 2 * stride[i];  // a stride of one row, head or batch is unused
@@ -141,7 +143,7 @@ CUtensorMap encode_token_map(const Operand& t, int features, int batch, int head
 }
 
 // Issues the TMA copies of rows [row, row + kRows) of head `head` and batch
-// `batch` of encode_token_map maps (boxes of kRows rows): for each (map, dst)
+// `batch` (TokenExtent's coordinates) of encode_token_map maps (boxes of kRows rows): for each (map, dst)
 // pair, its tile of kRows x kFeatures into dst (boxes of 64 features one after
 // another, as tile_to_shape lays out GMMA's atoms), box by box across the
 // pairs (the order ptxas allocates the dk/dv kernel's registers best for),

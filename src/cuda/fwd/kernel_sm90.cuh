@@ -1,10 +1,15 @@
 // The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the dense query
-// blocks of head dims up to 64 and 128 (zero-padded by TMA) without split-KV, varlen or a mask / top-k
-// selection, with no bias or a key-only one, and softcap. The dispatch
-// plans it where it applies (dispatch.cu forward_sm90_applies: an sm_90a
-// device, TMA can address Q, K and V); everything else (decode tiles,
-// split-KV, key lists, per-row biases, varlen, other head dims) runs
-// forward_kernel (fwd/kernel_sm80.cuh).
+// blocks of head dims up to 64 and 128 (zero-padded by TMA) without split-KV
+// or a mask / top-k selection, batched or varlen, with no bias or a key-only
+// one, and softcap. The dispatch plans it where it applies (dispatch.cu
+// forward_sm90_applies: an sm_90a device, TMA can address Q, K and V);
+// everything else (decode tiles, split-KV, key lists, per-row biases, head
+// dims above 128) runs forward_kernel (fwd/kernel_sm80.cuh).
+//
+// Varlen: the TMA maps span the packed rows (TokenExtent), a sequence's tiles
+// start at its first row; a tile's rows or keys past the sequence (the next
+// sequence's, or zeros past the packed rows) are masked like those past a
+// batched length and never stored.
 //
 // One CTA of two warpgroups owns 128 query rows, 64 a warpgroup, and walks key
 // tiles of kBlockN (the last first, as forward_kernel): 128 at D = 128; 64 at
@@ -70,17 +75,20 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   auto stage_vt = [&](int s) {
     return make_tensor(make_smem_ptr(v_smem + s * Config::kKvElems), typename Config::LayoutVt{});
   };
-  // One tile of `rows` (kBlockM for Q, kBlockN for K and V) from row `row` of
-  // `map` into dst, completing on `bar` (thread 0).
-  auto load = [&](auto rows, const CUtensorMap* map, std::uint64_t* bar, Element* dst, std::int64_t row, int head) {
+  // One tile of `rows` (kBlockM for Q, kBlockN for K and V) from the
+  // sequence's row `row` of `map` (its first row: `start`) into dst,
+  // completing on `bar` (thread 0).
+  const int tma_b = p.token_batch(b);
+  auto load = [&](auto rows, const CUtensorMap* map, std::uint64_t* bar, Element* dst, std::int64_t start,
+                  std::int64_t row, int head) {
     constexpr int kRows = decltype(rows)::value;
     Barrier::arrive_and_expect_tx(bar, kRows * kHeadDim * int(sizeof(Element)));
-    tma_load_rows<kRows, kHeadDim>(bar, static_cast<int>(row), head, b, std::pair{map, dst});
+    tma_load_rows<kRows, kHeadDim>(bar, static_cast<int>(start + row), head, tma_b, std::pair{map, dst});
   };
 
   const int tid = threadIdx.x, lane = tid % 32;
   // The key-only bias: thread t < kBlockN stages key t of a tile in float.
-  const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh : 0;
+  const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
   auto fetch_bias = [&](int n) {
     const std::int64_t key = std::int64_t{n} * kBlockN + tid;
     if (!has_bias || tid >= kBlockN || key >= sk) return 0.0f;
@@ -131,8 +139,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   }
   __syncthreads();
   if (tid == 0 && tiles > 0) {
-    load(Int<kBlockM>{}, &maps.q, q_full, q_smem, row0, h);
-    load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, std::int64_t{tile_of(0)} * kBlockN, hk);
+    load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
+    load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, blk.ks, std::int64_t{tile_of(0)} * kBlockN, hk);
   }
   if (tiles > 0) {
     store_bias(0, fetch_bias(tile_of(0)));
@@ -146,8 +154,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     // K_{i+1} and V_i, into the buffers that S_{i-1} and P V_{i-2} used.
     if (tid == 0) {
       if (i + 1 < tiles)
-        load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, std::int64_t{n - 1} * kBlockN, hk);
-      load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, std::int64_t{n} * kBlockN, hk);
+        load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, blk.ks,
+             std::int64_t{n - 1} * kBlockN, hk);
+      load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks, std::int64_t{n} * kBlockN,
+           hk);
     }
     Barrier::wait(&k_full[buf], (i >> 1) & 1);
 

@@ -59,9 +59,10 @@ ForwardSm90Maps forward_sm90_maps(const ForwardParams& p) {
   } else {
     using Config = ForwardSm90Config<Element, kHeadDim>;
     const int kv_heads = p.heads / p.group;
-    return {encode_token_map<Element, kHeadDim>(p.q, p.head_dim, p.batch, p.heads, p.seqlen_q, Config::kBlockM, "q"),
-            encode_token_map<Element, kHeadDim>(p.k, p.head_dim, p.batch, kv_heads, p.seqlen_k, Config::kBlockN, "k"),
-            encode_token_map<Element, kHeadDim>(p.v, p.head_dim, p.batch, kv_heads, p.seqlen_k, Config::kBlockN, "v")};
+    const TokenExtent queries = p.query_tokens(p.batch), keys = p.key_tokens(p.batch);
+    return {encode_token_map<Element, kHeadDim>(p.q, p.head_dim, queries, p.heads, Config::kBlockM, "q"),
+            encode_token_map<Element, kHeadDim>(p.k, p.head_dim, keys, kv_heads, Config::kBlockN, "k"),
+            encode_token_map<Element, kHeadDim>(p.v, p.head_dim, keys, kv_heads, Config::kBlockN, "v")};
   }
 }
 
