@@ -2,7 +2,7 @@
 // parameters and the kernel of every step out, or Error::kUnsupported, before
 // anything is enqueued. The table it implements (docs/architecture.md):
 //
-//   forward        Hopper kSm90       sm_90a device, D = 64 or 128 compiled and exact, no top-k (a mask:
+//   forward        Hopper kSm90       sm_90a device, D' = 64 or 128 compiled (D <= D'), no top-k (a mask:
 //                                     packed with its tile classes, no key lists), batched or varlen, no
 //                                     bias or a key-only one, one split, TMA-addressable q, k, v (varlen:
 //                                     the packed rows)
@@ -11,9 +11,9 @@
 //                  split-KV           grids that leave SMs idle (choose_splits), sm80 kernels only
 //   backward dq    sm80 kernel        always; with dq by atomics (deterministic = false, D % 64 == 0)
 //                                     it only recomputes the row statistics that need it
-//   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D = 64 or 128 compiled and exact, dq by atomics,
+//   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D' = 64 or 128 compiled (D <= D'), dq by atomics,
 //                                     no top-k or top-k intervals (their key groups; a mask without
-//                                     top-k: packed by key with its tile classes), no softcap,
+//                                     top-k: packed by key with its tile classes), softcap without either,
 //                                     batched or varlen, no bias or a key-only one, TMA-addressable q, dout
 //                  sm80 kSm80         everything else
 //   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
@@ -267,13 +267,13 @@ void plan_selection(const Problem& p, Plan& plan) {
 
 // ---- The Hopper kernels' conditions ---------------------------------------
 
-// The Hopper forward: written for the dense training shapes at D = 64 and 128
-// (its tiles and TMA boxes hold exactly the head dim), a mask tested by tile
-// class and bit; the 128-row sm80 walk otherwise.
+// The Hopper forward: written for the dense training shapes at D' = 64 and 128
+// (TMA fills the features past a smaller head dim with zeros), a mask tested
+// by tile class and bit; the 128-row sm80 walk otherwise.
 bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device) {
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
-  return device.sm90a && i.forward_sm90_smem > 0 && p.head_dim == i.head_dim && plan.kernel == ForwardKernel::kSm80 &&
+  return device.sm90a && i.forward_sm90_smem > 0 && plan.kernel == ForwardKernel::kSm80 &&
          plan.block_m == kForwardSm90BlockM && p.num_splits == 1 && plan.selection == DeviceSelection::kNone &&
          p.vector_q && p.vector_k && p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) &&
          i.forward_sm90_smem <= device.smem_optin && tma_addressable(p.q, p.query_tokens(p.batch), p.heads) &&
@@ -281,14 +281,15 @@ bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const Devi
          tma_addressable(p.v, p.key_tokens(p.batch), p.heads / p.group);
 }
 
-// The Hopper dk/dv kernel: D = 64 or 128 exactly, with dq by atomics (its dQ
-// blocks), the dense walk (a mask tested by tile class and bit) or top-k key
-// groups (a mask folded into them), key-only dbias.
+// The Hopper dk/dv kernel: D' = 64 or 128 (a smaller D padded), with dq by
+// atomics (its dQ blocks), the dense walk (a mask tested by tile class and
+// bit; or softcap) or top-k key groups (a mask folded into them), key-only
+// dbias.
 bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceInfo& device) {
   const BackwardParams& p = plan.params;
   const bool walk = plan.selection == DeviceSelection::kNone || plan.selection == DeviceSelection::kIntervals;
-  return device.sm90a && i.dkv_sm90_smem > 0 && p.head_dim == i.head_dim && p.atomic_dq && walk &&
-         p.softcap == 0.0f &&
+  return device.sm90a && i.dkv_sm90_smem > 0 && p.atomic_dq && walk &&
+         (p.softcap == 0.0f || (plan.selection == DeviceSelection::kNone && p.mask.data == nullptr)) &&
          (p.bias_kind() == BiasKind::kNone || p.bias_kind() == BiasKind::kKeyOnly) &&
          (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k &&
          p.vector_v && p.vector_dout && i.dkv_sm90_smem <= device.smem_optin &&

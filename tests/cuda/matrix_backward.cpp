@@ -375,6 +375,15 @@ std::vector<Case> backward_matrix(bool small) {
     add_head_dim_64(cases);
     hk.D = 64;  // the Hopper dk/dv kernel at D = 64 (its 128-query steps)
     cases.push_back(finish(hk));
+    Case cap = hk;  // ... with softcap
+    cap.name = "bwd small softcap 30 key bias window";
+    cap.options.softcap = 30.0, cap.options.scale = 0.3;
+    cases.push_back(finish(cap));
+    for (std::int64_t d : {96, 40}) {  // ... at head dims padded to 128 and 64 (TMA's zeros)
+      Case pad = hk;
+      pad.name = "bwd small key bias window padded", pad.D = d;
+      cases.push_back(finish(pad));
+    }
     for (std::int64_t d : {128, 64}) {  // the Hopper dk/dv kernel over packed sequences: dense, key groups
       Case v = make("small Hopper varlen", 1, 1, 4, 2);
       v.D = d;
@@ -398,7 +407,7 @@ std::vector<Case> backward_matrix(bool small) {
       c.options.causal = causal;
       cases.push_back(finish(c));
     }
-  for (std::int64_t d : {32, 64, 72}) {
+  for (std::int64_t d : {8, 32, 64, 72, 96, 120}) {  // below 64 and 128: padded on the Hopper kernels
     Case c = make("head_dim", 65, 130, 4, 2);
     c.D = d;
     c.options.causal = true;
@@ -466,6 +475,16 @@ std::vector<Case> backward_matrix(bool small) {
     c.bias_shape = {c.B, 1, c.Sq, c.Sk};
     cases.push_back(finish(c));
   }
+  // softcap on the Hopper dk/dv kernel's path (D = 128 and 64, no bias or a
+  // key-only one), logits near the cap (scale 0.3) and partial tiles.
+  for (std::int64_t d : {128, 64})
+    for (double cap : {5.0, 30.0}) {
+      Case c = make("softcap " + std::to_string(static_cast<int>(cap)) + " scale 0.3", 300, 257, 4, 2);
+      c.D = d;
+      c.options.softcap = cap, c.options.scale = 0.3, c.options.causal = cap > 10;
+      if (d == 128) c.bias_shape = {1, c.Hk, 1, c.Sk};
+      cases.push_back(finish(c));
+    }
   // Layouts of q, k, v, out and the gradients: sliced (the scalar path) and permuted.
   for (int l = 0; l < 4; ++l) {
     Case c = make("layout", 130, 190, 4, 2);

@@ -275,8 +275,10 @@ std::vector<Case> forward_matrix(bool small) {
     td.name = name(td, "small top-k decode 300");
     cases.push_back(td);
     add_head_dim_64(cases);
-    for (std::int64_t d : {128, 64}) {  // the Hopper forward: a partial query block and key tile, causal offset
-      Case h = base(200, 300, DType::kBFloat16);
+    // The Hopper forward: a partial query block and key tile, causal offset; D = 96
+    // and 40 padded (to 128 and 64) with TMA's zeros.
+    for (std::int64_t d : {128, 64, 96, 40}) {
+      Case h = base(200, 300, d == 96 ? DType::kFloat16 : DType::kBFloat16);
       h.B = 1, h.H = 4, h.Hk = 2, h.D = d;
       h.options.causal = true;
       h.bias_shape = {1, h.Hk, 1, h.Sk};

@@ -511,7 +511,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         const int r = get<0>(cS(at)), col = get<1>(cS(at));
         const int qi = kKeyRows ? col : r, kj = kKeyRows ? r : col;
         float x = acc_s(at) * scale, tanh_x = 0.0f;
-        if constexpr (kSoftcap) tanh_x = tanhf(x * inv_softcap), x = softcap * tanh_x;
+        if constexpr (kSoftcap) tanh_x = tanh_ex2(x * inv_softcap), x = softcap * tanh_x;
         if constexpr (kAdd == 1) x += tile_add[r * kAddLd + col];
         if constexpr (kAdd == 2) x += kKeyRows ? key_bias_rows[2 * m + half] : key_add[kj];
         if (use_allow && !((allow[half] >> col) & 1)) x = -kInf;

@@ -2,8 +2,8 @@
 // of the common training case and the top-k key groups (intervals), dq by
 // bulk reductions, batched or varlen. The dispatch plans it where it applies
 // (dispatch.cu dkv_sm90_applies: an sm_90a device, TMA can address Q and dO);
-// everything else (top-k thresholds, softcap, deterministic dq, head dims
-// other than 64 and 128, dbias other than key-only) runs
+// everything else (top-k thresholds, softcap with a mask or top-k,
+// deterministic dq, head dims above 128, dbias other than key-only) runs
 // backward_kernel<.., true> (bwd/kernel_sm80.cuh).
 //
 // Varlen: K and V rows, the key-only bias, dk and dv from the sequence's
@@ -21,16 +21,19 @@
 // of key_order (rows of absent keys zero), the query range the group's rows,
 // each element tested against its key's rows within the group's segment, and
 // the pieces of a key add up in segment order (KeyPieces), as in
-// backward_kernel. kMasked, the user's mask (dense walk, a kernel of its own
-// for the registers of the walk without one): packed by key
+// backward_kernel. The user's mask (dense walk): packed by key
 // (BackwardParams::dkv_packed) with the classes of its kBlockM x 128 tiles
 // (dkv_tiles); empty steps are skipped, loads included, full ones test
 // nothing, partial ones each element against its bit (the thread's two keys'
-// words of the step load while the S and dP MMAs run); kKeyGroups compiles that walk apart from the dense one (in
-// one kernel both, at 1335552 ptxas spilled 160 bytes instead of 80 and 88,
-// and the dense backward took 10% longer). A step:
+// words of the step load while the S and dP MMAs run). Each walk (DkvWalk) is
+// a kernel of its own, so that the dense one keeps its registers: key groups
+// and the dense walk in one kernel spilled 160 bytes instead of 80 and 88 at
+// 1335552 and the dense backward took 10% longer; softcap as a branch of the
+// dense walk doubled its code and spills at D = 64; the mask's tests cost the
+// walk without one 5-7%. A step:
 //   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x kBlockM a warpgroup)
 //   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
+//                                    (softcap: its tanh, and its factor in dS^T)
 //   dQ   = dS K                      (dS^T through shared memory, 64 queries x
 //                                     D / 2 features or 64 queries x D a
 //                                     warpgroup: DqBlocks; after the
@@ -69,10 +72,16 @@
 
 namespace dmattn::cuda {
 
-template <class Config, bool kKeyGroups, bool kMasked>
+// The dk/dv kernel's walks, one instantiation each: dense, dense with
+// softcap, dense with the user's mask (a mask with top-k intervals is folded
+// into the key groups), top-k key groups.
+enum class DkvWalk { kDense, kSoftcap, kMasked, kKeyGroups };
+
+template <class Config, DkvWalk kWalk>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     dkv_kernel_sm90(const __grid_constant__ BackwardParams p, const __grid_constant__ DkvSm90Maps maps) {
-  static_assert(!(kKeyGroups && kMasked), "a mask with top-k intervals is folded into the key groups");
+  constexpr bool kKeyGroups = kWalk == DkvWalk::kKeyGroups, kMasked = kWalk == DkvWalk::kMasked;
+  constexpr bool kSoftcap = kWalk == DkvWalk::kSoftcap;
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
   using Element = typename Config::Element;
@@ -232,7 +241,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const BiasGradOut<Element> db_out(p, b, kvh, seq);
   float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
   int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
-  const float scale = p.scale;
+  const float scale = p.scale, softcap = p.softcap, inv_softcap = kSoftcap ? 1.0f / softcap : 0.0f;
 
   cp_async_wait<0>();
   fence_async_shared();
@@ -305,14 +314,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const float4* st = stats + buf * kBlockM;
     // P^T and dS^T in place of S^T and dP^T; kTested: each element tested (the
     // code of whole tiles, most of a causal walk, has no test), against the
-    // mask's bit too on a partial tile (query qi's word: e / 16).
+    // mask's bit too on a partial tile (query qi's word: e / 16). kSoftcap:
+    // l = softcap tanh(scale s / softcap) + bias, and dS^T carries the factor
+    // dl / d(scale s) = 1 - tanh^2 (dbias sums dS^T without it).
     const bool partial = kMasked && cur.partial;
     auto gradients = [&](auto tested) {
       constexpr bool kTested = decltype(tested)::value;
 #pragma unroll
       for (int e = 0; e < kAccS; ++e) {
         const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
-        float x = acc_s(e) * scale + key_bias[half];
+        float x = acc_s(e) * scale, tanh_x = 0.0f;
+        if constexpr (kSoftcap) tanh_x = tanh_ex2(x * inv_softcap), x = softcap * tanh_x;
+        x += key_bias[half];
         if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
                                    : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
                                          (partial && ((key_bits[half][e / 16] >> (qi % 32)) & 1) == 0)))
@@ -322,7 +335,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         const float prob = exp2_ftz((x - row.x) * kLog2e) * row.y;
         const float ds = prob * (acc_dp(e) - row.z);
         acc_s(e) = prob;
-        acc_dp(e) = ds;
+        acc_dp(e) = kSoftcap ? ds * (1.0f - tanh_x * tanh_x) : ds;
         if (key_sums) key_sum[half] += ds;
       }
     };
@@ -439,13 +452,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh + seq.ks * p.dk.sr;
   auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh + seq.ks * p.dv.sr;
   const std::int64_t store_key[2] = {stores[0] ? thread_key(0) : -1, stores[1] ? thread_key(1) : -1};
+  // A thread's pairs (f, f + 1) start at even features: whole or padding (past
+  // a head dim of whole 8-feature chunks).
+  const bool dk_pairs = pairs_aligned(p.dk.data, p.dk.sb, p.dk.sh, p.dk.sr);
+  const bool dv_pairs = pairs_aligned(p.dv.data, p.dv.sb, p.dv.sh, p.dv.sr);
 #pragma unroll
-  for (int e = 0; e < size(acc_dk); ++e) {
+  for (int e = 0; e < size(acc_dk); e += 2) {
     const std::int64_t key = store_key[e / 2 % 2];
     const int f = get<1>(cO(e));
-    if (key < 0) continue;
-    dk[key * p.dk.sr + f] = static_cast<Element>(acc_dk(e) * scale);
-    dv[key * p.dv.sr + f] = static_cast<Element>(acc_dv(e));
+    if (key < 0 || f >= d) continue;
+    store_pair(dk + key * p.dk.sr + f, acc_dk(e) * scale, acc_dk(e + 1) * scale, dk_pairs);
+    store_pair(dv + key * p.dv.sr + f, acc_dv(e), acc_dv(e + 1), dv_pairs);
   }
 #endif
 }

@@ -32,8 +32,8 @@ DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch) {
   } else {
     using Config = DkvSm90Config<Element, kHeadDim>;
     const TokenExtent queries = p.query_tokens(batch);
-    return {encode_token_map<Element, kHeadDim>(p.q, queries, p.heads, Config::kBlockM, "q"),
-            encode_token_map<Element, kHeadDim>(p.dout, queries, p.heads, Config::kBlockM, "dout")};
+    return {encode_token_map<Element, kHeadDim>(p.q, p.head_dim, queries, p.heads, Config::kBlockM, "q"),
+            encode_token_map<Element, kHeadDim>(p.dout, p.head_dim, queries, p.heads, Config::kBlockM, "dout")};
   }
 }
 
@@ -59,9 +59,10 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
                           : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, false>>(p, grid, stream);
   if constexpr (sm90_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
-    auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, true, false>
-                  : plan.mask_tiles                   ? dkv_kernel_sm90<Config, false, true>
-                                                      : dkv_kernel_sm90<Config, false, false>;
+    auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, DkvWalk::kKeyGroups>
+                  : plan.mask_tiles                   ? dkv_kernel_sm90<Config, DkvWalk::kMasked>
+                  : p.softcap > 0.0f                  ? dkv_kernel_sm90<Config, DkvWalk::kSoftcap>
+                                                      : dkv_kernel_sm90<Config, DkvWalk::kDense>;
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, maps);

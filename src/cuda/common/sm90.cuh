@@ -110,16 +110,18 @@ inline bool tma_addressable(const Operand& t, TokenExtent tokens, std::int64_t h
 }
 
 // The TMA descriptor of a token operand of Element (bf16 or fp16) as
-// (feature, row, head, batch) of kFeatures x tokens.rows x `heads` x
-// tokens.batch, boxes
-// of 64 features (128 bytes, swizzled as GMMA's 128-byte K-major atoms) x
-// `box_rows` rows, where tma_addressable holds; throws naming the operand
-// where the driver refuses it.
+// (feature, row, head, batch) of `features` x tokens.rows x `heads` x
+// tokens.batch, boxes of 64 features (128 bytes, swizzled as GMMA's 128-byte
+// K-major atoms) x `box_rows` rows, where tma_addressable holds; throws naming
+// the operand where the driver refuses it. A kernel's tiles hold kFeatures >=
+// features: TMA fills the features past the operand's (a head dim padded to
+// the instantiation's) with zeros, as it does rows past tokens.rows.
 template <class Element, int kFeatures>
-CUtensorMap encode_token_map(const Operand& t, TokenExtent tokens, int heads, int box_rows, const char* name) {
+CUtensorMap encode_token_map(const Operand& t, int features, TokenExtent tokens, int heads, int box_rows,
+                             const char* name) {
   static_assert(sizeof(Element) == 2 && kFeatures % 64 == 0, "2-byte elements, whole boxes of 64 features");
   const std::int64_t extent[3] = {tokens.rows, heads, tokens.batch}, stride[3] = {t.sr, t.sh, t.sb};
-  cuuint64_t dims[4] = {static_cast<cuuint64_t>(kFeatures), 0, 0, 0}, strides[3] = {};
+  cuuint64_t dims[4] = {static_cast<cuuint64_t>(features), 0, 0, 0}, strides[3] = {};
   for (int i = 0; i < 3; ++i) {
     const std::int64_t bytes = extent[i] == 1 ? 16 : 2 * stride[i];  // a stride of one row, head or batch is unused
     dims[i + 1] = static_cast<cuuint64_t>(extent[i]), strides[i] = static_cast<cuuint64_t>(bytes);

@@ -1,5 +1,5 @@
 // The online softmax's device arithmetic, shared by every attention kernel:
-// exp2 on the special-function unit, the quad reductions of a row's four
+// exp2 on the special-function unit, tanh, the quad reductions of a row's four
 // threads (mma.sync and wgmma accumulator layouts alike) and the lazily moved
 // row max.
 #pragma once
@@ -19,6 +19,23 @@ __device__ inline float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// tanh(x) = 1 - 2 / (1 + e^2x) to 4e-7 absolute (the softcap's logit
+// softcap tanh(s / softcap) to 1e-5 at softcap 30, far below a bf16 or fp16
+// score's rounding) for one special-function operation: e^2x by ex2, the
+// reciprocal by three Newton steps on the FMA pipe from an integer estimate
+// (5% off over [1, e^18]: x above 9, where tanh is 1 in float32, is clamped).
+// tanh.approx (one operation, 2^-11 relative error) gave up to 10x the error of
+// a fp16 computation with float32 logits in a simulation; rcp as a second
+// special-function operation would add half again to the softmax's
+// exponentials, which bound a tile's elementwise work.
+__device__ inline float tanh_ex2(float x) {
+  const float d = 1.0f + exp2_ftz(fminf(x, 9.0f) * (2.0f * kLog2e));
+  float r = __int_as_float(0x7EF311C3 - __float_as_int(d));
+#pragma unroll
+  for (int i = 0; i < 3; ++i) r *= fmaf(-d, r, 2.0f);
+  return fmaf(-2.0f, r, 1.0f);
 }
 
 __device__ inline float quad_max(float x) {

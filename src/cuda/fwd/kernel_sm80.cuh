@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     if (softcap > 0.0f) {
       const float inner = scale / softcap;
 #pragma unroll
-      for (int e = 0; e < size(acc_s); ++e) acc_s(e) = softcap * tanhf(acc_s(e) * inner);
+      for (int e = 0; e < size(acc_s); ++e) acc_s(e) = softcap * tanh_ex2(acc_s(e) * inner);
     } else if (has_bias && !key_bias) {
 #pragma unroll
       for (int e = 0; e < size(acc_s); ++e) acc_s(e) *= scale;

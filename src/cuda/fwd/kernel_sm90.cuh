@@ -1,10 +1,10 @@
 // The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the dense query
-// blocks of head dims 64 and 128 without split-KV or a top-k selection,
-// batched or varlen, with no bias or a key-only one, softcap and the user's
-// mask. The dispatch plans it where it applies (dispatch.cu
-// forward_sm90_applies: an sm_90a device, TMA can address Q, K and V);
-// everything else (decode tiles, split-KV, top-k key lists, per-row biases,
-// other head dims) runs forward_kernel (fwd/kernel_sm80.cuh).
+// blocks of head dims up to 64 and 128 (zero-padded by TMA) without split-KV
+// or a top-k selection, batched or varlen, with no bias or a key-only one,
+// softcap and the user's mask. The dispatch plans it where it applies
+// (dispatch.cu forward_sm90_applies: an sm_90a device, TMA can address Q, K
+// and V); everything else (decode tiles, split-KV, top-k key lists, per-row
+// biases, head dims above 128) runs forward_kernel (fwd/kernel_sm80.cuh).
 //
 // Varlen: the TMA maps span the packed rows (TokenExtent), a sequence's tiles
 // start at its first row; a tile's rows or keys past the sequence (the next
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     };
     if (softcap > 0.0f) {
       const float inner = scale / softcap;
-      for_each([&](int e, int, int) { acc_s(e) = softcap * tanhf(acc_s(e) * inner); });
+      for_each([&](int e, int, int) { acc_s(e) = softcap * tanh_ex2(acc_s(e) * inner); });
     }
     if (has_bias) {
       const float pre = softcap > 0.0f ? 1.0f : scale;
@@ -325,13 +325,13 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
           sum > 0.0f ? row_max[half] * unit + logf(sum) : -kInf;
   }
   // A thread's pairs (f, f + 1) start at even features: one 32-bit store each
-  // where out's strides allow (the dispatch plans this kernel at the exact
-  // head dim: no feature is padding).
+  // where out's strides allow; a pair is whole or padding (past a head dim of
+  // whole 8-feature chunks).
   const bool aligned = pairs_aligned(p.out.data, p.out.sb, p.out.sh, p.out.sr);
 #pragma unroll
   for (int e = 0; e < size(acc_o); e += 2) {
     const int half = e / 2 % 2, qi = get<0>(cO(e)), f = get<1>(cO(e));
-    if (row0 + qi < sq) store_pair(out + qi * p.out.sr + f, acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
+    if (row0 + qi < sq && f < p.head_dim) store_pair(out + qi * p.out.sr + f, acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
   }
 #endif
 }

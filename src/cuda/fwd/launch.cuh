@@ -60,9 +60,9 @@ ForwardSm90Maps forward_sm90_maps(const ForwardParams& p) {
     using Config = ForwardSm90Config<Element, kHeadDim>;
     const int kv_heads = p.heads / p.group;
     const TokenExtent queries = p.query_tokens(p.batch), keys = p.key_tokens(p.batch);
-    return {encode_token_map<Element, kHeadDim>(p.q, queries, p.heads, Config::kBlockM, "q"),
-            encode_token_map<Element, kHeadDim>(p.k, keys, kv_heads, Config::kBlockN, "k"),
-            encode_token_map<Element, kHeadDim>(p.v, keys, kv_heads, Config::kBlockN, "v")};
+    return {encode_token_map<Element, kHeadDim>(p.q, p.head_dim, queries, p.heads, Config::kBlockM, "q"),
+            encode_token_map<Element, kHeadDim>(p.k, p.head_dim, keys, kv_heads, Config::kBlockN, "k"),
+            encode_token_map<Element, kHeadDim>(p.v, p.head_dim, keys, kv_heads, Config::kBlockN, "v")};
   }
 }
 
