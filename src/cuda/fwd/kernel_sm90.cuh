@@ -331,7 +331,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
 #pragma unroll
   for (int e = 0; e < size(acc_o); e += 2) {
     const int half = e / 2 % 2, qi = get<0>(cO(e)), f = get<1>(cO(e));
-    if (row0 + qi < sq && f < p.head_dim) store_pair(out + qi * p.out.sr + f, acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
+    if (row0 + qi < sq && f < p.head_dim)
+      store_pair(out + qi * p.out.sr + f, acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
   }
 #endif
 }
