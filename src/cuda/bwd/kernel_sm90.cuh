@@ -1,10 +1,11 @@
 // The Hopper dk/dv kernel (sm_90a): warpgroup MMAs (wgmma) for the dense walk
 // of the common training case and the top-k key groups (intervals), dq by
-// bulk reductions. The dispatch plans it where it applies (dispatch.cu
-// dkv_sm90_applies: an sm_90a device, TMA can address Q and dO); everything
-// else (masks without top-k intervals, top-k thresholds, softcap, varlen,
-// deterministic dq, head dims other than 64 and 128, dbias other than
-// key-only) runs backward_kernel<.., true> (bwd/kernel_sm80.cuh).
+// bulk reductions (deterministic: in key-block order, on the dense walk). The
+// dispatch plans it where it applies (dispatch.cu dkv_sm90_applies: an sm_90a
+// device, TMA can address Q and dO); everything else (masks without top-k
+// intervals, top-k thresholds, softcap, varlen, deterministic dq over key
+// groups, head dims other than 64 and 128, dbias other than key-only) runs
+// backward_kernel<.., true> (bwd/kernel_sm80.cuh).
 //
 // One CTA of two warpgroups owns 128 keys of one (batch, kv head), 64 a
 // warpgroup, and walks steps of kBlockM queries (64 at D = 128, 128 at
@@ -29,7 +30,10 @@
 //                                     accumulators' layout is the A operand's)
 // and while the dV and dK MMAs run, each warp stores its dQ accumulators to
 // shared memory in register order and one of its threads adds them to dq_acc
-// by one bulk reduction (DqBlocks). The key-only dbias sums dS^T over
+// by one bulk reduction (DqBlocks); deterministic (BackwardParams::dq_turns),
+// after the warp of the key block before has added its part to the block, and
+// the turn passes on once the reduction is complete, at the next step's store
+// (no wait for it in the step). The key-only dbias sums dS^T over
 // the queries of a bias head in registers, in the walk's order: bitwise
 // reproducible, as dk and dv. (Keeping dQ's accumulators across the next
 // step's S / dP MMAs instead makes ptxas serialize the warpgroup MMAs for want
@@ -82,13 +86,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     return;
   }
   const bool pieces = kKeyGroups && p.key_segments > 1;
+  // The queries of the dense walk of the key block from key k0.
+  const auto dense_queries = [&](std::int64_t k0) {
+    return queries_of_keys(p.band, offset, sq, k0, min(k0 + kBlockN, sk) - 1);
+  };
   // The queries [q_lo, q_hi) of the walk.
   std::int64_t q_lo, q_hi;
   if constexpr (kKeyGroups) {
     const KeyRows rows = p.group_rows[kv_slice * p.key_groups + key_block];
     q_lo = rows.start, q_hi = rows.end;
   } else {
-    const QueryRange range = queries_of_keys(p.band, offset, sq, row0, min(row0 + kBlockN, sk) - 1);
+    const QueryRange range = dense_queries(row0);
     q_lo = range.first, q_hi = range.end;
   }
   // Steps: query blocks [first, first + span) of each head of the group in turn.
@@ -96,6 +104,23 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;
   const int q_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
+  // Ordered dq (BackwardParams::dq_turns; the dense walk, deterministic): warp
+  // w adds its part of a step's dQ block after warp w of key block
+  // key_block - 1 of this (b, kv head) has added its part, where that key
+  // block's walk has this query block too. Both ends of a key block's query
+  // range grow with its keys, so a query block's key blocks are consecutive
+  // (that one is the one before in the block's order of additions) and the
+  // walk of key_block - 1 has the query blocks from at most `first` to
+  // before_end (its walk's end, computed as that walk computes it; 0: none):
+  // every element of dq_acc adds its key blocks' values in key order, bitwise
+  // reproducible. The wait cannot deadlock as long as CTAs start in the order
+  // of their linear index (what the hardware does, as FlashAttention 3's
+  // deterministic backward also assumes): key block key_block - 1 is CTA
+  // linear - gridDim.y of the same batch entry, started before this one, and
+  // it waits only on CTAs before itself.
+  const bool ordered = !kKeyGroups && p.dq_turns != nullptr;
+  const QueryRange before = ordered && key_block > 0 ? dense_queries(row0 - kBlockN) : QueryRange{0, 0};
+  const int before_end = before.end > before.first ? static_cast<int>((before.end + kBlockM - 1) / kBlockM) : 0;
 
   extern __shared__ __align__(1024) char smem[];
   auto* k_smem = reinterpret_cast<Element*>(smem);
@@ -187,6 +212,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
   int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
   const float scale = p.scale;
+  // The turn counter of the warp's part of the dQ block of head h, query block blk.
+  const auto turn = [&](int h, int blk) {
+    return p.dq_turns + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::Dq::kWarps + warp;
+  };
+  // Lane 0, before the warp's dQ buffer is written again and at the end, with
+  // (h, blk) the walk's step after the last reduction's (if any): that
+  // reduction has read the buffer; ordered, it is complete and its block's
+  // turn passes to the next key block.
+  const auto finish_reduction = [&](int h, int blk, bool any) {
+    if (!ordered) {
+      tma_store_wait<0>();
+    } else if (any) {
+      bulk_wait_complete();
+      pass_turn(blk == first ? turn(h - 1, first + span - 1) : turn(h, blk - 1), key_block + 1);
+    }
+  };
 
   cp_async_wait<0>();
   fence_async_shared();
@@ -312,7 +353,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     constexpr int kWarpFloats = Config::Dq::kWarpFloats;
     float* dq_warp = dq_smem + warp * kWarpFloats;
     static_assert(decltype(size(acc_dq))::value * 32 == kWarpFloats, "a thread's dQ is words of 4 floats");
-    if (lane == 0) tma_store_wait<0>();  // the previous step's reduction has read the buffer
+    if (lane == 0) finish_reduction(h, blk, t > 0);
     __syncwarp();
 #pragma unroll
     for (int j = 0; j < kWarpFloats / 128; ++j)
@@ -321,6 +362,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     fence_async_shared();
     __syncwarp();
     if (lane == 0) {
+      if (ordered && blk < before_end) wait_turn(turn(h, blk), key_block);
       bulk_reduce_add(p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems + warp * kWarpFloats,
                       dq_warp, kWarpFloats * int(sizeof(float)));
       tma_store_arrive();
@@ -342,7 +384,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     h = h_next, blk = blk_next;
   }
-  if (lane == 0) tma_store_wait<0>();
+  if (lane == 0) finish_reduction(h, blk, total > 0);
 
   // dk = scale * acc_dk, dv = acc_dv by key, the pieces of a key added up first.
   if (kKeyGroups) __syncthreads();  // own_keys, where the walk had no step

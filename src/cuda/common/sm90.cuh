@@ -78,6 +78,28 @@ __device__ __forceinline__ void bulk_reduce_add(float* to, const float* from, in
                : "memory");
 }
 
+// Waits until the calling thread's bulk groups are complete, their writes to
+// global memory performed and visible to it (tma_store_wait waits only until
+// they have read their shared memory).
+__device__ __forceinline__ void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// A turn counter in global memory orders additions of several CTAs into one
+// place (gpu scope). wait_turn: the calling thread spins until the counter
+// reads `value` (acquire), then orders its later bulk operations (async proxy)
+// after that. pass_turn: after bulk_wait_complete, the calling thread's bulk
+// writes, then the counter set to `value` (release).
+__device__ __forceinline__ void wait_turn(const int* turn, int value) {
+  int seen = 0;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
+  } while (seen != value);
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+__device__ __forceinline__ void pass_turn(int* turn, int value) {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(turn), "r"(value) : "memory");
+}
+
 // The driver's cuTensorMapEncodeTiled (looked up once, not linked), or null
 // where the driver has none.
 inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
