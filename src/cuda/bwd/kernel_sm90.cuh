@@ -17,7 +17,9 @@
 // the pieces of a key add up in segment order (KeyPieces), as in
 // backward_kernel; kKeyGroups compiles that walk apart from the dense one (in
 // one kernel both, at 1335552 ptxas spilled 160 bytes instead of 80 and 88,
-// and the dense backward took 10% longer). A step:
+// and the dense backward took 10% longer); kOrdered the ordered dq of the
+// dense walk apart from dq by atomics (in one kernel, the run-time test made
+// the non-deterministic backward 3% slower). A step:
 //   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x kBlockM a warpgroup)
 //   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
 //   dQ   = dS K                      (dS^T through shared memory, 64 queries x
@@ -30,10 +32,11 @@
 //                                     accumulators' layout is the A operand's)
 // and while the dV and dK MMAs run, each warp stores its dQ accumulators to
 // shared memory in register order and one of its threads adds them to dq_acc
-// by one bulk reduction (DqBlocks); deterministic (BackwardParams::dq_turns),
-// after the warp of the key block before has added its part to the block, and
-// the turn passes on once the reduction is complete, at the next step's store
-// (no wait for it in the step). The key-only dbias sums dS^T over
+// by one bulk reduction (DqBlocks); deterministic (kOrdered,
+// BackwardParams::dq_turns), after the warp of the key block before has added
+// its part to the block: the turn is read, and the last step's passed on once
+// its reduction is complete, while the next step's S / dP MMAs run. The
+// key-only dbias sums dS^T over
 // the queries of a bias head in registers, in the walk's order: bitwise
 // reproducible, as dk and dv. (Keeping dQ's accumulators across the next
 // step's S / dP MMAs instead makes ptxas serialize the warpgroup MMAs for want
@@ -61,13 +64,14 @@
 
 namespace dmattn::cuda {
 
-template <class Config, bool kKeyGroups>
+template <class Config, bool kKeyGroups, bool kOrdered>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     dkv_kernel_sm90(const __grid_constant__ BackwardParams p, const __grid_constant__ DkvSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
   using Element = typename Config::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  static_assert(!(kKeyGroups && kOrdered), "ordered dq on the dense walk");
   constexpr int kBlockN = Config::kBlockN, kBlockM = Config::kBlockM, kHeadDim = Config::kHeadDim;
 
   // Grid as backward_kernel's dk/dv walk: heads fastest, the longest key blocks
@@ -104,7 +108,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;
   const int q_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
-  // Ordered dq (BackwardParams::dq_turns; the dense walk, deterministic): warp
+  // Ordered dq (kOrdered, BackwardParams::dq_turns; the dense walk): warp
   // w adds its part of a step's dQ block after warp w of key block
   // key_block - 1 of this (b, kv head) has added its part, where that key
   // block's walk has this query block too. Both ends of a key block's query
@@ -118,8 +122,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // deterministic backward also assumes): key block key_block - 1 is CTA
   // linear - gridDim.y of the same batch entry, started before this one, and
   // it waits only on CTAs before itself.
-  const bool ordered = !kKeyGroups && p.dq_turns != nullptr;
-  const QueryRange before = ordered && key_block > 0 ? dense_queries(row0 - kBlockN) : QueryRange{0, 0};
+  const QueryRange before = kOrdered && key_block > 0 ? dense_queries(row0 - kBlockN) : QueryRange{0, 0};
   const int before_end = before.end > before.first ? static_cast<int>((before.end + kBlockM - 1) / kBlockM) : 0;
 
   extern __shared__ __align__(1024) char smem[];
@@ -216,18 +219,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const auto turn = [&](int h, int blk) {
     return p.dq_turns + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::Dq::kWarps + warp;
   };
-  // Lane 0, before the warp's dQ buffer is written again and at the end, with
-  // (h, blk) the walk's step after the last reduction's (if any): that
-  // reduction has read the buffer; ordered, it is complete and its block's
-  // turn passes to the next key block.
-  const auto finish_reduction = [&](int h, int blk, bool any) {
-    if (!ordered) {
-      tma_store_wait<0>();
-    } else if (any) {
-      bulk_wait_complete();
-      pass_turn(blk == first ? turn(h - 1, first + span - 1) : turn(h, blk - 1), key_block + 1);
-    }
+  // Ordered, lane 0 at step (h, blk) or after the walk: the last step's
+  // reduction complete, its block's turn passes to the next key block.
+  const auto pass_last = [&](int h, int blk) {
+    bulk_wait_complete();
+    pass_turn(blk == first ? turn(h - 1, first + span - 1) : turn(h, blk - 1), key_block + 1);
   };
+  bool my_turn = true;  // ordered, lane 0: the step's turn was read before its reduction
 
   cp_async_wait<0>();
   fence_async_shared();
@@ -266,6 +264,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     Tensor tSrDo = thr_sdp.partition_fragment_B(rows_tile(do_smem, buf));
     wgmma_batch<true>(mma_sdp, tSrK, tSrQ, acc_s);
     wgmma_batch<true>(mma_sdp, tSrV, tSrDo, acc_dp);
+    // Ordered: while the MMAs run, the last step's turn passes on and this
+    // step's is read (no wait on either in the step where it is ready).
+    if (kOrdered && lane == 0) {
+      if (t > 0) pass_last(h, blk);
+      my_turn = blk >= before_end || read_turn(turn(h, blk)) == key_block;
+    }
     warpgroup_wait<0>();
 
     // A tile wholly inside the sequences, the causal band and the window tests
@@ -353,7 +357,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     constexpr int kWarpFloats = Config::Dq::kWarpFloats;
     float* dq_warp = dq_smem + warp * kWarpFloats;
     static_assert(decltype(size(acc_dq))::value * 32 == kWarpFloats, "a thread's dQ is words of 4 floats");
-    if (lane == 0) finish_reduction(h, blk, t > 0);
+    if (lane == 0) tma_store_wait<0>();  // the previous step's reduction has read the buffer
     __syncwarp();
 #pragma unroll
     for (int j = 0; j < kWarpFloats / 128; ++j)
@@ -362,7 +366,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     fence_async_shared();
     __syncwarp();
     if (lane == 0) {
-      if (ordered && blk < before_end) wait_turn(turn(h, blk), key_block);
+      if constexpr (kOrdered) {
+        if (!my_turn) wait_turn(turn(h, blk), key_block);
+        fence_async_global();
+      }
       bulk_reduce_add(p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems + warp * kWarpFloats,
                       dq_warp, kWarpFloats * int(sizeof(float)));
       tma_store_arrive();
@@ -384,7 +391,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     h = h_next, blk = blk_next;
   }
-  if (lane == 0) finish_reduction(h, blk, total > 0);
+  if (lane == 0) tma_store_wait<0>();
+  if (kOrdered && lane == 0 && total > 0) pass_last(h, blk);
 
   // dk = scale * acc_dk, dv = acc_dv by key, the pieces of a key added up first.
   if (kKeyGroups) __syncthreads();  // own_keys, where the walk had no step

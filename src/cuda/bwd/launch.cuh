@@ -58,8 +58,9 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
                           : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, false>>(p, grid, stream);
   if constexpr (sm90_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
-    auto kernel =
-        plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, true> : dkv_kernel_sm90<Config, false>;
+    auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, true, false>
+                  : plan.ordered_dq                   ? dkv_kernel_sm90<Config, false, true>
+                                                      : dkv_kernel_sm90<Config, false, false>;
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
     if (err != cudaSuccess) return err;
     kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, maps);

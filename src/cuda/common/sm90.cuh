@@ -83,20 +83,26 @@ __device__ __forceinline__ void bulk_reduce_add(float* to, const float* from, in
 // they have read their shared memory).
 __device__ __forceinline__ void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+// Generic-proxy accesses of global memory ordered with the async proxy's
+// (bulk copies and reductions) that follow, and the other way round.
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+
 // A turn counter in global memory orders additions of several CTAs into one
-// place (gpu scope). wait_turn: the calling thread spins until the counter
-// reads `value` (acquire), then orders its later bulk operations (async proxy)
-// after that. pass_turn: after bulk_wait_complete, the calling thread's bulk
+// place (gpu scope). read_turn: the counter (acquire); wait_turn: spins until
+// it reads `value`. The caller then issues fence_async_global before its bulk
+// additions. pass_turn: after bulk_wait_complete, the calling thread's bulk
 // writes, then the counter set to `value` (release).
-__device__ __forceinline__ void wait_turn(const int* turn, int value) {
+__device__ __forceinline__ int read_turn(const int* turn) {
   int seen = 0;
-  do {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
-  } while (seen != value);
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
+  return seen;
+}
+__device__ __forceinline__ void wait_turn(const int* turn, int value) {
+  while (read_turn(turn) != value) {
+  }
 }
 __device__ __forceinline__ void pass_turn(int* turn, int value) {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  fence_async_global();
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(turn), "r"(value) : "memory");
 }
 
