@@ -9,12 +9,16 @@
 //                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
 //                  sm80 kSm80         everything else (128 rows a CTA; 64 above D = 128)
 //                  split-KV           grids that leave SMs idle (choose_splits), sm80 kernels only
-//   backward dq    sm80 kernel        always; with dq by atomics (deterministic = false, D % 64 == 0)
-//                                     it only recomputes the row statistics that need it
-//   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D' = 64 or 128 compiled (D <= D'), dq by atomics,
+//   backward dq    sm80 kernel        always; with dq summed by the dk/dv kernel (by atomics:
+//                                     deterministic = false, D % 64 == 0; ordered: the Hopper dense
+//                                     walk) it only recomputes the row statistics that need it
+//   backward dk/dv Hopper kSm90(Groups)  sm_90a device, D' = 64 or 128 compiled (D <= D'), query rows,
 //                                     no top-k or top-k intervals (their key groups; a mask without
 //                                     top-k: packed by key with its tile classes), softcap without either,
-//                                     batched or varlen, no bias or a key-only one, TMA-addressable q, dout
+//                                     batched or varlen, no bias or a key-only one, TMA-addressable q, dout;
+//                                     dq by atomics, deterministic by ordered additions (the dense walk
+//                                     alone: batched, no mask or softcap; CTAs started in order:
+//                                     bwd/kernel_sm90.cuh)
 //                  sm80 kSm80         everything else
 //   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
 //                  intervals (Problem::topk_by_intervals) or per-row thresholds
@@ -281,15 +285,17 @@ bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const Devi
          tma_addressable(p.v, p.key_tokens(p.batch), p.heads / p.group);
 }
 
-// The Hopper dk/dv kernel: D' = 64 or 128 (a smaller D padded), with dq by
-// atomics (its dQ blocks), the dense walk (a mask tested by tile class and
+// The Hopper dk/dv kernel: D' = 64 or 128 (a smaller D padded), dq summed in
+// its dQ blocks (deterministic: in order, the dense walk of a batched call
+// without a mask or softcap), the dense walk (a mask tested by tile class and
 // bit; or softcap) or top-k key groups (a mask folded into them), key-only
 // dbias.
-bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceInfo& device) {
+bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceInfo& device, bool deterministic) {
   const BackwardParams& p = plan.params;
-  const bool walk = plan.selection == DeviceSelection::kNone || plan.selection == DeviceSelection::kIntervals;
-  return device.sm90a && i.dkv_sm90_smem > 0 && p.atomic_dq && walk &&
-         (p.softcap == 0.0f || (plan.selection == DeviceSelection::kNone && p.mask.data == nullptr)) &&
+  const bool dense = plan.selection == DeviceSelection::kNone, plain = dense && p.mask.data == nullptr;
+  const bool walk = deterministic ? plain && p.softcap == 0.0f && p.cu_seqlens_q == nullptr
+                                  : dense || plan.selection == DeviceSelection::kIntervals;
+  return device.sm90a && i.dkv_sm90_smem > 0 && p.seqlen_q > 0 && walk && (p.softcap == 0.0f || plain) &&
          (p.bias_kind() == BiasKind::kNone || p.bias_kind() == BiasKind::kKeyOnly) &&
          (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k &&
          p.vector_v && p.vector_dout && i.dkv_sm90_smem <= device.smem_optin &&
@@ -396,7 +402,8 @@ BackwardPlan plan_backward(const Problem& p) {
                         (params.bias_grad == BiasGrad::kPerKey || !heads_summed);
     if (!direct) plan.dbias_slices = params.contrib_b * params.contrib_h;
   }
-  // dq by float32 atomics from the dk/dv kernel unless deterministic.
+  // dq by float32 atomics from the dk/dv kernel unless deterministic (then by
+  // ordered additions where the Hopper dk/dv kernel runs, below).
   params.atomic_dq = !p.deterministic && backward_atomic_dq(instance.head_dim) && p.seqlen_q > 0;
 
   plan_selection(p, plan);
@@ -408,8 +415,11 @@ BackwardPlan plan_backward(const Problem& p) {
   // head a kv head.
   plan.sort_groups = params.bias_grad == BiasGrad::kNone || params.bias_grad == BiasGrad::kPerKey;
   plan.split_groups = params.bias_grad == BiasGrad::kNone || params.bias_group % params.group == 0;
-  if (dkv_sm90_applies(plan, instance, device))
+  if (dkv_sm90_applies(plan, instance, device, p.deterministic)) {
     plan.dkv = plan.selection == DeviceSelection::kIntervals ? DkvKernel::kSm90Groups : DkvKernel::kSm90;
+    plan.ordered_dq = p.deterministic;
+    params.atomic_dq = true;
+  }
   params.dq_blocks = plan.dkv != DkvKernel::kSm80;
   plan.run = instance.backward[dtype];
   return plan;

@@ -214,11 +214,13 @@ struct BackwardParams : KeyListParams {
   float* scratch = nullptr;
   int contrib_b = 1, contrib_h = 1;
 
-  // dq by atomics (Problem::deterministic false; head dims that are multiples of
-  // 64): the dk/dv kernel adds each step's dQ = dS^T K into float32 dq_acc of
-  // (b, h, local row, kHeadDim) at ((b * heads + h) * seqlen_q + i) * kHeadDim,
-  // the dq kernel only recomputes the row statistics that need it, and finish_dq
-  // writes dq = scale * dq_acc. The dispatch sets atomic_dq where it applies.
+  // dq summed by the dk/dv kernel (atomic_dq; head dims that are multiples of
+  // 64): it adds each step's dQ = dS^T K into float32 dq_acc of (b, h, local
+  // row, kHeadDim) at ((b * heads + h) * seqlen_q + i) * kHeadDim, the dq
+  // kernel only recomputes the row statistics that need it, and finish_dq
+  // writes dq = scale * dq_acc. The dispatch sets atomic_dq where it applies:
+  // by atomics in any order (Problem::deterministic false), or in order on the
+  // Hopper dense walk (dq_turns).
   // dq_blocks: dq_acc holds the Hopper dk/dv kernel's blocks instead
   // (bwd/config.cuh DqBlocks): the plan's Hopper dk/dv kernel.
   bool atomic_dq = false, dq_blocks = false;
@@ -226,6 +228,12 @@ struct BackwardParams : KeyListParams {
   // With dq_acc: 1 once row_stats finds a row whose statistics the dq kernel
   // recomputes; while 0 the dq kernel and its key lists' pre-passes do nothing.
   int* huge_rows = nullptr;
+  // Ordered dq (deterministic, Hopper dense walk): the turn counter of warp w's
+  // part of dq_acc block (b, h, query block) at (its block index) * 8 + w,
+  // zeroed; key block n's warp adds its part once the counter reads n where
+  // key block n - 1 adds to the block too, and sets it to n + 1
+  // (bwd/kernel_sm90.cuh).
+  int* dq_turns = nullptr;
 };
 
 }  // namespace dmattn::cuda

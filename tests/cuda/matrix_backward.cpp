@@ -201,6 +201,46 @@ std::vector<Case> deterministic_pairs(Make&& make) {
   return cases;
 }
 
+// Deterministic dq on the Hopper dk/dv kernel's dense walk (ordered
+// additions, D = 64 and 128): several key blocks a query block (not causal,
+// long rows), causal with Sq < Sk and Sq > Sk, windows, GQA and MQA, a
+// key-only bias and its gradient (per kv head, per query head, shared by all
+// heads through slices), odd lengths, one query row over many key blocks.
+template <class Make>
+std::vector<Case> ordered_dq_cases(Make&& make) {
+  std::vector<Case> cases;
+  for (std::int64_t d : {128, 64}) {
+    const auto ordered = [&](const std::string& what, std::int64_t sq, std::int64_t sk, std::int64_t h, std::int64_t hk) {
+      Case c = make("ordered dq " + what, sq, sk, h, hk);
+      c.D = d;
+      c.options.deterministic = true;
+      return c;
+    };
+    Case a = ordered("key bias", 333, 700, 8, 2);
+    a.B = 2, a.bias_shape = {a.B, a.Hk, 1, a.Sk};
+    cases.push_back(a);
+    Case b = ordered("causal bias of one head", 700, 1000, 8, 1);
+    b.options.causal = true, b.bias_shape = {1, 1, 1, b.Sk};
+    cases.push_back(b);
+    Case c = ordered("causal Sq > Sk head bias", 1000, 650, 4, 2);
+    c.options.causal = true, c.bias_shape = {c.B, c.H, 1, c.Sk};
+    cases.push_back(c);
+    Case w = ordered("window (100,0)", 900, 900, 8, 2);
+    w.options.causal = true, w.options.sliding_window = {100, 0}, w.bias_shape = {1, w.Hk, 1, w.Sk};
+    cases.push_back(w);
+    Case w2 = ordered("window (64,200)", 1000, 500, 4, 4);
+    w2.options.sliding_window = {64, 200};
+    cases.push_back(w2);
+    Case odd = ordered("odd sizes", 65, 63, 8, 2);
+    odd.options.causal = true, odd.bias_shape = {odd.B, odd.Hk, 1, odd.Sk};
+    cases.push_back(odd);
+    Case row = ordered("one row", 1, 1000, 4, 2);
+    row.bias_shape = {row.B, row.Hk, 1, row.Sk};
+    cases.push_back(row);
+  }
+  return cases;
+}
+
 // Backward case `form` of the bias broadcast forms (2 x 8/2 heads, 65 x 127):
 // bias of shape s, float32 every third, sliced or permuted, causal every other.
 template <class Make>
@@ -371,6 +411,18 @@ std::vector<Case> backward_matrix(bool small) {
     det.options.deterministic = true;
     det.name += " deterministic";
     cases.push_back(det);
+    for (std::int64_t d : {128, 64}) {  // ordered dq on the Hopper dk/dv kernel: 3 key blocks a query block
+      Case o = make("small ordered dq key bias", 100, 300, 4, 2);
+      o.D = d;
+      o.options.deterministic = true;
+      o.bias_shape = {o.B, o.Hk, 1, o.Sk};
+      cases.push_back(finish(o));
+      Case ow = hk;
+      ow.D = d;
+      ow.options.deterministic = true;
+      ow.name = "bwd small ordered dq key bias window";
+      cases.push_back(finish(ow));
+    }
     for (Case& c : wide_head_cases(make, true)) cases.push_back(finish(c));
     add_head_dim_64(cases);
     hk.D = 64;  // the Hopper dk/dv kernel at D = 64 (its 128-query steps)
@@ -534,6 +586,7 @@ std::vector<Case> backward_matrix(bool small) {
   for (Case& c : bias_magnitude_sweep("bwd ")) cases.push_back(c);
   for (Case& c : topk_backward_cases(make)) cases.push_back(finish(c));
   for (Case& c : deterministic_pairs(make)) cases.push_back(finish(c));
+  for (Case& c : ordered_dq_cases(make)) cases.push_back(finish(c));
   for (Case& c : wide_head_cases(make, false)) cases.push_back(finish(c));
   add_head_dim_64(cases);
   for (std::int64_t d : {128, 64})

@@ -158,6 +158,7 @@ using BackwardKernelConfig = BackwardConfig<Element, kHeadDim, kKeyRows, backwar
 // first + 16 (w % 4) + l / 4 and c = its feature group's first + 8 j + 2 (l % 4).
 template <int kFeatures>
 struct DqBlocks {
+  static constexpr int kWarps = 8;  // the kernel's
   static constexpr int kRows = dkv_sm90_block_m(kFeatures);
   static constexpr int kRowGroups = kRows / 64, kColGroups = 2 / kRowGroups;
   static constexpr int kGroupCols = kFeatures / kColGroups;
@@ -178,9 +179,9 @@ struct DkvSm90Config {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kDkvSm90BlockN;              // keys a CTA, 64 a warpgroup
   static constexpr int kBlockM = dkv_sm90_block_m(kHeadDim);  // queries a step
-  static constexpr int kThreads = 256;
   static_assert(sm90_head_dim(kHeadDim), "a head dim of the Hopper kernels");
   using Dq = DqBlocks<kHeadDim>;
+  static constexpr int kThreads = 32 * Dq::kWarps;
 
   // K-major 128-byte swizzled tiles (rows of 64 elements), as wgmma reads them;
   // the transposed views (feature or key, row) are the MN-major operands.

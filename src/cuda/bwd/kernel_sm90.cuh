@@ -1,10 +1,11 @@
 // The Hopper dk/dv kernel (sm_90a): warpgroup MMAs (wgmma) for the dense walk
 // of the common training case and the top-k key groups (intervals), dq by
-// bulk reductions, batched or varlen. The dispatch plans it where it applies
-// (dispatch.cu dkv_sm90_applies: an sm_90a device, TMA can address Q and dO);
-// everything else (top-k thresholds, softcap with a mask or top-k,
-// deterministic dq, head dims above 128, dbias other than key-only) runs
-// backward_kernel<.., true> (bwd/kernel_sm80.cuh).
+// bulk reductions (deterministic: in key-block order, on the dense walk),
+// batched or varlen. The dispatch plans it where it applies (dispatch.cu
+// dkv_sm90_applies: an sm_90a device, TMA can address Q and dO); everything
+// else (top-k thresholds, softcap with a mask or top-k, deterministic dq over
+// key groups, masks or varlen, head dims above 128, dbias other than
+// key-only) runs backward_kernel<.., true> (bwd/kernel_sm80.cuh).
 //
 // Varlen: K and V rows, the key-only bias, dk and dv from the sequence's
 // first key; Q and dO by TMA over the packed rows (TokenExtent), a step's
@@ -30,7 +31,7 @@
 // and the dense walk in one kernel spilled 160 bytes instead of 80 and 88 at
 // 1335552 and the dense backward took 10% longer; softcap as a branch of the
 // dense walk doubled its code and spills at D = 64; the mask's tests cost the
-// walk without one 5-7%. A step:
+// walk without one 5-7%, ordered dq's run-time test 3%. A step:
 //   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x kBlockM a warpgroup)
 //   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
 //                                    (softcap: its tanh, and its factor in dS^T)
@@ -44,7 +45,11 @@
 //                                     accumulators' layout is the A operand's)
 // and while the dV and dK MMAs run, each warp stores its dQ accumulators to
 // shared memory in register order and one of its threads adds them to dq_acc
-// by one bulk reduction (DqBlocks). The key-only dbias sums dS^T over
+// by one bulk reduction (DqBlocks); deterministic (kOrdered,
+// BackwardParams::dq_turns), after the warp of the key block before has added
+// its part to the block: the turn is read, and the last step's passed on once
+// its reduction is complete, while the next step's S / dP MMAs run. The
+// key-only dbias sums dS^T over
 // the queries of a bias head in registers, in the walk's order: bitwise
 // reproducible, as dk and dv. (Keeping dQ's accumulators across the next
 // step's S / dP MMAs instead makes ptxas serialize the warpgroup MMAs for want
@@ -72,16 +77,17 @@
 
 namespace dmattn::cuda {
 
-// The dk/dv kernel's walks, one instantiation each: dense, dense with
-// softcap, dense with the user's mask (a mask with top-k intervals is folded
-// into the key groups), top-k key groups.
-enum class DkvWalk { kDense, kSoftcap, kMasked, kKeyGroups };
+// The dk/dv kernel's walks, one instantiation each: dense (dq by atomics),
+// dense with dq added in key-block order (deterministic), dense with softcap,
+// dense with the user's mask (a mask with top-k intervals is folded into the
+// key groups), top-k key groups.
+enum class DkvWalk { kDense, kOrdered, kSoftcap, kMasked, kKeyGroups };
 
 template <class Config, DkvWalk kWalk>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     dkv_kernel_sm90(const __grid_constant__ BackwardParams p, const __grid_constant__ DkvSm90Maps maps) {
   constexpr bool kKeyGroups = kWalk == DkvWalk::kKeyGroups, kMasked = kWalk == DkvWalk::kMasked;
-  constexpr bool kSoftcap = kWalk == DkvWalk::kSoftcap;
+  constexpr bool kSoftcap = kWalk == DkvWalk::kSoftcap, kOrdered = kWalk == DkvWalk::kOrdered;
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
   using Element = typename Config::Element;
@@ -104,13 +110,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     return;
   }
   const bool pieces = kKeyGroups && p.key_segments > 1;
+  // The queries of the dense walk of the key block from key k0.
+  const auto dense_queries = [&](std::int64_t k0) {
+    return queries_of_keys(p.band, offset, sq, k0, min(k0 + kBlockN, sk) - 1);
+  };
   // The queries [q_lo, q_hi) of the walk.
   std::int64_t q_lo, q_hi;
   if constexpr (kKeyGroups) {
     const KeyRows rows = p.group_rows[kv_slice * p.key_groups + key_block];
     q_lo = rows.start, q_hi = rows.end;
   } else {
-    const QueryRange range = queries_of_keys(p.band, offset, sq, row0, min(row0 + kBlockN, sk) - 1);
+    const QueryRange range = dense_queries(row0);
     q_lo = range.first, q_hi = range.end;
   }
   // Steps: query blocks [first, first + span) of each head of the group in turn.
@@ -149,6 +159,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
   };
   const int q_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
+  // Ordered dq (kOrdered, BackwardParams::dq_turns; the dense walk): warp
+  // w adds its part of a step's dQ block after warp w of key block
+  // key_block - 1 of this (b, kv head) has added its part, where that key
+  // block's walk has this query block too. Both ends of a key block's query
+  // range grow with its keys, so a query block's key blocks are consecutive
+  // (that one is the one before in the block's order of additions) and the
+  // walk of key_block - 1 has the query blocks from at most `first` to
+  // before_end (its walk's end, computed as that walk computes it; 0: none):
+  // every element of dq_acc adds its key blocks' values in key order, bitwise
+  // reproducible. The wait cannot deadlock as long as CTAs start in the order
+  // of their linear index (what the hardware does, as FlashAttention 3's
+  // deterministic backward also assumes): key block key_block - 1 is CTA
+  // linear - gridDim.y of the same batch entry, started before this one, and
+  // it waits only on CTAs before itself.
+  const QueryRange before = kOrdered && key_block > 0 ? dense_queries(row0 - kBlockN) : QueryRange{0, 0};
+  const int before_end = before.end > before.first ? static_cast<int>((before.end + kBlockM - 1) / kBlockM) : 0;
 
   extern __shared__ __align__(1024) char smem[];
   auto* k_smem = reinterpret_cast<Element*>(smem);
@@ -242,6 +268,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
   int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
   const float scale = p.scale, softcap = p.softcap, inv_softcap = kSoftcap ? 1.0f / softcap : 0.0f;
+  // The turn counter of the warp's part of the dQ block of head h, query block blk.
+  const auto turn = [&](int h, int blk) {
+    return p.dq_turns + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::Dq::kWarps + warp;
+  };
+  // Ordered, lane 0 at step s or after the walk (s = total): the last step's
+  // reduction complete, its block's turn passes to the next key block (the
+  // ordered walk skips no step: step s - 1 is the last).
+  const auto pass_last = [&](int s) {
+    bulk_wait_complete();
+    pass_turn(turn(h_first + (s - 1) / span, first + (s - 1) % span), key_block + 1);
+  };
+  bool my_turn = true;  // ordered, lane 0: the step's turn was read before its reduction
 
   cp_async_wait<0>();
   fence_async_shared();
@@ -291,10 +329,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     Tensor tSrDo = thr_sdp.partition_fragment_B(rows_tile(do_smem, buf));
     wgmma_batch<true>(mma_sdp, tSrK, tSrQ, acc_s);
     wgmma_batch<true>(mma_sdp, tSrV, tSrDo, acc_dp);
-    // While they run: the next step.
+    // While they run: the next step; ordered, the last step's turn passes on
+    // and this step's is read (no wait on either in the step where it is ready).
     const Step next = next_step(cur.s);
     const bool more = next.s < total;
     const int h_next = h_first + next.s / span, blk_next = first + next.s % span;
+    if (kOrdered && lane == 0) {
+      if (t > 0) pass_last(cur.s);
+      my_turn = blk >= before_end || read_turn(turn(h, blk)) == key_block;
+    }
     warpgroup_wait<0>();
 
     // A tile wholly inside the sequences, the causal band and the window tests
@@ -398,6 +441,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     fence_async_shared();
     __syncwarp();
     if (lane == 0) {
+      if constexpr (kOrdered) {
+        if (!my_turn) wait_turn(turn(h, blk), key_block);
+        fence_async_global();
+      }
       bulk_reduce_add(p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems + warp * kWarpFloats,
                       dq_warp, kWarpFloats * int(sizeof(float)));
       tma_store_arrive();
@@ -420,6 +467,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     cur = next;
   }
   if (lane == 0) tma_store_wait<0>();
+  if (kOrdered && lane == 0 && total > 0) pass_last(total);
 
   // dk = scale * acc_dk, dv = acc_dv by key, the pieces of a key added up first.
   if (kKeyGroups) __syncthreads();  // own_keys, where the walk had no step

@@ -61,6 +61,7 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
     using Config = DkvSm90Config<Element, kHeadDim>;
     auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, DkvWalk::kKeyGroups>
                   : plan.mask_tiles                   ? dkv_kernel_sm90<Config, DkvWalk::kMasked>
+                  : plan.ordered_dq                   ? dkv_kernel_sm90<Config, DkvWalk::kOrdered>
                   : p.softcap > 0.0f                  ? dkv_kernel_sm90<Config, DkvWalk::kSoftcap>
                                                       : dkv_kernel_sm90<Config, DkvWalk::kDense>;
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
@@ -87,12 +88,16 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
 
   std::uint8_t* dkv_tiles = nullptr;
   cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&p.query_stats), static_cast<std::size_t>(4 * rows + 1) * 4, stream);
-  // dq_acc: room for either layout (finish_dq), rows of (b, h) padded to DqBlocks' rows.
+  // dq_acc: room for either layout (finish_dq), rows of (b, h) padded to DqBlocks' rows;
+  // ordered, the turn counters of its blocks' warp parts behind it (zeroed with it).
   constexpr std::int64_t kDqRows = DqBlocks<kHeadDim>::kRows;
-  const std::int64_t dq_elements = std::int64_t{batch} * p.heads * ((p.seqlen_q + kDqRows - 1) / kDqRows * kDqRows) * kHeadDim;
+  const std::int64_t dq_blocks = std::int64_t{batch} * p.heads * ((p.seqlen_q + kDqRows - 1) / kDqRows);
+  const std::int64_t dq_elements = dq_blocks * kDqRows * kHeadDim;
+  const std::int64_t dq_words = dq_elements + (plan.ordered_dq ? dq_blocks * (DqBlocks<kHeadDim>::kWarps) : 0);
   if (err == cudaSuccess && p.atomic_dq) {
-    err = cudaMallocAsync(reinterpret_cast<void**>(&p.dq_acc), static_cast<std::size_t>(dq_elements) * 4, stream);
-    if (err == cudaSuccess) err = cudaMemsetAsync(p.dq_acc, 0, static_cast<std::size_t>(dq_elements) * 4, stream);
+    err = cudaMallocAsync(reinterpret_cast<void**>(&p.dq_acc), static_cast<std::size_t>(dq_words) * 4, stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(p.dq_acc, 0, static_cast<std::size_t>(dq_words) * 4, stream);
+    if (plan.ordered_dq) p.dq_turns = reinterpret_cast<int*>(p.dq_acc + dq_elements);
     p.huge_rows = reinterpret_cast<int*>(p.query_stats + 4 * rows);
     if (err == cudaSuccess) err = cudaMemsetAsync(p.huge_rows, 0, 4, stream);
   }

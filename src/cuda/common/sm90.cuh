@@ -79,6 +79,34 @@ __device__ __forceinline__ void bulk_reduce_add(float* to, const float* from, in
                : "memory");
 }
 
+// Waits until the calling thread's bulk groups are complete, their writes to
+// global memory performed and visible to it (tma_store_wait waits only until
+// they have read their shared memory).
+__device__ __forceinline__ void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Generic-proxy accesses of global memory ordered with the async proxy's
+// (bulk copies and reductions) that follow, and the other way round.
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+
+// A turn counter in global memory orders additions of several CTAs into one
+// place (gpu scope). read_turn: the counter (acquire); wait_turn: spins until
+// it reads `value`. The caller then issues fence_async_global before its bulk
+// additions. pass_turn: after bulk_wait_complete, the calling thread's bulk
+// writes, then the counter set to `value` (release).
+__device__ __forceinline__ int read_turn(const int* turn) {
+  int seen = 0;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
+  return seen;
+}
+__device__ __forceinline__ void wait_turn(const int* turn, int value) {
+  while (read_turn(turn) != value) {
+  }
+}
+__device__ __forceinline__ void pass_turn(int* turn, int value) {
+  fence_async_global();
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(turn), "r"(value) : "memory");
+}
+
 // The driver's cuTensorMapEncodeTiled (looked up once, not linked), or null
 // where the driver has none.
 inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
