@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const BiasGradOut<Element> db_out(p, b, kvh, seq);
   float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
   int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
-  const float scale = p.scale, softcap = p.softcap, inv_softcap = kSoftcap ? 1.0f / softcap : 0.0f;
+  const float scale = p.scale, softcap = p.softcap, inner = kSoftcap ? scale / softcap : 0.0f;
   // The turn counter of the warp's part of the dQ block of head h, query block blk.
   const auto turn = [&](int h, int blk) {
     return p.dq_turns + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::Dq::kWarps + warp;
@@ -366,9 +366,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < kAccS; ++e) {
         const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
-        float x = acc_s(e) * scale, tanh_x = 0.0f;
-        if constexpr (kSoftcap) tanh_x = tanh_ex2(x * inv_softcap), x = softcap * tanh_x;
-        x += key_bias[half];
+        // The logit rounded as the forward kernels round it (one FFMA; softcap:
+        // tanh of s times scale / softcap), so that P is exactly 1 where a
+        // row's max is its one key (a top-k window of 1).
+        float x, tanh_x = 0.0f;
+        if constexpr (kSoftcap) {
+          tanh_x = tanh_ex2(acc_s(e) * inner);
+          x = softcap * tanh_x + key_bias[half];
+        } else {
+          x = acc_s(e) * scale + key_bias[half];
+        }
         if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
                                    : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
                                          (partial && ((key_bits[half][e / 16] >> (qi % 32)) & 1) == 0)))
