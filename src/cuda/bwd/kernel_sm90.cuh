@@ -86,9 +86,9 @@ enum class DkvWalk { kDense, kOrdered, kSoftcap, kMasked, kKeyGroups };
 template <class Config, DkvWalk kWalk>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     dkv_kernel_sm90(const __grid_constant__ BackwardParams p, const __grid_constant__ DkvSm90Maps maps) {
+#if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   constexpr bool kKeyGroups = kWalk == DkvWalk::kKeyGroups, kMasked = kWalk == DkvWalk::kMasked;
   constexpr bool kSoftcap = kWalk == DkvWalk::kSoftcap, kOrdered = kWalk == DkvWalk::kOrdered;
-#if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
   using Element = typename Config::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
