@@ -29,9 +29,9 @@ constexpr int forward_block_n(int head_dim, int block_m) {
 constexpr int forward_stages(int block_m) { return block_m == kForwardDecodeRows ? 4 : 2; }
 
 // ---- Hopper kernels (sm_90a: wgmma, TMA): their head dims ----
-// The dense training shapes at D = 64 and 128, the head dim exactly (TMA boxes
-// and 128-byte swizzle atoms of 64 features; a padded head dim runs the sm80
-// kernels).
+// The instantiations at D' = 64 and 128 (TMA boxes and 128-byte swizzle atoms
+// of 64 features); a smaller head dim runs on them padded, TMA filling the
+// features past it with zeros.
 constexpr bool sm90_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 // ---- Forward, Hopper kernel ----
