@@ -128,10 +128,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;
   // The mask (dense walk): step s = (head h_first + s / span, query block
-  // first + s % span) is walked unless its tile is empty.
-  const std::int64_t mask_b = kMasked && p.mask.sb != 0 ? b : 0;
-  const std::uint8_t* classes = kMasked ? p.dkv_tiles.data + mask_b * p.dkv_tiles.sb + key_block : nullptr;
-  const std::uint32_t* mask_words = kMasked ? p.dkv_packed.words + mask_b * p.dkv_packed.sb : nullptr;
+  // first + s % span) is walked unless its tile is empty (the batch strides
+  // are 0 where the mask broadcasts over batches).
+  const std::uint8_t* classes = kMasked ? p.dkv_tiles.data + b * p.dkv_tiles.sb + key_block : nullptr;
+  const std::uint32_t* mask_words = kMasked ? p.dkv_packed.words + b * p.dkv_packed.sb : nullptr;
   struct Step {
     int s;
     bool partial;
@@ -292,9 +292,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const int buf = t & 1, hb = static_cast<int>(unsigned(h) / unsigned(p.bias_group));
     const std::int64_t q0 = std::int64_t{blk} * kBlockM;
     // A partial step's mask words: the thread's two keys, queries [q0, q0 + kBlockM).
+    const bool partial = kMasked && cur.partial;
     constexpr int kWords = kBlockM / 32;
     std::uint32_t key_bits[2][kWords];
-    if (kMasked && cur.partial) {
+    if (partial) {
       const std::uint32_t* words = mask_words + (h / p.mask_group) * p.dkv_packed.sh;
 #pragma unroll
       for (int half = 0; half < 2; ++half)
@@ -360,7 +361,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // mask's bit too on a partial tile (query qi's word: e / 16). kSoftcap:
     // l = softcap tanh(scale s / softcap) + bias, and dS^T carries the factor
     // dl / d(scale s) = 1 - tanh^2 (dbias sums dS^T without it).
-    const bool partial = kMasked && cur.partial;
     auto gradients = [&](auto tested) {
       constexpr bool kTested = decltype(tested)::value;
 #pragma unroll
