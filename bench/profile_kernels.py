@@ -2,10 +2,12 @@
 """Where dmattn's time goes: the GPU kernels of one forward + backward of benchmark cases, by time.
 
 Takes the cases of bench_gpu.py's suites whose name contains any of the given texts, runs dmattn's
-forward + backward on their inputs twice (a warm-up), then once under torch.profiler, and prints per case
+forward + backward (or the forward alone) on their inputs twice (a warm-up), then once under torch.profiler, and prints per case
 the total GPU time and the kernels that take most of it (name, calls, ms, share).
 
-    python3 bench/profile_kernels.py [--top 8] TEXT [TEXT ...]
+    python3 bench/profile_kernels.py [--top 8] [--forward] TEXT [TEXT ...]
+
+--forward profiles the forward alone (no backward, no gradients).
 """
 
 import argparse
@@ -20,11 +22,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("texts", nargs="+")
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--forward", action="store_true", help="the forward alone")
     args = parser.parse_args()
     specs = {s.case: s for suite in SUITES.values() for s in suite if any(t in s.case for t in args.texts)}
     for spec in specs.values():
         case = Case(torch, spec)
-        fn, _ = make_dmattn(torch, case, grad=True)
+        fn, _ = make_dmattn(torch, case, grad=not args.forward)
         fn(), fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
