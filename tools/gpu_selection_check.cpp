@@ -245,7 +245,7 @@ Result compare(const Case& c, const Built& t, cudaStream_t stream) {
 // mask cycling through all their combinations and the rest drawn at random.
 std::vector<Case> matrix(Rng& rng, bool small) {
   const std::vector<std::int64_t> interval_sk =
-      small ? std::vector<std::int64_t>{7, 65, 1000} : std::vector<std::int64_t>{1, 7, 63, 65, 1000, 4095, 65537};
+      small ? std::vector<std::int64_t>{7, 65, 1000} : std::vector<std::int64_t>{1, 7, 63, 65, 1000, 4095, 4096, 4097, 65537};
   const std::vector<std::int64_t> threshold_sk =
       small ? std::vector<std::int64_t>{7, 300} : std::vector<std::int64_t>{1, 7, 63, 65, 1000, 4095};
   const DType dtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <cub/agent/single_pass_scan_operators.cuh>
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
@@ -44,19 +45,22 @@ __device__ std::int64_t key_index(const Chunk& c, std::uint64_t key) {
   return static_cast<std::int64_t>(low - (key & low));
 }
 
-__global__ void interval_keys(Params p, Chunk c, std::uint64_t* keys) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= c.items()) return;
-  const std::int64_t t = i / c.n, j = i % c.n, g = c.g0 + t;
-  const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
+// The sort key of key j (< c.n) of local segment t.
+__device__ std::uint64_t sort_key(const Params& p, const Chunk& c, std::int64_t t, std::int64_t j) {
+  const std::int64_t g = c.g0 + t, b = g / p.heads, h = (g % p.heads) * p.group;
   const Sequence s(p, b);
   std::uint32_t order = c.masked();
   if (j < s.sk &&
       load_mask(p.mask, b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.ks + j) * p.mask.sc))
     order = ~order_key(p.bias, b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.ks + j) * p.bias.sc) & c.masked();
   const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
-  keys[i] = (static_cast<std::uint64_t>(t) << (c.ob + c.kb)) | (std::uint64_t{order} << c.kb) |
-            (low - static_cast<std::uint64_t>(j));
+  return (static_cast<std::uint64_t>(t) << (c.ob + c.kb)) | (std::uint64_t{order} << c.kb) |
+         (low - static_cast<std::uint64_t>(j));
+}
+
+__global__ void interval_keys(Params p, Chunk c, std::uint64_t* keys) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < c.items()) keys[i] = sort_key(p, c, i / c.n, i % c.n);
 }
 
 // Wavelet matrix over each segment's sorted key indices (kb levels; level l
@@ -154,13 +158,11 @@ __global__ void init_tile_states(char* states, std::size_t stride, int tiles) {
   state.InitializeStatus(tiles);
 }
 
-// Key at sorted position r of its head: it has r beaters; rows stop selecting it
-// at the first row that sees the w-th smallest beater index.
-__global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t* keys, KeyRows* out) {
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= c.items()) return;
-  const std::uint64_t key = keys[i];
-  const std::int64_t t = i / c.n, r = i % c.n, j = key_index(c, key), g = c.g0 + t;
+// Key `key` at sorted position r of local segment t: it has r beaters; rows stop
+// selecting it at the first row that sees the w-th smallest beater index.
+__device__ void write_key_rows(const Params& p, const Chunk& c, const Wavelet& wm, std::int64_t t, std::int64_t r,
+                               std::uint64_t key, KeyRows* out) {
+  const std::int64_t j = key_index(c, key), g = c.g0 + t;
   if (j >= p.seqlen_k) return;  // padding of the chunk layout
   KeyRows rows{0, 0};
   if (((key >> c.kb) & c.masked()) != c.masked()) {
@@ -170,6 +172,91 @@ __global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t
     if (start < end) rows = {static_cast<std::int32_t>(start), static_cast<std::int32_t>(end)};
   }
   out[g * p.seqlen_k + j] = rows;
+}
+
+__global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t* keys, KeyRows* out) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < c.items()) write_key_rows(p, c, wm, i / c.n, i % c.n, keys[i], out);
+}
+
+// Heads of at most kFusedKeys keys: one CTA a head (segment) does it all in
+// shared memory, the sort (a block radix sort), the wavelet levels and the
+// queries, in one launch instead of kb + 7; at S <= 4096 those launches cost
+// more than their work. Thread x holds sorted positions kFusedItems x + k
+// (blocked) for the sort and the queries, and positions kFusedThreads k + x
+// (striped: a warp a word) for the levels.
+constexpr int kFusedThreads = 512, kFusedItems = 8, kFusedKeys = kFusedThreads * kFusedItems;
+constexpr int kFusedWords = kFusedKeys / 32, kFusedLevels = 12;  // 2^12 = kFusedKeys
+using FusedSort = cub::BlockRadixSort<std::uint64_t, kFusedThreads, kFusedItems>;
+
+__global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk c, KeyRows* out) {
+  __shared__ union {
+    typename FusedSort::TempStorage sort;
+    std::uint32_t values[kFusedKeys];
+  } storage;
+  __shared__ uint2 levels[kFusedLevels * kFusedWords];
+  __shared__ std::uint32_t word_ones[kFusedWords];
+  c.g0 = blockIdx.x;
+  std::uint64_t keys[kFusedItems];
+  for (int k = 0; k < kFusedItems; ++k) {
+    const int j = kFusedItems * threadIdx.x + k;
+    keys[k] = j < c.n ? sort_key(p, c, 0, j) : std::uint64_t{1} << (c.ob + c.kb);  // past the segment: last
+  }
+  FusedSort(storage.sort).Sort(keys, 0, c.ob + c.kb + 1);
+  __syncthreads();
+  for (int k = 0; k < kFusedItems; ++k) {
+    const int r = kFusedItems * threadIdx.x + k;
+    if (r < c.n) storage.values[r] = static_cast<std::uint32_t>(key_index(c, keys[k]));
+  }
+  const int words = static_cast<int>(c.words()), lane = threadIdx.x % 32;
+  for (int l = 0; l < c.kb; ++l) {
+    __syncthreads();
+    const int shift = c.kb - 1 - l;
+    std::uint32_t v[kFusedItems], word[kFusedItems];
+    for (int k = 0; k < kFusedItems; ++k) {
+      const int pos = kFusedThreads * k + threadIdx.x;
+      if (pos >= c.n) break;  // whole warps: n % 32 == 0
+      v[k] = storage.values[pos];
+      word[k] = __ballot_sync(0xFFFFFFFFu, (v[k] >> shift) & 1u);
+      if (lane == 0) word_ones[pos / 32] = __popc(word[k]);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // ones before each word: one warp scans the words, kFusedWords / 32 a lane
+      constexpr int kPerLane = kFusedWords / 32;
+      std::uint32_t own[kPerLane], sum = 0;
+      for (int e = 0; e < kPerLane; ++e) {
+        const int w = kPerLane * lane + e;
+        own[e] = w < words ? word_ones[w] : 0;
+        sum += own[e];
+      }
+      std::uint32_t before = sum;
+      for (int d = 1; d < 32; d *= 2) {
+        const std::uint32_t up = __shfl_up_sync(0xFFFFFFFFu, before, d);
+        if (lane >= d) before += up;
+      }
+      before -= sum;
+      for (int e = 0; e < kPerLane; ++e) {
+        const int w = kPerLane * lane + e;
+        if (w < words) word_ones[w] = before;
+        before += own[e];
+      }
+    }
+    __syncthreads();
+    const std::int64_t zeros = c.zeros(l);
+    for (int k = 0; k < kFusedItems; ++k) {
+      const int pos = kFusedThreads * k + threadIdx.x;
+      if (pos >= c.n) break;
+      const std::uint32_t ones = word_ones[pos / 32] + __popc(word[k] & ((1u << lane) - 1));
+      if (lane == 0) levels[l * words + pos / 32] = make_uint2(word[k], word_ones[pos / 32]);
+      storage.values[(v[k] >> shift) & 1u ? zeros + ones : pos - ones] = v[k];
+    }
+  }
+  __syncthreads();
+  const Wavelet wm{levels};
+  for (int k = 0; k < kFusedItems; ++k) {
+    const int r = kFusedItems * threadIdx.x + k;
+    if (r < c.n) write_key_rows(p, c, wm, 0, r, keys[k], out);
+  }
 }
 
 }  // namespace
@@ -183,6 +270,12 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
   full.ob = order_width(p.bias.dtype);
   // Segment ids take the top bits of the 64-bit sort key; items are counted in int.
   full.segments = std::min({total, std::int64_t{1} << (64 - full.ob - full.kb), std::int64_t{INT_MAX} / full.n});
+  if (full.n <= kFusedKeys) {
+    full.segments = 1;
+    fused_intervals<<<static_cast<unsigned>(total), kFusedThreads, 0, stream>>>(p, full, out);
+    check_cuda(cudaGetLastError(), "fused interval kernel");
+    return;
+  }
   Chunk last = full;
   last.segments = total % full.segments == 0 ? full.segments : total % full.segments;
   const auto sort_bits = [](const Chunk& c) { return c.ob + c.kb + ceil_log2(c.segments); };
