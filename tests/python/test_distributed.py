@@ -8,6 +8,7 @@ memory cases check the tensor memory Ulysses keeps alive (memory_model.LiveMemor
 against the buffer accounting of its head-chunk pipeline.
 """
 
+import contextlib
 import copy
 import json
 import math
@@ -15,6 +16,7 @@ import os
 import time
 import traceback
 import zlib
+from unittest import mock
 
 import pytest
 import torch
@@ -85,6 +87,11 @@ CASES = {
                                options=dict(causal=True, keep_window_size=5)),
     "ring_topk_bfloat16": dict(mode="ring", kv_heads=2, bias=(B, "Hk"), dtype=torch.bfloat16,
                                options=dict(causal=True, keep_window_size=5)),
+    # The ring's top-k in blocks, as CUDA runs it where a query block would straddle a rank's two chunks.
+    "ring_topk_blocks_ties": dict(mode="ring", kv_heads=2, bias=(B, "Hk", "tied"), blocks=True,
+                                  options=dict(causal=True, keep_window_size=5)),
+    "ring_topk_blocks_mask_heads": dict(mode="ring", kv_heads=2, bias=(1, 1, "tied"), mask="H", blocks=True,
+                                        options=dict(causal=True, keep_window_size=4, deterministic=True)),
 }
 
 # Refusals: mode, (q, k, v) shapes given the local length s, extra arguments, error, message start.
@@ -170,8 +177,9 @@ def _check_case(case, spec, world):
 
     dims = dict(bias=3, mask=3)
     local = {n: shard(t, dims.get(n, 1)).detach().requires_grad_(n in grads) for n, t in whole.items()}
-    out_l, lse_l = _call(sp.attention, local, spec, group=group, mode=mode, head_chunks=_head_chunks(spec, size))
-    (out_l * local["weights"]).sum().backward()
+    with mock.patch.object(sp, "_fuses", return_value=False) if spec.get("blocks") else contextlib.nullcontext():
+        out_l, lse_l = _call(sp.attention, local, spec, group=group, mode=mode, head_chunks=_head_chunks(spec, size))
+        (out_l * local["weights"]).sum().backward()
     low = spec.get("dtype") == torch.bfloat16
     _assert_close(out_l, shard(out), "out", low)
     _assert_close(lse_l, shard(lse, 2), "lse", low)
@@ -249,6 +257,20 @@ def _check_ulysses_selection(world):
         "each chunk's backward takes its forward's selection"
 
 
+def _check_ring_selection(world):
+    """The ring's top-k selects once for the whole sequence and, fused, makes one forward and one backward call
+    over the whole sequence's keys, the backward taking the forward's intervals."""
+    g, L = _generator("ring_selection"), 2 * CHUNK
+    q, k, v, bias = (torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+                     for shape in ((B, L, H, D), (B, L, 2, D), (B, L, 2, D), (B, 2, 1, L)))
+    with OpCalls() as ops:
+        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, mode="ring")
+        out.backward(torch.ones_like(out))
+    assert ops.names() == ["select", "fwd", "bwd"], ops.names()
+    (_, fwd), (_, bwd) = ops.calls[1:]
+    assert fwd[1].shape[1] == world * L and fwd[7].data_ptr() == bwd[8].data_ptr(), "one call over every key"
+
+
 def _check_layouts(world):
     """shard_sequence and gather_sequence are inverse; the ring holds chunks r and 2P-1-r."""
     x = torch.arange(2 * 4 * world * 3).reshape(2, 4 * world, 3)
@@ -312,7 +334,8 @@ def _worker(rank, world, store, results):
     checks += [(case, lambda c=case: _check_doge(c, world)) for case in DOGE]
     checks += [(case, lambda c=case: _check_memory(c, world)) for case in MEMORY]
     checks += [("layouts", lambda: _check_layouts(world)),
-               ("ulysses_selection", lambda: _check_ulysses_selection(world))]
+               ("ulysses_selection", lambda: _check_ulysses_selection(world)),
+               ("ring_selection", lambda: _check_ring_selection(world))]
     for case, check in checks:
         try:
             outcome[case] = check() or "ok"
@@ -343,7 +366,7 @@ def outcomes(request, tmp_path_factory):
     return {case: [r[case] for r in ranks] for case in ranks[0]}
 
 
-@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "layouts", "ulysses_selection"])
+@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "layouts", "ulysses_selection", "ring_selection"])
 def test_case(outcomes, case):
     results = outcomes[case]
     if all(o.startswith("skip: ") for o in results):
