@@ -122,20 +122,29 @@ def gather_sequence(x: Tensor, dim: int = 1, *, group=None, mode: str = "ulysses
     on every rank: the inverse of `shard_sequence`. An all-gather; not differentiable."""
     _check_mode(mode)
     group, rank, size = _process_group(group)
-    return _gather(x, dim, group, size, mode)
+    return _start_gather(x, dim, group, size, mode)()
 
 
-def _gather(x: Tensor, dim: int, group, size: int, mode: str) -> Tensor:
-    """`gather_sequence` over `group` of `size` ranks."""
+def _start_gather(x: Tensor, dim: int, group, size: int, mode: str):
+    """Starts the all-gather of `gather_sequence`; calling the result waits for it (on
+    CUDA: makes the current stream wait) and returns the whole sequence."""
     x = x.detach().contiguous()
     shards = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(shards, x, group=group)
-    pieces: List[Optional[Tensor]] = [None] * _chunks(0, size, mode)[0]
-    for r, shard in enumerate(shards):
-        held = _chunks(r, size, mode)[1]
-        for c, piece in zip(held, shard.chunk(len(held), dim)):
-            pieces[c] = piece
-    return torch.cat(pieces, dim)
+    request = dist.all_gather(shards, x, group=group, async_op=True)
+
+    def finish() -> Tensor:
+        nonlocal request
+        request.wait()
+        request = None  # it holds the received shards
+        pieces: List[Optional[Tensor]] = [None] * _chunks(0, size, mode)[0]
+        for r, shard in enumerate(shards):
+            held = _chunks(r, size, mode)[1]
+            for c, piece in zip(held, shard.chunk(len(held), dim)):
+                pieces[c] = piece
+        shards.clear()
+        return torch.cat(pieces, dim)
+
+    return finish
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -466,36 +475,6 @@ class _Ring:
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for tag, t in enumerate(received)]
         return received, dist.batch_isend_irecv(ops)
 
-    def start_gather(self, tensors: List[Tensor]):
-        """Starts gathering the whole sequence (dim 1) of every rank's zigzag shards of each
-        of `tensors` (B, L, ...) into one tensor in sequence order, each chunk sent straight
-        into its place (a message per tensor, batch row, chunk and peer). Calling the result
-        waits (on CUDA: makes the current stream wait) and returns the whole tensors."""
-        wholes, ops = [], []
-        for i, x in enumerate(tensors):
-            x = x.detach().contiguous()
-            chunk = x.shape[1] // 2
-            whole = x.new_empty(x.shape[0], 2 * self.size * chunk, *x.shape[2:])
-            for j in range(self.size):
-                peer = dist.get_global_rank(self.group, j)
-                for half, c in enumerate(_chunks(j, self.size, "ring")[1]):
-                    mine, place = x[:, half * chunk:(half + 1) * chunk], whole[:, c * chunk:(c + 1) * chunk]
-                    if j == self.rank:
-                        place.copy_(mine)
-                        continue
-                    for b in range(x.shape[0]):
-                        tag = (i * x.shape[0] + b) * 2 + half
-                        ops += [dist.P2POp(dist.isend, mine[b], peer, self.group, tag),
-                                dist.P2POp(dist.irecv, place[b], peer, self.group, tag)]
-            wholes.append(whole)
-        requests = dist.batch_isend_irecv(ops) if ops else []
-
-        def finish() -> List[Tensor]:
-            _wait(requests)
-            return wholes
-
-        return finish
-
     def swap(self, shards: List[Tensor]) -> List[Tensor]:
         """Sends shards[j] (contiguous, one shape) to rank j of the group for every j other than
         this rank, and returns what each rank j sent this one, at index j (shards[rank] there)."""
@@ -660,7 +639,7 @@ _LIST_BLOCK_ROWS = 128  # the largest query block of CUDA's top-k key lists
 def _gather_key_only(mask, bias, ring) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The whole sequence's key-only mask and bias on every rank, all-gathered (one value a
     key and head; the mask as uint8: gloo sends no bool)."""
-    mask_all, bias_all = (None if t is None else _gather(t, 3, ring.group, ring.size, "ring")
+    mask_all, bias_all = (None if t is None else _start_gather(t, 3, ring.group, ring.size, "ring")()
                           for t in (None if mask is None else mask.view(torch.uint8), bias))
     return None if mask_all is None else mask_all.view(torch.bool), bias_all
 
@@ -687,14 +666,13 @@ def _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options):
     mask and bias and the intervals (one value a key and head); the backward gathers k
     and v again."""
     chunk, causal = q.shape[1] // 2, options[2]
-    kv = ring.start_gather([k, v])
+    kv = [_start_gather(t, 1, ring.group, ring.size, "ring") for t in (k, v)]
     selection = _ring_selection(q, k, mask_all, bias_all, ring.size, options)
     block = _Block(slice(None), slice(None), causal, _chunks(ring.rank, ring.size, "ring")[1],
                    list(range(2 * ring.size)))
     intervals = _block_intervals(selection, block, chunk)
     del selection
-    k_all, v_all = kv()
-    del kv
+    k_all, v_all = (gather() for gather in kv)
     out, lse = torch.ops.dmattn.fwd(q, k_all, v_all, mask_all, _shape(mask_all), bias_all, _shape(bias_all), intervals,
                                     *options)
     ctx.save_for_backward(q, k, v, mask_all, bias_all, intervals, out, lse)
@@ -709,7 +687,8 @@ def _fused_backward(ctx, dout):
     q, k, v, mask_all, bias_all, intervals, out, lse = ctx.saved_tensors
     ring, options = ctx.ring, ctx.options
     bias_grad = bias_all is not None and ctx.needs_input_grad[4]
-    k_all, v_all = ring.start_gather([k, v])()
+    kv = [_start_gather(t, 1, ring.group, ring.size, "ring") for t in (k, v)]
+    k_all, v_all = (gather() for gather in kv)
     dq, *grads = torch.ops.dmattn.bwd(dout, q, k_all, v_all, mask_all, _shape(mask_all), bias_all, _shape(bias_all),
                                       intervals, out, lse, *options, bias_grad)
     del k_all, v_all
