@@ -42,9 +42,14 @@ float32 and rounds once, as a float32 sum rounded at the end does
 (`_accumulator_dtype`). A top-k keep window below the sequence length is exact: row i's
 top-w is chosen over every key, so every rank all-gathers the key-only bias and mask
 (one value a key and head) and selects once for the whole sequence (dmattn::select,
-per-key row intervals, O(S) a head), and each block's forward and backward take the
-intervals of its keys restricted to its rows (`_block_intervals`). The ring takes no
-sliding window.
+per-key row intervals, O(S) a head). The blocks then fuse (`_fuses`): every rank
+all-gathers k and v and makes one forward and one backward call of its rows against
+the whole sequence's keys, with the intervals of every key restricted to its rows
+(`_block_intervals`), and the whole-sequence dk, dv and dbias of every rank are summed
+into their owners' shards (`_sum_shards`); no merge, no block dout, and the per-row
+passes of the backend once for the rank's rows. Where they cannot fuse, each block's
+forward and backward take the intervals of its keys restricted to its rows. The ring
+takes no sliding window.
 
 Packed (varlen) sequences are not split across shards: 3-D q is refused.
 """
@@ -624,12 +629,13 @@ def _selects(options, length: int) -> bool:
 
 
 def _fuses(q: Tensor, chunk: int, causal: bool) -> bool:
-    """Whether the ring's top-k blocks fuse into one call (`_fused_forward`). Its rows,
-    zigzag chunks r and 2P-1-r, see every key of the chunks between them from the
-    second chunk's first row on, which under causal masking CUDA's key lists bound only
-    where no query block of their rows (64 or 128 rows) straddles the two chunks: chunk
-    a multiple of 128 (the bound of key_lists.cu, w + rows - 1 listed keys a block, counts
-    one key starting a row)."""
+    """Whether the ring's top-k blocks fuse into one call (`_fused_forward`). The rank's
+    rows, zigzag chunks r and 2P-1-r, newly see up to w selected keys (those of the
+    chunks between them) at the second chunk's first row. Under causal masking CUDA's
+    key lists hold w + rows - 1 keys a query block (key_lists.cu's bound counts one key
+    starting a row) and drop keys past that (dmattn.h), so the call fuses there only
+    where no query block (64 or 128 rows) straddles the two chunks: chunk a multiple of
+    128. Without causal masking every key starts at row 0; the CPU has no such bound."""
     return not causal or q.device.type != "cuda" or chunk % _LIST_BLOCK_ROWS == 0
 
 
