@@ -4,8 +4,8 @@ One spawned world of 2 and one of 3 processes run every case below (a shared Fil
 in a temporary directory, no network port); each rank compares its own shards of the
 output, lse and every gradient with the shards of the single-process dmattn result on
 the whole sequence, and reports each case's outcome to the test of that case. The
-memory cases check the tensor memory Ulysses keeps alive (memory_model.LiveMemory)
-against the buffer accounting of its head-chunk pipeline.
+memory cases check the tensor memory Ulysses and the fused top-k ring keep alive
+(memory_model.LiveMemory) against their buffer accounting.
 """
 
 import contextlib
@@ -240,6 +240,27 @@ def _check_memory(case, world):
     assert expected <= memory.peak <= expected + vectors, (memory.peak / unit, expected / unit, memory.at_peak)
 
 
+def _check_ring_memory(world):
+    """The peak of the tensor memory that the fused top-k ring's forward and backward allocate: during the
+    backward call, out and dq (H u each, u = B L D 8 bytes) and the whole sequence's k, v, dk and dv (P Hk u
+    each); besides them only vectors of one value a row or a key and head: lse and its zero gradient, and the
+    whole sequence's bias, its gradient and the intervals (int32 pairs)."""
+    Hq, Hk, L = 12, 4, 2 * CHUNK
+    g = _generator("memory_ring_topk")
+    q, dout = (torch.randn(B, L, Hq, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, L, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(B, Hk, 1, L, generator=g, dtype=torch.float64)
+    for t in (q, k, v, bias):
+        t.requires_grad_()
+    with LiveMemory() as memory:
+        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, mode="ring")
+        out.backward(dout)
+    P, unit = world, B * L * D * 8
+    expected = (2 * Hq + 4 * P * Hk) * unit
+    vectors = B * Hq * L * 8 * 2 + B * Hk * P * L * (8 + 8 + 8)
+    assert expected <= memory.peak <= expected + vectors, (memory.peak / unit, expected / unit, memory.at_peak)
+
+
 def _check_ulysses_selection(world):
     """Ulysses with a keep window selects each head chunk's top-k once (dmattn::select) and hands that
     selection to the chunk's forward and its backward, which select nothing again."""
@@ -335,7 +356,8 @@ def _worker(rank, world, store, results):
     checks += [(case, lambda c=case: _check_memory(c, world)) for case in MEMORY]
     checks += [("layouts", lambda: _check_layouts(world)),
                ("ulysses_selection", lambda: _check_ulysses_selection(world)),
-               ("ring_selection", lambda: _check_ring_selection(world))]
+               ("ring_selection", lambda: _check_ring_selection(world)),
+               ("memory_ring_topk", lambda: _check_ring_memory(world))]
     for case, check in checks:
         try:
             outcome[case] = check() or "ok"
@@ -366,7 +388,8 @@ def outcomes(request, tmp_path_factory):
     return {case: [r[case] for r in ranks] for case in ranks[0]}
 
 
-@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "layouts", "ulysses_selection", "ring_selection"])
+@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "memory_ring_topk", "layouts", "ulysses_selection",
+                                  "ring_selection"])
 def test_case(outcomes, case):
     results = outcomes[case]
     if all(o.startswith("skip: ") for o in results):
