@@ -4,6 +4,8 @@
     torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py check [--seq 2048] [--head-chunks 8,16]
     torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py time [--seq 131072] [--reps 3] \
         [--topk-reps 10] [--head-chunks 8,16]
+    torchrun --standalone --nproc_per_node=2 bench/distributed_bench.py profile [--seq 131072] [--mode ring] \
+        [--keep-window 2048] [--top 14]
     python3 bench/distributed_bench.py report DIR
 
 Shapes: B=1, 32 query heads, 8 kv heads, D=128, bf16, causal, a key-only bias
@@ -18,13 +20,25 @@ float64 reference (tests/python/reference.py on the GPU) under SPEC 5's rule: ma
 abs error <= 2 x the error of the same computation done naively in bf16 + 1e-5. The
 single-GPU dmattn error is printed beside it.
 
+--modes (check and time) picks the parallel modes (default both).
+
 time: fwd+bwd of one step, the median of --reps (--topk-reps with a keep window: those
 steps are ~13x shorter, and a one-off stall weighs more) after a warm-up; "one GPU" is the
 whole sequence on rank 0 alone (the other ranks wait), Ulysses and ring the shards on
 every rank (a step ends when the slowest rank ends). Per mode: the peak memory of
 each GPU and the bytes each rank sends per step (forward, backward; formulas in
-`volume`). If the one-GPU run at --seq runs out of memory, S is halved (with a
-message) until it fits, and every mode runs at that S.
+`volume`). Peak memory is torch.cuda.max_memory_allocated (what PyTorch's allocator
+holds: the caller's tensors and everything the ops return or allocate through torch),
+and beside it the high-water mark of the CUDA memory pool that dmattn's core takes its
+scratch from (cudaMallocAsync: the backward's float32 dq sums, key lists and groups),
+which PyTorch does not see; the two peaks need not fall at the same moment. If the
+one-GPU run at --seq runs out of memory, S is halved (with a message) until it fits,
+and every mode runs at that S.
+
+profile: one fwd+bwd step of --mode (keep window --keep-window, 0 for dense) under
+torch.profiler on every rank after two warm-ups: each rank's GPU kernels by time, and
+the step's wall time per rank (the time one rank spends waiting for the other shows
+as the difference), printed rank by rank and written to DIR/distributed-profile.txt.
 
 Each command writes DIR/distributed-{check,time}.json when OUT (= DIR) is set;
 `report DIR` prints the short table of both.
@@ -54,10 +68,13 @@ def volume(mode, P, S, H=HEADS, Hk=KV_HEADS, D=HEAD_DIM, element=2, bias_heads=K
     bias heads are replicated to lcm(heads, P chunks) first. Forward q, k, v and the bias
     in, out back; backward q, k, v, out and dout in (nothing head-sharded is kept from the
     forward), dq, dk, dv and dbias back.
-    Ring: forward P-1 hops of the k, v, bias shard, and with a keep window below S (topk)
-    the all-gather of the bias (its shard to each of the P-1 others); backward the same
-    P-1 hops plus P hops of the dk, dv and dbias accumulators, float32 (their own dtype on
-    two ranks) but for the last hop (home), in their own dtype.
+    Ring: forward P-1 hops of the k, v, bias shard; backward the same P-1 hops plus P
+    hops of the dk, dv and dbias accumulators, float32 (their own dtype on two ranks) but
+    for the last hop (home), in their own dtype. With a keep window below S (topk) the
+    forward adds the all-gather of the bias (its shard to each of the P-1 others), and
+    where the blocks fuse (S / 2P a multiple of 128) the forward all-gathers k and v (the
+    same bytes as the hops) and the backward all-gathers k and v again and sends each
+    other rank its shard of this rank's whole-sequence dk, dv and dbias, in their dtype.
     """
     tokens = B * S // P
     if mode == "ulysses":
@@ -69,13 +86,16 @@ def volume(mode, P, S, H=HEADS, Hk=KV_HEADS, D=HEAD_DIM, element=2, bias_heads=K
     bias_shard = bias_batch * bias_heads * S // P * bias_element
     shard = tokens * 2 * Hk * D * element + bias_shard
     grads = shard if P <= 2 else (tokens * 2 * Hk * D + bias_batch * bias_heads * S // P) * accumulator
-    return (P - 1) * (shard + (bias_shard if topk else 0)), (P - 1) * (shard + grads) + shard
+    forward = (P - 1) * (shard + (bias_shard if topk else 0))
+    if topk and S // (2 * P) % 128 == 0:
+        return forward, (P - 1) * (2 * shard - bias_shard)
+    return forward, (P - 1) * (shard + grads) + shard
 
 
 def _variants(args):
-    """(mode, head_chunks) of the parallel rows: each mode with its defaults, then Ulysses
-    with each count of --head-chunks."""
-    return [(mode, None) for mode in MODES] + [("ulysses", c) for c in args.head_chunks]
+    """(mode, head_chunks) of the parallel rows: each mode of --modes with its defaults,
+    then Ulysses with each count of --head-chunks."""
+    return [(mode, None) for mode in args.modes] + [("ulysses", c) for c in args.head_chunks if "ulysses" in args.modes]
 
 
 def _label(mode, chunks):
@@ -225,8 +245,11 @@ def _reps(args, window):
 
 
 def _measure(torch, step, reps, sync=lambda: None):
-    """Median seconds of `step` over reps after one warm-up, and the peak memory (GiB)."""
+    """Seconds of `step` for each of reps after one warm-up, the peak memory of PyTorch's
+    allocator and the high-water mark of the core's pool (GiB; None where unreadable)."""
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    pool = _CorePool(torch)
     step()
     times = []
     for _ in range(reps):
@@ -236,7 +259,37 @@ def _measure(torch, step, reps, sync=lambda: None):
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return times, torch.cuda.max_memory_allocated() / 2**30
+    return times, torch.cuda.max_memory_allocated() / 2**30, pool.high()
+
+
+class _CorePool:
+    """The used-memory high-water mark of the current device's default CUDA memory pool,
+    where dmattn's core allocates its scratch (cudaMallocAsync), through the driver API;
+    reset when made."""
+
+    USED_MEM_HIGH = 8  # CU_MEMPOOL_ATTR_USED_MEM_HIGH
+
+    def __init__(self, torch):
+        import ctypes
+
+        self.ctypes, self.pool = ctypes, None
+        try:
+            self.cuda = ctypes.CDLL("libcuda.so.1")
+            device, pool = ctypes.c_int(), ctypes.c_void_p()
+            if (self.cuda.cuDeviceGet(ctypes.byref(device), torch.cuda.current_device()) == 0 and
+                    self.cuda.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device) == 0):
+                zero = ctypes.c_uint64(0)
+                if self.cuda.cuMemPoolSetAttribute(pool, self.USED_MEM_HIGH, ctypes.byref(zero)) == 0:
+                    self.pool = pool
+        except OSError:
+            pass
+
+    def high(self):
+        value = self.ctypes.c_uint64()
+        if self.pool is None or self.cuda.cuMemPoolGetAttribute(self.pool, self.USED_MEM_HIGH,
+                                                                self.ctypes.byref(value)) != 0:
+            return None
+        return value.value / 2**30
 
 
 def _fit_single(torch, dmattn, args):
@@ -260,8 +313,8 @@ def _single(torch, dmattn, S, args):
         dout = whole.pop("dout")
         leaves = {n: t.requires_grad_() for n, t in whole.items()}
         attention = functools.partial(dmattn.attention, causal=True, keep_window_size=w)
-        times, peak = _measure(torch, functools.partial(_step, attention, leaves, dout), _reps(args, w))
-        singles[w] = dict(ms=1e3 * statistics.median(times), peak_gib=[peak])
+        times, peak, pool = _measure(torch, functools.partial(_step, attention, leaves, dout), _reps(args, w))
+        singles[w] = dict(ms=1e3 * statistics.median(times), peak_gib=[peak], pool_gib=[pool])
         print(_time_line(dict(case=f"1 GPU {'dense' if w is None else f'w={w}'}", seq=S, **singles[w], sent_fwd=0,
                               sent_bwd=0)), flush=True)
         del whole, leaves, dout
@@ -280,18 +333,68 @@ def _time_parallel(torch, dist, sp, mode, chunks, S, w, reps):
     attention = functools.partial(sp.attention, causal=True, keep_window_size=w, mode=mode, head_chunks=chunks)
     sent_fwd, sent_bwd = volume(mode, P, S, chunks=sp._ulysses_chunks(HEADS, KV_HEADS, P, chunks),
                                 topk=w is not None and w < S)
-    times, peak = _measure(torch, functools.partial(_step, attention, leaves, dout), reps, sync=dist.barrier)
+    times, peak, pool = _measure(torch, functools.partial(_step, attention, leaves, dout), reps, sync=dist.barrier)
     slowest = torch.tensor(times, device=DEVICE)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     peaks = [None] * P
-    dist.all_gather_object(peaks, peak)
-    return dict(ms=1e3 * statistics.median(slowest.tolist()), peak_gib=peaks, sent_fwd=sent_fwd, sent_bwd=sent_bwd)
+    dist.all_gather_object(peaks, (peak, pool))
+    return dict(ms=1e3 * statistics.median(slowest.tolist()), peak_gib=[p for p, _ in peaks],
+                pool_gib=[p for _, p in peaks], sent_fwd=sent_fwd, sent_bwd=sent_bwd)
+
+
+def _gib(values):
+    return "/".join("?" if p is None else f"{p:.2f}" for p in values)
 
 
 def _time_line(row):
-    peaks = "/".join(f"{p:.1f}" for p in row["peak_gib"])
-    return (f"{row['case']} S={row['seq']}: {row['ms']:.1f} ms fwd+bwd, peak {peaks} GiB, sent per rank "
-            f"{row['sent_fwd'] / 2**20:.0f} + {row['sent_bwd'] / 2**20:.0f} MiB (fwd + bwd)")
+    return (f"{row['case']} S={row['seq']}: {row['ms']:.1f} ms fwd+bwd, peak {_gib(row['peak_gib'])} GiB (core pool "
+            f"{_gib(row['pool_gib'])}), sent per rank {row['sent_fwd'] / 2**20:.0f} + {row['sent_bwd'] / 2**20:.0f} "
+            "MiB (fwd + bwd)")
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def profile(args):
+    torch, dist = _setup()
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    from dmattn import distributed as sp
+
+    rank, P, S, mode = dist.get_rank(), dist.get_world_size(), args.seq, args.mode
+    w = args.keep_window or None
+    whole = _inputs(torch, S)
+    local = {n: sp.shard_sequence(t, 3 if n == "bias" else 1, mode=mode).detach().clone() for n, t in whole.items()}
+    del whole
+    dout = local.pop("dout")
+    leaves = {n: t.requires_grad_() for n, t in local.items()}
+    step = functools.partial(_step, functools.partial(sp.attention, causal=True, keep_window_size=w, mode=mode),
+                             leaves, dout)
+    step(), step()
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in kernels)
+    lines = [f"rank {rank} ({mode}, S={S}, P={P}, {'dense' if w is None else f'w={w}'}): wall {1e3 * wall:.1f} ms, "
+             f"GPU {total / 1e3:.1f} ms in {sum(e.count for e in kernels)} kernels"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.top]:
+        lines.append(f"  {e.self_device_time_total / 1e3:8.3f} ms {100 * e.self_device_time_total / total:5.1f}% "
+                     f"x{e.count:<4d} {e.key[:100]}")
+    texts = [None] * P
+    dist.all_gather_object(texts, "\n".join(lines))
+    if rank == 0:
+        print("\n".join(texts), flush=True)
+        if os.environ.get("OUT"):
+            path = Path(os.environ["OUT"]) / "distributed-profile.txt"
+            with path.open("a") as f:
+                f.write("\n".join(texts) + "\n")
+    dist.destroy_process_group()
 
 
 def _check_table(result):
@@ -305,13 +408,15 @@ def _check_table(result):
 
 
 def _time_table(result):
-    lines = [f"| fwd+bwd, {result['gpus']} x {result['device']} | S | ms | x one GPU | peak GiB per GPU | MiB sent "
-             "per rank fwd / bwd |", "|---|---|---|---|---|---|"]
-    one_gpu = {row["window"]: row["ms"] for row in result["rows"] if row["case"].startswith("1 GPU")}
+    lines = [f"| fwd+bwd, {result['gpus']} x {result['device']} | S | ms | x one GPU | peak GiB per GPU (x one GPU) "
+             "| core pool GiB per GPU | MiB sent per rank fwd / bwd |", "|---|---|---|---|---|---|---|"]
+    one_gpu = {row["window"]: row for row in result["rows"] if row["case"].startswith("1 GPU")}
     for row in result["rows"]:
-        peaks = " / ".join(f"{p:.1f}" for p in row["peak_gib"])
-        lines.append(f"| {row['case']} | {row['seq']} | {row['ms']:.1f} | {one_gpu[row['window']] / row['ms']:.2f} | "
-                     f"{peaks} | {row['sent_fwd'] / 2**20:.0f} / {row['sent_bwd'] / 2**20:.0f} |")
+        single = one_gpu[row["window"]]
+        peaks = " / ".join(f"{p:.2f} ({p / single['peak_gib'][0]:.2f})" for p in row["peak_gib"])
+        lines.append(f"| {row['case']} | {row['seq']} | {row['ms']:.1f} | {single['ms'] / row['ms']:.2f} | {peaks} | "
+                     f"{_gib(row.get('pool_gib', []))} | {row['sent_fwd'] / 2**20:.0f} / "
+                     f"{row['sent_bwd'] / 2**20:.0f} |")
     return "\n".join(lines)
 
 
@@ -341,10 +446,19 @@ def main():
     t.add_argument("--reps", type=int, default=3)
     t.add_argument("--topk-reps", type=int, default=10)
     t.add_argument("--head-chunks", **chunk_counts)
+    modes = dict(type=lambda text: [m for m in text.split(",") if m], default=list(MODES),
+                 help="comma-separated parallel modes (default ulysses,ring)")
+    c.add_argument("--modes", **modes)
+    t.add_argument("--modes", **modes)
+    f = commands.add_parser("profile")
+    f.add_argument("--seq", type=int, default=131072)
+    f.add_argument("--mode", default="ring", choices=MODES)
+    f.add_argument("--keep-window", type=int, default=2048, help="0: dense")
+    f.add_argument("--top", type=int, default=14)
     r = commands.add_parser("report")
     r.add_argument("dir")
     args = parser.parse_args()
-    dict(check=check, time=time_steps, report=report)[args.command](args)
+    dict(check=check, time=time_steps, profile=profile, report=report)[args.command](args)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@
     python3 bench/distributed_memory.py [--seq 1024] [--ranks 2] [--head-chunks 1,2,4,8,16] [--bench-seq 131072]
 
 distributed_bench.py's shapes (B=1, 32 query heads, 8 kv heads, D=128, bf16, causal, a
-keep window, a learnable (1, 8, 1, S) bias) at S = --seq: Ulysses fwd+bwd in --ranks
-gloo processes for each head_chunks count, and one process on the whole sequence,
+keep window S / 64, a learnable (1, 8, 1, S) bias) at S = --seq: Ulysses fwd+bwd in
+--ranks gloo processes for each head_chunks count, the ring with the keep window and
+dense, and one process on the whole sequence,
 under tests/python/memory_model.py's LiveMemory. As in the bench, the caller holds q,
-k, v, the bias and dout, and the output through the backward. Every tensor involved
+k, v, the bias and dout, and the output through the backward; each line is the rank
+with the highest peak. Every tensor involved
 grows as S, so the peaks are printed scaled to --bench-seq: what
 torch.cuda.max_memory_allocated reports for the bench's step, without the caching
 allocator's rounding and without what the core allocates itself on CUDA
@@ -59,10 +61,15 @@ def _worker(rank, ranks, store, args, results):
         peak, caller, at_peak = _step(attention, args.seq, torch.Generator().manual_seed(0),
                                       lambda t, dim: sp.shard_sequence(t, dim))
         lines.append((f"Ulysses, {ranks} ranks, head_chunks={chunks}", peak, caller, at_peak))
+    for window, label in ((args.seq // 64, "keep window"), (None, "dense")):
+        attention = lambda *a, w=window, **kw: sp.attention(*a, **kw, causal=True, keep_window_size=w,  # noqa: E731
+                                                            mode="ring")
+        peak, caller, at_peak = _step(attention, args.seq, torch.Generator().manual_seed(0),
+                                      lambda t, dim: sp.shard_sequence(t, dim, mode="ring"))
+        lines.append((f"ring, {ranks} ranks, {label}", peak, caller, at_peak))
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0:
-        torch.save(lines, results)
+    torch.save(lines, f"{results}.{rank}")
     os._exit(0)  # gloo's teardown at interpreter exit aborts now and then
 
 
@@ -79,7 +86,9 @@ def main():
         results = os.path.join(tmp, "results.pt")
         mp.start_processes(_worker, args=(args.ranks, os.path.join(tmp, "store"), args, results), nprocs=args.ranks,
                            start_method="spawn")
-        lines = torch.load(results)
+        ranks = [torch.load(f"{results}.{rank}") for rank in range(args.ranks)]
+    # Each mode's line of the rank with the highest peak.
+    lines = [max(of_ranks, key=lambda line: line[1]) for of_ranks in zip(*ranks)]
     attention = lambda *a, **kw: dmattn.attention(*a, **kw, causal=True, keep_window_size=args.seq // 64)  # noqa: E731
     lines.insert(0, ("one process", *_step(attention, args.seq, torch.Generator().manual_seed(0), lambda t, dim: t)))
 
@@ -92,7 +101,7 @@ def main():
               f"{(peak + caller) / one:.2f} x one process)")
     print(f"largest tensors alive at each peak (GiB at S = {args.bench_seq}, besides the caller's inputs):")
     for name, _, _, at_peak in lines:
-        print(f"  {name}: " + ", ".join(f"{size * scale:.3f} {what}" for size, what in at_peak[:6]))
+        print(f"  {name}: " + ", ".join(f"{size * scale:.3f} {what}" for size, what in at_peak[:12]))
 
 
 if __name__ == "__main__":

@@ -42,9 +42,14 @@ float32 and rounds once, as a float32 sum rounded at the end does
 (`_accumulator_dtype`). A top-k keep window below the sequence length is exact: row i's
 top-w is chosen over every key, so every rank all-gathers the key-only bias and mask
 (one value a key and head) and selects once for the whole sequence (dmattn::select,
-per-key row intervals, O(S) a head), and each block's forward and backward take the
-intervals of its keys restricted to its rows (`_block_intervals`). The ring takes no
-sliding window.
+per-key row intervals, O(S) a head). The blocks then fuse (`_fuses`): every rank
+all-gathers k and v and makes one forward and one backward call of its rows against
+the whole sequence's keys, with the intervals of every key restricted to its rows
+(`_block_intervals`), and the whole-sequence dk, dv and dbias of every rank are summed
+into their owners' shards (`_sum_shards`); no merge, no block dout, and the per-row
+passes of the backend once for the rank's rows. Where they cannot fuse, each block's
+forward and backward take the intervals of its keys restricted to its rows. The ring
+takes no sliding window.
 
 Packed (varlen) sequences are not split across shards: 3-D q is refused.
 """
@@ -103,10 +108,16 @@ def shard_sequence(x: Tensor, dim: int = 1, *, group=None, mode: str = "ulysses"
     """
     _check_mode(mode)
     _, rank, size = _process_group(group)
-    count, mine = _chunks(rank, size, mode)
+    count, _ = _chunks(rank, size, mode)
     if x.shape[dim] % count:
         raise _error(f"x.shape[{dim}]", f"a sequence length divisible by {count} ({mode} over {size} ranks)",
                      x.shape[dim])
+    return _shard(x, dim, rank, size, mode)
+
+
+def _shard(x: Tensor, dim: int, rank: int, size: int, mode: str) -> Tensor:
+    """Rank `rank`'s shard of the whole-sequence `x` (a view for "ulysses", a copy for "ring")."""
+    count, mine = _chunks(rank, size, mode)
     pieces = x.chunk(count, dim)
     return pieces[mine[0]] if len(mine) == 1 else torch.cat([pieces[c] for c in mine], dim)
 
@@ -116,16 +127,29 @@ def gather_sequence(x: Tensor, dim: int = 1, *, group=None, mode: str = "ulysses
     on every rank: the inverse of `shard_sequence`. An all-gather; not differentiable."""
     _check_mode(mode)
     group, rank, size = _process_group(group)
+    return _start_gather(x, dim, group, size, mode)()
+
+
+def _start_gather(x: Tensor, dim: int, group, size: int, mode: str):
+    """Starts the all-gather of `gather_sequence`; calling the result waits for it (on
+    CUDA: makes the current stream wait) and returns the whole sequence."""
     x = x.detach().contiguous()
     shards = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(shards, x, group=group)
-    count, _ = _chunks(rank, size, mode)
-    pieces: List[Optional[Tensor]] = [None] * count
-    for r, shard in enumerate(shards):
-        held = _chunks(r, size, mode)[1]
-        for c, piece in zip(held, shard.chunk(len(held), dim)):
-            pieces[c] = piece
-    return torch.cat(pieces, dim)
+    request = dist.all_gather(shards, x, group=group, async_op=True)
+
+    def finish() -> Tensor:
+        nonlocal request
+        request.wait()
+        request = None  # it holds the received shards
+        pieces: List[Optional[Tensor]] = [None] * _chunks(0, size, mode)[0]
+        for r, shard in enumerate(shards):
+            held = _chunks(r, size, mode)[1]
+            for c, piece in zip(held, shard.chunk(len(held), dim)):
+                pieces[c] = piece
+        shards.clear()
+        return torch.cat(pieces, dim)
+
+    return finish
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -456,6 +480,19 @@ class _Ring:
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for tag, t in enumerate(received)]
         return received, dist.batch_isend_irecv(ops)
 
+    def swap(self, shards: List[Tensor]) -> List[Tensor]:
+        """Sends shards[j] (contiguous, one shape) to rank j of the group for every j other than
+        this rank, and returns what each rank j sent this one, at index j (shards[rank] there)."""
+        received = [t if j == self.rank else torch.empty_like(t) for j, t in enumerate(shards)]
+        ops = []
+        for j in range(self.size):
+            if j != self.rank:
+                peer = dist.get_global_rank(self.group, j)
+                ops += [dist.P2POp(dist.isend, shards[j], peer, self.group), dist.P2POp(dist.irecv, received[j], peer,
+                                                                                          self.group)]
+        _wait(dist.batch_isend_irecv(ops) if ops else [])
+        return received
+
 
 def _ring_block(rank: int, src: int, chunk: int, causal: bool):
     """(query rows, key columns, causal) of rank `rank`'s block against the kv shard of
@@ -484,13 +521,22 @@ def _accumulator_dtype(t: Tensor, size: int) -> torch.dtype:
 class _RingAttention(torch.autograd.Function):
     """Ring attention on zigzag shards. `options` is dmattn::fwd's option tuple; mask
     and bias are key-only and in their reduced shape (no stride-0 dims). A keep window
-    below the sequence length is selected once, for the whole sequence
-    (`_ring_selection`), and kept for the backward."""
+    below the sequence length is selected once, for the whole sequence, from the
+    all-gathered key-only mask and bias (`_ring_selection`); then, where `_fuses` allows,
+    the blocks fuse into one call over the all-gathered k and v (`_fused_forward`),
+    otherwise each ring block takes its share of the selection (`_block_intervals`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, ring, options):
         chunk, causal = q.shape[1] // 2, options[2]
-        selection = _ring_selection(q, k, mask, bias, ring, options)
+        ctx.ring, ctx.options, ctx.fused = ring, options, False
+        selection = None
+        if _selects(options, ring.size * q.shape[1]):
+            mask_all, bias_all = _gather_key_only(mask, bias, ring)
+            if _fuses(q, chunk, causal):
+                ctx.fused = True
+                return _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options)
+            selection = _ring_selection(q, k, mask_all, bias_all, ring.size, options)
         out = lse = None
         block_lse = []
         for block, (k_b, v_b, mask_b, bias_b) in _ring_walk(ring, k, v, mask, bias, chunk, causal):
@@ -504,12 +550,13 @@ class _RingAttention(torch.autograd.Function):
                 _merge(out[:, block.rows], lse[..., block.rows], out_b, lse_b)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, bias, selection, out, lse, *block_lse)
-        ctx.ring, ctx.options = ring, options
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if ctx.fused:
+            return _fused_backward(ctx, dout)
         q, k, v, mask, bias, selection, out, lse, *block_lse = ctx.saved_tensors
         ring, options = ctx.ring, ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[4]
@@ -576,21 +623,104 @@ def _chunk_slice(part: slice, chunk: int) -> slice:
     return slice(None if part.start is None else part.start // chunk, None if part.stop is None else part.stop // chunk)
 
 
-def _ring_selection(q, k, mask, bias, ring, options) -> Optional[Tensor]:
+def _selects(options, length: int) -> bool:
+    """Whether the ring selects top-k: a keep window below the sequence length `length`."""
+    return options[5] is not None and options[5] < length
+
+
+def _fuses(q: Tensor, chunk: int, causal: bool) -> bool:
+    """Whether the ring's top-k blocks fuse into one call (`_fused_forward`). The rank's
+    rows, zigzag chunks r and 2P-1-r, newly see up to w selected keys (those of the
+    chunks between them) at the second chunk's first row. Under causal masking CUDA's
+    key lists hold w + rows - 1 keys a query block (key_lists.cu's bound counts one key
+    starting a row) and drop keys past that (dmattn.h), so the call fuses there only
+    where no query block (64 or 128 rows) straddles the two chunks: chunk a multiple of
+    128. Without causal masking every key starts at row 0; the CPU has no such bound."""
+    return not causal or q.device.type != "cuda" or chunk % _LIST_BLOCK_ROWS == 0
+
+
+_LIST_BLOCK_ROWS = 128  # the largest query block of CUDA's top-k key lists
+
+
+def _gather_key_only(mask, bias, ring) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The whole sequence's key-only mask and bias on every rank, all-gathered (one value a
+    key and head; the mask as uint8: gloo sends no bool)."""
+    mask_all, bias_all = (None if t is None else _start_gather(t, 3, ring.group, ring.size, "ring")()
+                          for t in (None if mask is None else mask.view(torch.uint8), bias))
+    return None if mask_all is None else mask_all.view(torch.bool), bias_all
+
+
+def _ring_selection(q, k, mask_all, bias_all, size: int, options) -> Tensor:
     """The top-k selection of the whole sequence, per-key row intervals (B, Hs, S, 2), on every
-    rank: the key-only bias and mask all-gathered (one value a key and head), then
-    dmattn::select on the whole sequence's shapes (q and k as expanded views of one token:
-    it reads their shapes, not their data). None without a keep window below S."""
-    keep_window_size, length = options[5], ring.size * q.shape[1]
-    if keep_window_size is None or keep_window_size >= length:
-        return None
-    gather = functools.partial(gather_sequence, dim=3, group=ring.group, mode="ring")
-    mask_all = None if mask is None else gather(mask.view(torch.uint8)).view(torch.bool)
-    bias_all = None if bias is None else gather(bias)
+    rank, from the whole sequence's key-only mask and bias: dmattn::select on the whole
+    sequence's shapes (q and k as expanded views of one token: it reads their shapes, not
+    their data)."""
+    length = size * q.shape[1]
     q_all = q[:, :1].expand(q.shape[0], length, *q.shape[2:])
     k_all = k[:, :1].expand(k.shape[0], length, *k.shape[2:])
     return torch.ops.dmattn.select(q_all, k_all, mask_all, _shape(mask_all), bias_all, _shape(bias_all), options[2],
-                                   options[3], options[4], keep_window_size)
+                                   options[3], options[4], options[5])
+
+
+def _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options):
+    """The ring's top-k forward as one call: this rank's rows against every key of the
+    whole sequence, k and v all-gathered in sequence order (while the selection runs),
+    the mask and bias the whole sequence's, each key's intervals restricted to the rank's
+    rows (`_block_intervals`). Under causal masking the call's causal flag lets each row
+    see at least its causal keys (the rows end S - L keys before the last), and the
+    intervals, which start at their key, cut the rest. Saved: the shards, the gathered
+    mask and bias and the intervals (one value a key and head); the backward gathers k
+    and v again."""
+    chunk, causal = q.shape[1] // 2, options[2]
+    kv = [_start_gather(t, 1, ring.group, ring.size, "ring") for t in (k, v)]
+    selection = _ring_selection(q, k, mask_all, bias_all, ring.size, options)
+    block = _Block(slice(None), slice(None), causal, _chunks(ring.rank, ring.size, "ring")[1],
+                   list(range(2 * ring.size)))
+    intervals = _block_intervals(selection, block, chunk)
+    del selection
+    k_all, v_all = (gather() for gather in kv)
+    out, lse = torch.ops.dmattn.fwd(q, k_all, v_all, mask_all, _shape(mask_all), bias_all, _shape(bias_all), intervals,
+                                    *options)
+    ctx.save_for_backward(q, k, v, mask_all, bias_all, intervals, out, lse)
+    ctx.mark_non_differentiable(lse)
+    return out, lse
+
+
+def _fused_backward(ctx, dout):
+    """The backward of `_fused_forward`: one call over k and v gathered again, then every
+    rank's dk, dv (and dbias) of the whole sequence summed into their owners' shards
+    (`_sum_shards`)."""
+    q, k, v, mask_all, bias_all, intervals, out, lse = ctx.saved_tensors
+    ring, options = ctx.ring, ctx.options
+    bias_grad = bias_all is not None and ctx.needs_input_grad[4]
+    kv = [_start_gather(t, 1, ring.group, ring.size, "ring") for t in (k, v)]
+    k_all, v_all = (gather() for gather in kv)
+    dq, *grads = torch.ops.dmattn.bwd(dout, q, k_all, v_all, mask_all, _shape(mask_all), bias_all, _shape(bias_all),
+                                      intervals, out, lse, *options, bias_grad)
+    del k_all, v_all
+    dk, dv, *dbias = _sum_shards(ring, [(grads.pop(0), 1), (grads.pop(0), 1)] +
+                                 ([(grads.pop(0), 3)] if bias_grad else []))
+    return dq, dk, dv, None, dbias[0] if bias_grad else None, None, None
+
+
+def _sum_shards(ring, whole: List[Tuple[Tensor, int]]) -> List[Tensor]:
+    """This rank's shard of the sum over the ranks of each (t, its sequence dim) of `whole`:
+    every rank sends each other rank its shard of t (`Ring.swap`), and the rank sums the
+    P shards of its own in rank order in `_accumulator_dtype` (on two ranks one add, which
+    rounds once), in t's dtype. Tensors one at a time, each let go of once its shards are cut."""
+    summed = []
+    while whole:
+        t, dim = whole.pop(0)
+        dtype, acc = t.dtype, _accumulator_dtype(t, ring.size)
+        shards = [_shard(t, dim, r, ring.size, "ring").contiguous() for r in range(ring.size)]
+        del t
+        parts = ring.swap(shards)
+        del shards
+        total = parts[0].to(acc)
+        for part in parts[1:]:
+            total.add_(part)
+        summed.append(total.to(dtype))
+    return summed
 
 
 def _block_intervals(selection: Optional[Tensor], block: _Block, chunk: int) -> Optional[Tensor]:

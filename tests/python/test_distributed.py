@@ -4,10 +4,11 @@ One spawned world of 2 and one of 3 processes run every case below (a shared Fil
 in a temporary directory, no network port); each rank compares its own shards of the
 output, lse and every gradient with the shards of the single-process dmattn result on
 the whole sequence, and reports each case's outcome to the test of that case. The
-memory cases check the tensor memory Ulysses keeps alive (memory_model.LiveMemory)
-against the buffer accounting of its head-chunk pipeline.
+memory cases check the tensor memory Ulysses and the fused top-k ring keep alive
+(memory_model.LiveMemory) against their buffer accounting.
 """
 
+import contextlib
 import copy
 import json
 import math
@@ -15,6 +16,7 @@ import os
 import time
 import traceback
 import zlib
+from unittest import mock
 
 import pytest
 import torch
@@ -85,6 +87,11 @@ CASES = {
                                options=dict(causal=True, keep_window_size=5)),
     "ring_topk_bfloat16": dict(mode="ring", kv_heads=2, bias=(B, "Hk"), dtype=torch.bfloat16,
                                options=dict(causal=True, keep_window_size=5)),
+    # The ring's top-k in blocks, as CUDA runs it where a query block would straddle a rank's two chunks.
+    "ring_topk_blocks_ties": dict(mode="ring", kv_heads=2, bias=(B, "Hk", "tied"), blocks=True,
+                                  options=dict(causal=True, keep_window_size=5)),
+    "ring_topk_blocks_mask_heads": dict(mode="ring", kv_heads=2, bias=(1, 1, "tied"), mask="H", blocks=True,
+                                        options=dict(causal=True, keep_window_size=4, deterministic=True)),
 }
 
 # Refusals: mode, (q, k, v) shapes given the local length s, extra arguments, error, message start.
@@ -170,8 +177,9 @@ def _check_case(case, spec, world):
 
     dims = dict(bias=3, mask=3)
     local = {n: shard(t, dims.get(n, 1)).detach().requires_grad_(n in grads) for n, t in whole.items()}
-    out_l, lse_l = _call(sp.attention, local, spec, group=group, mode=mode, head_chunks=_head_chunks(spec, size))
-    (out_l * local["weights"]).sum().backward()
+    with mock.patch.object(sp, "_fuses", return_value=False) if spec.get("blocks") else contextlib.nullcontext():
+        out_l, lse_l = _call(sp.attention, local, spec, group=group, mode=mode, head_chunks=_head_chunks(spec, size))
+        (out_l * local["weights"]).sum().backward()
     low = spec.get("dtype") == torch.bfloat16
     _assert_close(out_l, shard(out), "out", low)
     _assert_close(lse_l, shard(lse, 2), "lse", low)
@@ -232,6 +240,27 @@ def _check_memory(case, world):
     assert expected <= memory.peak <= expected + vectors, (memory.peak / unit, expected / unit, memory.at_peak)
 
 
+def _check_ring_memory(world):
+    """The peak of the tensor memory that the fused top-k ring's forward and backward allocate: during the
+    backward call, out and dq (H u each, u = B L D 8 bytes) and the whole sequence's k, v, dk and dv (P Hk u
+    each); besides them only vectors of one value a row or a key and head: lse and its zero gradient, and the
+    whole sequence's bias, its gradient and the intervals (int32 pairs)."""
+    Hq, Hk, L = 12, 4, 2 * CHUNK
+    g = _generator("memory_ring_topk")
+    q, dout = (torch.randn(B, L, Hq, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, L, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(B, Hk, 1, L, generator=g, dtype=torch.float64)
+    for t in (q, k, v, bias):
+        t.requires_grad_()
+    with LiveMemory() as memory:
+        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, mode="ring")
+        out.backward(dout)
+    P, unit = world, B * L * D * 8
+    expected = (2 * Hq + 4 * P * Hk) * unit
+    vectors = B * Hq * L * 8 * 2 + B * Hk * P * L * (8 + 8 + 8)
+    assert expected <= memory.peak <= expected + vectors, (memory.peak / unit, expected / unit, memory.at_peak)
+
+
 def _check_ulysses_selection(world):
     """Ulysses with a keep window selects each head chunk's top-k once (dmattn::select) and hands that
     selection to the chunk's forward and its backward, which select nothing again."""
@@ -247,6 +276,20 @@ def _check_ulysses_selection(world):
     given = [args[8] for name, args in ops.calls if name == "bwd"]
     assert all(s is not None and b.data_ptr() == s.data_ptr() for s, b in zip(selections, given)), \
         "each chunk's backward takes its forward's selection"
+
+
+def _check_ring_selection(world):
+    """The ring's top-k selects once for the whole sequence and, fused, makes one forward and one backward call
+    over the whole sequence's keys, the backward taking the forward's intervals."""
+    g, L = _generator("ring_selection"), 2 * CHUNK
+    q, k, v, bias = (torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+                     for shape in ((B, L, H, D), (B, L, 2, D), (B, L, 2, D), (B, 2, 1, L)))
+    with OpCalls() as ops:
+        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, mode="ring")
+        out.backward(torch.ones_like(out))
+    assert ops.names() == ["select", "fwd", "bwd"], ops.names()
+    (_, fwd), (_, bwd) = ops.calls[1:]
+    assert fwd[1].shape[1] == world * L and fwd[7].data_ptr() == bwd[8].data_ptr(), "one call over every key"
 
 
 def _check_layouts(world):
@@ -312,7 +355,9 @@ def _worker(rank, world, store, results):
     checks += [(case, lambda c=case: _check_doge(c, world)) for case in DOGE]
     checks += [(case, lambda c=case: _check_memory(c, world)) for case in MEMORY]
     checks += [("layouts", lambda: _check_layouts(world)),
-               ("ulysses_selection", lambda: _check_ulysses_selection(world))]
+               ("ulysses_selection", lambda: _check_ulysses_selection(world)),
+               ("ring_selection", lambda: _check_ring_selection(world)),
+               ("memory_ring_topk", lambda: _check_ring_memory(world))]
     for case, check in checks:
         try:
             outcome[case] = check() or "ok"
@@ -343,7 +388,8 @@ def outcomes(request, tmp_path_factory):
     return {case: [r[case] for r in ranks] for case in ranks[0]}
 
 
-@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "layouts", "ulysses_selection"])
+@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "memory_ring_topk", "layouts", "ulysses_selection",
+                                  "ring_selection"])
 def test_case(outcomes, case):
     results = outcomes[case]
     if all(o.startswith("skip: ") for o in results):
