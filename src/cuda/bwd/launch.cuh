@@ -165,8 +165,8 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   }
   if (plan.dbias_slices > 0) reduce(plan.dbias_slices);
   if (err == cudaSuccess && p.dq_acc != nullptr) {
-    const std::int64_t heads = std::int64_t{batch} * p.heads, head_quads = dq_elements / 4 / std::max<std::int64_t>(heads, 1);
-    const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>((head_quads + 255) / 256, 65535)),
+    const std::int64_t heads = std::int64_t{batch} * p.heads, head_octets = dq_elements / 8 / std::max<std::int64_t>(heads, 1);
+    const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>((head_octets + 255) / 256, 65535)),
                     static_cast<unsigned>(std::min<std::int64_t>(heads, 65535)));
     finish_dq<Element, kHeadDim><<<grid, 256, 0, stream>>>(p, batch);
     err = cudaGetLastError();

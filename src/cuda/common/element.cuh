@@ -21,10 +21,15 @@ __device__ inline void store_float(void* data, bool is_float32, std::int64_t at,
     static_cast<Element*>(data)[at] = static_cast<Element>(x);
 }
 
-// Whether a strided output's pairs (2 e, 2 e + 1) along its contiguous last
-// dim are 4-byte aligned wherever they start: an aligned base and even strides.
+// Whether a strided output's runs of `run` elements (run e .. run e + run - 1)
+// along its contiguous last dim are (2 run)-byte aligned wherever they start:
+// an aligned base and strides of whole runs.
+__host__ __device__ inline bool runs_aligned(const void* data, std::int64_t sb, std::int64_t sh, std::int64_t sr,
+                                             int run) {
+  return reinterpret_cast<std::uintptr_t>(data) % (2 * run) == 0 && sb % run == 0 && sh % run == 0 && sr % run == 0;
+}
 __host__ __device__ inline bool pairs_aligned(const void* data, std::int64_t sb, std::int64_t sh, std::int64_t sr) {
-  return reinterpret_cast<std::uintptr_t>(data) % 4 == 0 && sb % 2 == 0 && sh % 2 == 0 && sr % 2 == 0;
+  return runs_aligned(data, sb, sh, sr, 2);
 }
 
 // x and y into dst[0] and dst[1] (rounded once each): one 32-bit store where
