@@ -80,8 +80,9 @@ namespace dmattn::cuda {
 // The dk/dv kernel's walks, one instantiation each: dense (dq by atomics),
 // dense with dq added in key-block order (deterministic), dense with softcap,
 // dense with the user's mask (a mask with top-k intervals is folded into the
-// key groups), top-k key groups.
-enum class DkvWalk { kDense, kOrdered, kSoftcap, kMasked, kKeyGroups };
+// key groups), dense with a bias that has rows (its tile loaded a step, dbias
+// a tile at a time), top-k key groups.
+enum class DkvWalk { kDense, kOrdered, kSoftcap, kMasked, kRowBias, kKeyGroups };
 
 template <class Config, DkvWalk kWalk>
 __global__ void __launch_bounds__(Config::kThreads, 1)
@@ -89,6 +90,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   constexpr bool kKeyGroups = kWalk == DkvWalk::kKeyGroups, kMasked = kWalk == DkvWalk::kMasked;
   constexpr bool kSoftcap = kWalk == DkvWalk::kSoftcap, kOrdered = kWalk == DkvWalk::kOrdered;
+  constexpr bool kRowBias = kWalk == DkvWalk::kRowBias;
   using namespace cute;
   using Element = typename Config::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
@@ -123,10 +125,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const QueryRange range = dense_queries(row0);
     q_lo = range.first, q_hi = range.end;
   }
-  // Steps: query blocks [first, first + span) of each head of the group in turn.
+  // Steps: query blocks [first, first + span) of each head of the group in
+  // turn; a bias with rows, the heads of the group for each query block in
+  // turn (the query heads of a bias head consecutive, so that their dS^T
+  // tiles add up to one dbias tile before it is stored).
   const int first = q_hi > q_lo ? static_cast<int>(q_lo / kBlockM) : 0;
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;
+  const auto step_head = [&](int s) { return h_first + (kRowBias ? s % p.group : s / span); };
+  const auto step_block = [&](int s) { return first + (kRowBias ? s / p.group : s % span); };
   // The mask (dense walk): step s = (head h_first + s / span, query block
   // first + s % span) is walked unless its tile is empty (the batch strides
   // are 0 where the mask broadcasts over batches).
@@ -265,6 +272,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   const bool has_bias = p.bias.data != nullptr, key_sums = p.bias_grad == BiasGrad::kPerKey;
   const BiasGradOut<Element> db_out(p, b, kvh, seq);
+  // A bias with rows and its gradient: the dbias tile of the step's (bias
+  // head, query block) is open (its sums so far in db_sum) until a step of
+  // another one follows; then the thread stores its elements, one value each.
+  const bool tile_grads = kRowBias && p.bias_grad == BiasGrad::kPerElement;
+  float* db_sum = reinterpret_cast<float*>(smem + Config::kDbSumAt) + tid;
+  bool db_open = false;
   float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
   int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
   const float scale = p.scale, softcap = p.softcap, inner = kSoftcap ? scale / softcap : 0.0f;
@@ -277,7 +290,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // ordered walk skips no step: step s - 1 is the last).
   const auto pass_last = [&](int s) {
     bulk_wait_complete();
-    pass_turn(turn(h_first + (s - 1) / span, first + (s - 1) % span), key_block + 1);
+    pass_turn(turn(step_head(s - 1), step_block(s - 1)), key_block + 1);
   };
   bool my_turn = true;  // ordered, lane 0: the step's turn was read before its reduction
 
@@ -285,10 +298,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   fence_async_shared();
   __syncthreads();  // K, V, the zeroed statistics and the barriers
   Step cur = next_step(-1);
-  if (tid == 0 && cur.s < total) issue(h_first + cur.s / span, first + cur.s % span, 0);
+  if (tid == 0 && cur.s < total) issue(step_head(cur.s), step_block(cur.s), 0);
   // The walk's step t: head h, query block blk; (h_next, blk_next) the next step's.
   for (int t = 0; cur.s < total; ++t) {
-    const int h = h_first + cur.s / span, blk = first + cur.s % span;
+    const int h = step_head(cur.s), blk = step_block(cur.s);
     const int buf = t & 1, hb = static_cast<int>(unsigned(h) / unsigned(p.bias_group));
     const std::int64_t q0 = std::int64_t{blk} * kBlockM;
     // A partial step's mask words: the thread's two keys, queries [q0, q0 + kBlockM).
@@ -303,7 +316,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         for (int w = 0; w < kWords; ++w)
           key_bits[half][w] = words[(row0 + my_key[half]) * p.dkv_packed.so + (q0 / 32 + w) * p.dkv_packed.si];
     }
-    if (has_bias && hb != key_bias_head) {
+    if (has_bias && !kRowBias && hb != key_bias_head) {
       key_bias_head = hb;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -334,7 +347,23 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // and this step's is read (no wait on either in the step where it is ready).
     const Step next = next_step(cur.s);
     const bool more = next.s < total;
-    const int h_next = h_first + next.s / span, blk_next = first + next.s % span;
+    const int h_next = step_head(next.s), blk_next = step_block(next.s);
+    const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
+    // A bias with rows: the thread's elements of the step's tile (0 past the
+    // sequences), loaded while the MMAs run.
+    float tile_bias[kRowBias ? kAccS : 1];
+    if constexpr (kRowBias) {
+      const std::int64_t at =
+          b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + (seq.ks + row0) * p.bias.sc;
+#pragma unroll
+      for (int e = 0; e < kAccS; ++e) {
+        const int kj = get<0>(cS(e)), qi = get<1>(cS(e));
+        tile_bias[e] = qi < qrows && kj < kcols
+                           ? load_float<Element>(p.bias.data, p.bias_float32, at + qi * p.bias.sr + kj * p.bias.sc)
+                           : 0.0f;
+      }
+    }
+    const bool db_close = !more || blk_next != blk || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb);
     if (kOrdered && lane == 0) {
       if (t > 0) pass_last(cur.s);
       my_turn = blk >= before_end || read_turn(turn(h, blk)) == key_block;
@@ -345,7 +374,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // no element; key groups test each against its key's rows [lo, hi).
     const bool whole = q0 + kBlockM <= sq && row0 + kBlockN <= sk &&
                        band_covers(p.band, offset, q0, q0 + kBlockM - 1, row0, row0 + kBlockN - 1);
-    const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
     const TileBand band(p.band, offset, q0, row0);
     int lo[2] = {0, 0}, hi[2] = {0, 0};
     if constexpr (kKeyGroups) {
@@ -360,7 +388,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // code of whole tiles, most of a causal walk, has no test), against the
     // mask's bit too on a partial tile (query qi's word: e / 16). kSoftcap:
     // l = softcap tanh(scale s / softcap) + bias, and dS^T carries the factor
-    // dl / d(scale s) = 1 - tanh^2 (dbias sums dS^T without it).
+    // dl / d(scale s) = 1 - tanh^2 (dbias sums dS^T without it). kRowBias:
+    // the tile's bias, and dS^T into the open dbias tile.
     auto gradients = [&](auto tested) {
       constexpr bool kTested = decltype(tested)::value;
 #pragma unroll
@@ -374,7 +403,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           tanh_x = tanh_ex2(acc_s(e) * inner);
           x = softcap * tanh_x + key_bias[half];
         } else {
-          x = acc_s(e) * scale + key_bias[half];
+          x = acc_s(e) * scale + (kRowBias ? tile_bias[e] : key_bias[half]);
         }
         if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
                                    : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
@@ -387,12 +416,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         acc_s(e) = prob;
         acc_dp(e) = kSoftcap ? ds * (1.0f - tanh_x * tanh_x) : ds;
         if (key_sums) key_sum[half] += ds;
+        if (tile_grads) {
+          float sum = ds;
+          if constexpr (Config::kDbSums) sum += db_open ? db_sum[e * Config::kThreads] : 0.0f;
+          if (!db_close) {
+            if constexpr (Config::kDbSums) db_sum[e * Config::kThreads] = sum;
+          } else if (!kTested || (qi < qrows && kj < kcols)) {
+            db_out.add(p, hb, q0 + qi, row0 + kj, sum);
+          }
+        }
       }
     };
     if (kKeyGroups || !whole || partial)
       gradients(std::true_type{});
     else
       gradients(std::false_type{});
+    if constexpr (kRowBias) db_open = !db_close;
 
     // P^T and dS^T in Element, in the A-operand layout of the dK / dV MMAs (the
     // accumulator's kBlockM / 8 query groups are kBlockM / 16 k-slices of 16),

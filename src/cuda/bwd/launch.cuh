@@ -59,14 +59,17 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
                           : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, false>>(p, grid, stream);
   if constexpr (sm90_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
+    const bool row_bias = plan.dkv == DkvKernel::kSm90RowBias;
     auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, DkvWalk::kKeyGroups>
+                  : row_bias                          ? dkv_kernel_sm90<Config, DkvWalk::kRowBias>
                   : plan.mask_tiles                   ? dkv_kernel_sm90<Config, DkvWalk::kMasked>
                   : plan.ordered_dq                   ? dkv_kernel_sm90<Config, DkvWalk::kOrdered>
                   : p.softcap > 0.0f                  ? dkv_kernel_sm90<Config, DkvWalk::kSoftcap>
                                                       : dkv_kernel_sm90<Config, DkvWalk::kDense>;
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+    const int smem = row_bias ? Config::kRowBiasSmemBytes : Config::kSmemBytes;
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, maps);
+    kernel<<<grid, Config::kThreads, smem, stream>>>(p, maps);
     return cudaGetLastError();
   }
   throw std::logic_error("dmattn: the Hopper dk/dv kernel planned for head dim " + std::to_string(kHeadDim));
