@@ -349,20 +349,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const bool more = next.s < total;
     const int h_next = step_head(next.s), blk_next = step_block(next.s);
     const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
-    // A bias with rows: the thread's elements of the step's tile (0 past the
-    // sequences), loaded while the MMAs run.
-    float tile_bias[kRowBias ? kAccS : 1];
-    if constexpr (kRowBias) {
-      const std::int64_t at =
-          b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + (seq.ks + row0) * p.bias.sc;
-#pragma unroll
-      for (int e = 0; e < kAccS; ++e) {
-        const int kj = get<0>(cS(e)), qi = get<1>(cS(e));
-        tile_bias[e] = qi < qrows && kj < kcols
-                           ? load_float<Element>(p.bias.data, p.bias_float32, at + qi * p.bias.sr + kj * p.bias.sc)
-                           : 0.0f;
-      }
-    }
+    // A bias with rows: the step's tile from here (its elements read in the
+    // element-wise loop, 0 past the sequences).
+    const std::int64_t bias_at =
+        kRowBias ? b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + (seq.ks + row0) * p.bias.sc : 0;
     const bool db_close = !more || blk_next != blk || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb);
     if (kOrdered && lane == 0) {
       if (t > 0) pass_last(cur.s);
@@ -403,7 +393,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           tanh_x = tanh_ex2(acc_s(e) * inner);
           x = softcap * tanh_x + key_bias[half];
         } else {
-          x = acc_s(e) * scale + (kRowBias ? tile_bias[e] : key_bias[half]);
+          float bias = key_bias[half];
+          if constexpr (kRowBias)
+            bias = !kTested || (qi < qrows && kj < kcols)
+                       ? load_float<Element>(p.bias.data, p.bias_float32, bias_at + qi * p.bias.sr + kj * p.bias.sc)
+                       : 0.0f;
+          x = acc_s(e) * scale + bias;
         }
         if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
                                    : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
