@@ -349,8 +349,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const bool more = next.s < total;
     const int h_next = step_head(next.s), blk_next = step_block(next.s);
     const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
-    // A bias with rows: the step's tile from here (its elements read in the
-    // element-wise loop, 0 past the sequences).
+    // A bias with rows: the step's tile from here (0 past the sequences).
     const std::int64_t bias_at =
         kRowBias ? b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + (seq.ks + row0) * p.bias.sc : 0;
     const bool db_close = !more || blk_next != blk || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb);
@@ -379,53 +378,80 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // mask's bit too on a partial tile (query qi's word: e / 16). kSoftcap:
     // l = softcap tanh(scale s / softcap) + bias, and dS^T carries the factor
     // dl / d(scale s) = 1 - tanh^2 (dbias sums dS^T without it). kRowBias:
-    // the tile's bias, and dS^T into the open dbias tile.
+    // the tile's bias, kChunk elements at a time, each chunk's loads issued
+    // together before the arithmetic of the chunk before (a load next to its
+    // use, in a loop with branches, left 32 global round trips a step).
     auto gradients = [&](auto tested) {
       constexpr bool kTested = decltype(tested)::value;
+      constexpr int kChunk = kRowBias ? 8 : kAccS;
+      float bias_now[kChunk], bias_next[kChunk];
+      const auto load_bias = [&](int c, float(&to)[kChunk]) {
+        if constexpr (kRowBias) {
 #pragma unroll
-      for (int e = 0; e < kAccS; ++e) {
-        const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
-        // The logit rounded as the forward kernels round it (one FFMA; softcap:
-        // tanh of s times scale / softcap), so that P is exactly 1 where a
-        // row's max is its one key (a top-k window of 1).
-        float x, tanh_x = 0.0f;
-        if constexpr (kSoftcap) {
-          tanh_x = tanh_ex2(acc_s(e) * inner);
-          x = softcap * tanh_x + key_bias[half];
-        } else {
-          float bias = key_bias[half];
-          if constexpr (kRowBias)
-            bias = !kTested || (qi < qrows && kj < kcols)
-                       ? load_float<Element>(p.bias.data, p.bias_float32, bias_at + qi * p.bias.sr + kj * p.bias.sc)
-                       : 0.0f;
-          x = acc_s(e) * scale + bias;
-        }
-        if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
-                                   : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
-                                         (partial && ((key_bits[half][e / 16] >> (qi % 32)) & 1) == 0)))
-          x = -kInf;
-        // (x - max) first: x and max near the float32 limit would overflow times log2(e).
-        const float4 row = st[qi];
-        const float prob = exp2_ftz((x - row.x) * kLog2e) * row.y;
-        const float ds = prob * (acc_dp(e) - row.z);
-        acc_s(e) = prob;
-        acc_dp(e) = kSoftcap ? ds * (1.0f - tanh_x * tanh_x) : ds;
-        if (key_sums) key_sum[half] += ds;
-        if (tile_grads) {
-          float sum = ds;
-          if constexpr (Config::kDbSums) sum += db_open ? db_sum[e * Config::kThreads] : 0.0f;
-          if (!db_close) {
-            if constexpr (Config::kDbSums) db_sum[e * Config::kThreads] = sum;
-          } else if (!kTested || (qi < qrows && kj < kcols)) {
-            db_out.add(p, hb, q0 + qi, row0 + kj, sum);
+          for (int i = 0; i < kChunk; ++i) {
+            const int kj = get<0>(cS(c * kChunk + i)), qi = get<1>(cS(c * kChunk + i));
+            to[i] = !kTested || (qi < qrows && kj < kcols)
+                        ? load_float<Element>(p.bias.data, p.bias_float32, bias_at + qi * p.bias.sr + kj * p.bias.sc)
+                        : 0.0f;
           }
         }
+      };
+      load_bias(0, bias_now);
+#pragma unroll
+      for (int c = 0; c < kAccS / kChunk; ++c) {
+        if (c + 1 < kAccS / kChunk) load_bias(c + 1, bias_next);
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          const int e = c * kChunk + i;
+          const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
+          // The logit rounded as the forward kernels round it (one FFMA; softcap:
+          // tanh of s times scale / softcap), so that P is exactly 1 where a
+          // row's max is its one key (a top-k window of 1).
+          float x, tanh_x = 0.0f;
+          if constexpr (kSoftcap) {
+            tanh_x = tanh_ex2(acc_s(e) * inner);
+            x = softcap * tanh_x + key_bias[half];
+          } else {
+            x = acc_s(e) * scale + (kRowBias ? bias_now[i] : key_bias[half]);
+          }
+          if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
+                                     : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
+                                           (partial && ((key_bits[half][e / 16] >> (qi % 32)) & 1) == 0)))
+            x = -kInf;
+          // (x - max) first: x and max near the float32 limit would overflow times log2(e).
+          const float4 row = st[qi];
+          const float prob = exp2_ftz((x - row.x) * kLog2e) * row.y;
+          const float ds = prob * (acc_dp(e) - row.z);
+          acc_s(e) = prob;
+          acc_dp(e) = kSoftcap ? ds * (1.0f - tanh_x * tanh_x) : ds;
+          if (key_sums) key_sum[half] += ds;
+        }
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) bias_now[i] = bias_next[i];
       }
     };
     if (kKeyGroups || !whole || partial)
       gradients(std::true_type{});
     else
       gradients(std::false_type{});
+    // A bias with rows: dS^T (acc_dp) into the open dbias tile, or at its last
+    // step, out (the thread's elements inside the sequences).
+    if (tile_grads) {
+      if (!db_close) {
+        if constexpr (Config::kDbSums) {
+#pragma unroll
+          for (int e = 0; e < kAccS; ++e)
+            db_sum[e * Config::kThreads] = acc_dp(e) + (db_open ? db_sum[e * Config::kThreads] : 0.0f);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kAccS; ++e) {
+          const int kj = get<0>(cS(e)), qi = get<1>(cS(e));
+          const float sum = acc_dp(e) + (Config::kDbSums && db_open ? db_sum[e * Config::kThreads] : 0.0f);
+          if (whole || (qi < qrows && kj < kcols)) db_out.add(p, hb, q0 + qi, row0 + kj, sum);
+        }
+      }
+    }
     if constexpr (kRowBias) db_open = !db_close;
 
     // P^T and dS^T in Element, in the A-operand layout of the dK / dV MMAs (the
