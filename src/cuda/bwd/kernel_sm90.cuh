@@ -4,8 +4,9 @@
 // batched or varlen. The dispatch plans it where it applies (dispatch.cu
 // dkv_sm90_applies: an sm_90a device, TMA can address Q and dO); everything
 // else (top-k thresholds, softcap with a mask or top-k, deterministic dq over
-// key groups, masks or varlen, head dims above 128, dbias other than
-// key-only) runs backward_kernel<.., true> (bwd/kernel_sm80.cuh).
+// key groups, masks or varlen, head dims above 128, a bias with rows together
+// with a mask, top-k, softcap or deterministic dq) runs backward_kernel<..,
+// true> (bwd/kernel_sm80.cuh).
 //
 // Varlen: K and V rows, the key-only bias, dk and dv from the sequence's
 // first key; Q and dO by TMA over the packed rows (TokenExtent), a step's
