@@ -19,6 +19,11 @@
 //                                     dq by atomics, deterministic by ordered additions (the dense walk
 //                                     alone: batched, no mask or softcap; CTAs started in order:
 //                                     bwd/kernel_sm90.cuh)
+//                  Hopper kSm90RowBias  the same device, head dims and operands, a bias with rows (per-row
+//                                     or full) or a dbias per element, no mask, top-k, softcap or
+//                                     deterministic; dbias summed over a bias head's query heads in the
+//                                     CTA (D' = 128; at D' = 64 only where no two query heads of a kv head
+//                                     share a bias head), float32 slices only across batch entries or kv heads
 //                  sm80 kSm80         everything else
 //   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
 //                  intervals (Problem::topk_by_intervals) or per-row thresholds
@@ -122,6 +127,10 @@ struct Instance {
   // Of a CTA of the Hopper forward and dk/dv kernels; 0: none at this head
   // dim (sm90_head_dim).
   int forward_sm90_smem = 0, dkv_sm90_smem = 0;
+  // ... of its walk of a bias with rows, and whether that walk sums dbias over
+  // the query heads of a kv head (bwd/config.cuh DkvSm90Config::kDbSums).
+  int dkv_sm90_row_bias_smem = 0;
+  bool dkv_sm90_db_sums = false;
 };
 
 template <int kHeadDim>
@@ -146,6 +155,8 @@ Instance make_instance() {
   if constexpr (sm90_head_dim(kHeadDim)) {
     i.forward_sm90_smem = ForwardSm90Config<half_t, kHeadDim>::kSmemBytes;
     i.dkv_sm90_smem = DkvSm90Config<half_t, kHeadDim>::kSmemBytes;
+    i.dkv_sm90_row_bias_smem = DkvSm90Config<half_t, kHeadDim>::kRowBiasSmemBytes;
+    i.dkv_sm90_db_sums = DkvSm90Config<half_t, kHeadDim>::kDbSums;
   }
   return i;
 }
@@ -285,21 +296,35 @@ bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const Devi
          tma_addressable(p.v, p.key_tokens(p.batch), p.heads / p.group);
 }
 
+// The Hopper dk/dv kernel's walk of a bias with rows (a bias not key-only,
+// or one whose gradient has rows: DkvWalk::kRowBias).
+bool row_bias_walk(const BackwardParams& p) {
+  return p.bias_kind() == BiasKind::kPerRow || p.bias_kind() == BiasKind::kFull || p.bias_grad == BiasGrad::kPerElement;
+}
+
 // The Hopper dk/dv kernel: D' = 64 or 128 (a smaller D padded), dq summed in
 // its dQ blocks (deterministic: in order, the dense walk of a batched call
 // without a mask or softcap), the dense walk (a mask tested by tile class and
 // bit; or softcap) or top-k key groups (a mask folded into them), key-only
-// dbias.
+// dbias; or the walk of a bias with rows (batched: varlen biases are
+// key-only), without a mask, top-k, softcap or ordered dq, where its dbias
+// sums fit (D' = 128), or no two query heads of a kv head share a bias head.
 bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceInfo& device, bool deterministic) {
   const BackwardParams& p = plan.params;
   const bool dense = plan.selection == DeviceSelection::kNone, plain = dense && p.mask.data == nullptr;
-  const bool walk = deterministic ? plain && p.softcap == 0.0f && p.cu_seqlens_q == nullptr
-                                  : dense || plan.selection == DeviceSelection::kIntervals;
-  return device.sm90a && i.dkv_sm90_smem > 0 && p.seqlen_q > 0 && walk && (p.softcap == 0.0f || plain) &&
-         (p.bias_kind() == BiasKind::kNone || p.bias_kind() == BiasKind::kKeyOnly) &&
-         (p.bias_grad == BiasGrad::kNone || p.bias_grad == BiasGrad::kPerKey) && p.vector_q && p.vector_k &&
-         p.vector_v && p.vector_dout && i.dkv_sm90_smem <= device.smem_optin &&
-         tma_addressable(p.q, p.query_tokens(plan.batch), p.heads) &&
+  bool walk = false;
+  int smem = i.dkv_sm90_smem;
+  if (row_bias_walk(p)) {
+    const bool heads_share = p.bias_grad == BiasGrad::kPerElement && p.bias_group > 1 && p.group > 1;
+    walk = plain && !deterministic && p.softcap == 0.0f && (i.dkv_sm90_db_sums || !heads_share);
+    smem = i.dkv_sm90_row_bias_smem;
+  } else {
+    walk = deterministic ? plain && p.softcap == 0.0f && p.cu_seqlens_q == nullptr
+                         : dense || plan.selection == DeviceSelection::kIntervals;
+    walk = walk && (p.softcap == 0.0f || plain);
+  }
+  return device.sm90a && i.dkv_sm90_smem > 0 && p.seqlen_q > 0 && walk && p.vector_q && p.vector_k && p.vector_v &&
+         p.vector_dout && smem <= device.smem_optin && tma_addressable(p.q, p.query_tokens(plan.batch), p.heads) &&
          tma_addressable(p.dout, p.query_tokens(plan.batch), p.heads);
 }
 
@@ -416,9 +441,15 @@ BackwardPlan plan_backward(const Problem& p) {
   plan.sort_groups = params.bias_grad == BiasGrad::kNone || params.bias_grad == BiasGrad::kPerKey;
   plan.split_groups = params.bias_grad == BiasGrad::kNone || params.bias_group % params.group == 0;
   if (dkv_sm90_applies(plan, instance, device, p.deterministic)) {
-    plan.dkv = plan.selection == DeviceSelection::kIntervals ? DkvKernel::kSm90Groups : DkvKernel::kSm90;
+    plan.dkv = plan.selection == DeviceSelection::kIntervals ? DkvKernel::kSm90Groups
+               : row_bias_walk(params)                        ? DkvKernel::kSm90RowBias
+                                                              : DkvKernel::kSm90;
     plan.ordered_dq = p.deterministic;
     params.atomic_dq = true;
+    // The row-bias walk sums the query heads of a bias head within its CTA:
+    // slices only where a bias element spans batch entries or kv heads.
+    if (plan.dkv == DkvKernel::kSm90RowBias && params.bias_grad == BiasGrad::kPerElement)
+      plan.dbias_slices = params.contrib_b * params.contrib_h > 1 ? params.contrib_b * params.contrib_h : 0;
   }
   params.dq_blocks = plan.dkv != DkvKernel::kSm80;
   plan.run = instance.backward[dtype];

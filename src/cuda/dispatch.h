@@ -61,6 +61,7 @@ struct ForwardPlan {
 enum class DkvKernel {
   kSm90,        // Hopper dk/dv, dense walk (bwd/kernel_sm90.cuh)
   kSm90Groups,  // Hopper dk/dv over top-k key groups
+  kSm90RowBias,  // Hopper dk/dv, dense walk with a bias that has rows (its tiles, dbias a tile at a time)
   kSm80,        // sm80-class dk/dv (bwd/kernel_sm80.cuh), also over key groups or mask tiles
 };
 

@@ -90,6 +90,8 @@ constexpr bool backward_atomic_dq(int head_dim) { return head_dim % 64 == 0; }
 // Shared memory a block may opt in to on the smallest GPUs of the sm80 class,
 // sm_86 / sm_89 (RTX 3090 / 4090, L40): 99 KiB (an A100 gives 163, an H100 227).
 constexpr int kSmemSm86 = 99 * 1024;
+// ... and on an sm_90 GPU (H100, H200): 227 KiB.
+constexpr int kSmemSm90 = 227 * 1024;
 // A backward kernel's tile: rows a CTA owns and columns a step. Each kernel
 // has a large tile (the rows and steps above) and a small one: the first of
 // (large rows, 32 columns) and (64 rows with the feature split, 32 columns)

@@ -1,6 +1,7 @@
 // The backward check matrix: dq, dk, dv and dbias over the bias and mask
 // broadcast forms, GQA, options, top-k (key lists, key groups, pieces,
-// thresholds), varlen, head dims above 128 and the deterministic pairs.
+// thresholds), varlen, head dims above 128, the deterministic pairs and the
+// Hopper dk/dv kernel's walks (masks, softcap, varlen, a bias with rows).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -337,6 +338,33 @@ std::vector<Case> wide_head_cases(Make&& make, bool small) {
   return cases;
 }
 
+// The Hopper dk/dv kernel's walk of a bias with rows (D = 128 and 64), variant
+// v: its bias shape ((B, H, Sq, Sk): dbias direct; (1, Hk, Sq, Sk): the G query
+// heads of a kv head summed in the CTA, at D = 64 the sm80 kernel's instead;
+// (B, 1, Sq, Sk): one slice a kv head; (B, Hk, Sq, 1): a per-row bias, no
+// dbias), GQA, MHA or MQA, causal, non-causal or a window, B = 2 (a bias
+// broadcast over batches: a slice a batch entry), lengths off the 128-key and
+// 64 / 128-query tiles, float32 and permuted biases.
+constexpr int kRowBiasVariants = 8;
+template <class Make>
+Case row_bias_case(Make&& make, std::int64_t d, int v, std::int64_t sq, std::int64_t sk) {
+  const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
+  Case c = make("Hopper row bias", sq, sk, heads[v % 3][0], heads[v % 3][1]);
+  c.D = d;
+  c.B = 2;
+  const int form = v % 4;
+  c.bias_shape = form == 0   ? Shape{c.B, c.H, c.Sq, c.Sk}
+                 : form == 1 ? Shape{1, c.Hk, c.Sq, c.Sk}
+                 : form == 2 ? Shape{c.B, 1, c.Sq, c.Sk}
+                             : Shape{c.B, c.Hk, c.Sq, 1};
+  c.bias_dtype = v % 3 == 2 ? DType::kFloat32 : c.dtype;
+  c.bias_layout.permuted = v % 5 == 1;
+  c.options.causal = v % 2 == 0;
+  if (v == 5) c.options.sliding_window = {70, 30};
+  if (v == 6) c.options.sliding_window = {100, 0};
+  return c;
+}
+
 }  // namespace
 
 std::vector<Case> backward_matrix(bool small) {
@@ -447,6 +475,12 @@ std::vector<Case> backward_matrix(bool small) {
         const Case m = hopper_mask_case(make("", 1, 1, 4, 2), d, variant);
         cases.push_back(finish(m));
         cases.back().name = "bwd small " + cases.back().name;
+      }
+    for (std::int64_t d : {128, 64})  // the walk of a bias with rows: dbias direct, summed in the CTA, slices
+      for (int variant : {0, 1, 2, 6}) {
+        Case r = row_bias_case(make, d, variant, 150, 200);
+        r.name = "bwd small row bias";
+        cases.push_back(finish(r));
       }
     return cases;
   }
@@ -629,6 +663,11 @@ std::vector<Case> backward_matrix(bool small) {
       v.bias_dtype = i == 1 ? DType::kFloat32 : v.dtype;
       hopper_varlen(v, i);
       cases.push_back(finish(v));
+    }
+  for (std::int64_t dim : {128, 64})
+    for (int v = 0; v < kRowBiasVariants; ++v) {
+      const std::int64_t sizes[2][2] = {{300, 257}, {600, 700}};
+      cases.push_back(finish(row_bias_case(make, dim, v, sizes[v % 2][0], sizes[v % 2][1])));
     }
   Case groups = hopper("top-k 256 key groups", 2048, 2048, 4, 2);
   groups.B = 1, groups.options.causal = true, groups.options.keep_window_size = 256;

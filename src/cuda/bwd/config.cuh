@@ -208,9 +208,14 @@ struct DkvSm90Config {
   static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
   // K, V, two buffers of Q and dO (a buffer D / 64 TMA boxes of 64 features),
   // two of dS^T, one of dQ (float32, DqBlocks), two of the step's row
-  // statistics (16 bytes a query), then 16 bytes a key: its index, its
-  // piece's info (KeyPieces) and its rows in the current selection head (key
-  // groups), and the barriers of the two Q / dO buffers.
+  // statistics (16 bytes a query), the barriers of the two Q / dO buffers,
+  // then 16 bytes a key: its index, its piece's info (KeyPieces) and its rows
+  // in the current selection head (key groups). The walk of a bias with rows
+  // (DkvWalk::kRowBias) has no key area: its dbias sums over the query heads
+  // of a bias head (kDbSumAt, a float a thread's S^T element, kThreads apart)
+  // lie there instead, where they fit the 227 KiB of an sm_90 GPU (D = 128;
+  // kDbSums), and the dispatch plans the walk at D = 64 only where a kv head's
+  // steps never share a dbias tile.
   static constexpr int kTxBytes = 2 * kQElems * int(sizeof(Element));
   static constexpr int kDsAt = (2 * kKvElems + 4 * kQElems) * int(sizeof(Element));
   static constexpr int kDqAt = kDsAt + 2 * kDsElems * int(sizeof(Element));
@@ -219,9 +224,12 @@ struct DkvSm90Config {
   static constexpr int kDsAtomBytes = kBlockN * 128;
   static_assert(kBlockM % 64 == 0, "rows of dS^T are whole 128-byte swizzle atom rows");
   static constexpr int kStatsAt = kDqAt + kQElems * int(sizeof(float));
-  static constexpr int kKeysAt = kStatsAt + 2 * 16 * kBlockM;
-  static constexpr int kBarriersAt = kKeysAt + 16 * kBlockN;
-  static constexpr int kSmemBytes = kBarriersAt + 2 * 8;
+  static constexpr int kBarriersAt = kStatsAt + 2 * 16 * kBlockM;
+  static constexpr int kKeysAt = kBarriersAt + 16;
+  static constexpr int kSmemBytes = kKeysAt + 16 * kBlockN;
+  static constexpr int kDbSumAt = kKeysAt, kDbSumBytes = kDsElems * int(sizeof(float));
+  static constexpr bool kDbSums = kDbSumAt + kDbSumBytes <= kSmemSm90;
+  static constexpr int kRowBiasSmemBytes = kDbSums ? std::max(kSmemBytes, kDbSumAt + kDbSumBytes) : kSmemBytes;
   static_assert(kBlockN == kKeyGroupKeys, "a top-k key group is one CTA");
   static_assert(kBlockM == Dq::kRows, "a step's dQ is one DqBlocks block");
 };

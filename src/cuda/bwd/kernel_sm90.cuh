@@ -4,8 +4,9 @@
 // batched or varlen. The dispatch plans it where it applies (dispatch.cu
 // dkv_sm90_applies: an sm_90a device, TMA can address Q and dO); everything
 // else (top-k thresholds, softcap with a mask or top-k, deterministic dq over
-// key groups, masks or varlen, head dims above 128, dbias other than
-// key-only) runs backward_kernel<.., true> (bwd/kernel_sm80.cuh).
+// key groups, masks or varlen, head dims above 128, a bias with rows together
+// with a mask, top-k, softcap or deterministic dq) runs backward_kernel<..,
+// true> (bwd/kernel_sm80.cuh).
 //
 // Varlen: K and V rows, the key-only bias, dk and dv from the sequence's
 // first key; Q and dO by TMA over the packed rows (TokenExtent), a step's
@@ -80,8 +81,9 @@ namespace dmattn::cuda {
 // The dk/dv kernel's walks, one instantiation each: dense (dq by atomics),
 // dense with dq added in key-block order (deterministic), dense with softcap,
 // dense with the user's mask (a mask with top-k intervals is folded into the
-// key groups), top-k key groups.
-enum class DkvWalk { kDense, kOrdered, kSoftcap, kMasked, kKeyGroups };
+// key groups), dense with a bias that has rows (its tile loaded a step, dbias
+// a tile at a time), top-k key groups.
+enum class DkvWalk { kDense, kOrdered, kSoftcap, kMasked, kRowBias, kKeyGroups };
 
 template <class Config, DkvWalk kWalk>
 __global__ void __launch_bounds__(Config::kThreads, 1)
@@ -89,6 +91,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   constexpr bool kKeyGroups = kWalk == DkvWalk::kKeyGroups, kMasked = kWalk == DkvWalk::kMasked;
   constexpr bool kSoftcap = kWalk == DkvWalk::kSoftcap, kOrdered = kWalk == DkvWalk::kOrdered;
+  constexpr bool kRowBias = kWalk == DkvWalk::kRowBias;
   using namespace cute;
   using Element = typename Config::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
@@ -123,10 +126,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const QueryRange range = dense_queries(row0);
     q_lo = range.first, q_hi = range.end;
   }
-  // Steps: query blocks [first, first + span) of each head of the group in turn.
+  // Steps: query blocks [first, first + span) of each head of the group in
+  // turn; a bias with rows, the heads of the group for each query block in
+  // turn (the query heads of a bias head consecutive, so that their dS^T
+  // tiles add up to one dbias tile before it is stored).
   const int first = q_hi > q_lo ? static_cast<int>(q_lo / kBlockM) : 0;
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;
+  const auto step_head = [&](int s) { return h_first + (kRowBias ? s % p.group : s / span); };
+  const auto step_block = [&](int s) { return first + (kRowBias ? s / p.group : s % span); };
   // The mask (dense walk): step s = (head h_first + s / span, query block
   // first + s % span) is walked unless its tile is empty (the batch strides
   // are 0 where the mask broadcasts over batches).
@@ -265,6 +273,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   const bool has_bias = p.bias.data != nullptr, key_sums = p.bias_grad == BiasGrad::kPerKey;
   const BiasGradOut<Element> db_out(p, b, kvh, seq);
+  // A bias with rows and its gradient: the dbias tile of the step's (bias
+  // head, query block) is open (its sums so far in db_sum) until a step of
+  // another one follows; then the thread stores its elements, one value each.
+  const bool tile_grads = kRowBias && p.bias_grad == BiasGrad::kPerElement;
+  float* db_sum = reinterpret_cast<float*>(smem + Config::kDbSumAt) + tid;
+  bool db_open = false;
   float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
   int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
   const float scale = p.scale, softcap = p.softcap, inner = kSoftcap ? scale / softcap : 0.0f;
@@ -277,7 +291,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // ordered walk skips no step: step s - 1 is the last).
   const auto pass_last = [&](int s) {
     bulk_wait_complete();
-    pass_turn(turn(h_first + (s - 1) / span, first + (s - 1) % span), key_block + 1);
+    pass_turn(turn(step_head(s - 1), step_block(s - 1)), key_block + 1);
   };
   bool my_turn = true;  // ordered, lane 0: the step's turn was read before its reduction
 
@@ -285,10 +299,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   fence_async_shared();
   __syncthreads();  // K, V, the zeroed statistics and the barriers
   Step cur = next_step(-1);
-  if (tid == 0 && cur.s < total) issue(h_first + cur.s / span, first + cur.s % span, 0);
+  if (tid == 0 && cur.s < total) issue(step_head(cur.s), step_block(cur.s), 0);
   // The walk's step t: head h, query block blk; (h_next, blk_next) the next step's.
   for (int t = 0; cur.s < total; ++t) {
-    const int h = h_first + cur.s / span, blk = first + cur.s % span;
+    const int h = step_head(cur.s), blk = step_block(cur.s);
     const int buf = t & 1, hb = static_cast<int>(unsigned(h) / unsigned(p.bias_group));
     const std::int64_t q0 = std::int64_t{blk} * kBlockM;
     // A partial step's mask words: the thread's two keys, queries [q0, q0 + kBlockM).
@@ -303,7 +317,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         for (int w = 0; w < kWords; ++w)
           key_bits[half][w] = words[(row0 + my_key[half]) * p.dkv_packed.so + (q0 / 32 + w) * p.dkv_packed.si];
     }
-    if (has_bias && hb != key_bias_head) {
+    if (has_bias && !kRowBias && hb != key_bias_head) {
       key_bias_head = hb;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -334,7 +348,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // and this step's is read (no wait on either in the step where it is ready).
     const Step next = next_step(cur.s);
     const bool more = next.s < total;
-    const int h_next = h_first + next.s / span, blk_next = first + next.s % span;
+    const int h_next = step_head(next.s), blk_next = step_block(next.s);
+    const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
+    // A bias with rows: the step's tile from here (0 past the sequences).
+    const std::int64_t bias_at =
+        kRowBias ? b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + (seq.ks + row0) * p.bias.sc : 0;
+    const bool db_close = !more || blk_next != blk || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb);
     if (kOrdered && lane == 0) {
       if (t > 0) pass_last(cur.s);
       my_turn = blk >= before_end || read_turn(turn(h, blk)) == key_block;
@@ -345,7 +364,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // no element; key groups test each against its key's rows [lo, hi).
     const bool whole = q0 + kBlockM <= sq && row0 + kBlockN <= sk &&
                        band_covers(p.band, offset, q0, q0 + kBlockM - 1, row0, row0 + kBlockN - 1);
-    const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
     const TileBand band(p.band, offset, q0, row0);
     int lo[2] = {0, 0}, hi[2] = {0, 0};
     if constexpr (kKeyGroups) {
@@ -360,39 +378,82 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // code of whole tiles, most of a causal walk, has no test), against the
     // mask's bit too on a partial tile (query qi's word: e / 16). kSoftcap:
     // l = softcap tanh(scale s / softcap) + bias, and dS^T carries the factor
-    // dl / d(scale s) = 1 - tanh^2 (dbias sums dS^T without it).
+    // dl / d(scale s) = 1 - tanh^2 (dbias sums dS^T without it). kRowBias:
+    // the tile's bias, kChunk elements at a time, each chunk's loads issued
+    // together before the arithmetic of the chunk before (a load next to its
+    // use, in a loop with branches, left 32 global round trips a step).
     auto gradients = [&](auto tested) {
       constexpr bool kTested = decltype(tested)::value;
+      constexpr int kChunk = kRowBias ? 8 : kAccS;
+      float bias_now[kChunk], bias_next[kChunk];
+      const auto load_bias = [&](int c, float(&to)[kChunk]) {
+        if constexpr (kRowBias) {
 #pragma unroll
-      for (int e = 0; e < kAccS; ++e) {
-        const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
-        // The logit rounded as the forward kernels round it (one FFMA; softcap:
-        // tanh of s times scale / softcap), so that P is exactly 1 where a
-        // row's max is its one key (a top-k window of 1).
-        float x, tanh_x = 0.0f;
-        if constexpr (kSoftcap) {
-          tanh_x = tanh_ex2(acc_s(e) * inner);
-          x = softcap * tanh_x + key_bias[half];
-        } else {
-          x = acc_s(e) * scale + key_bias[half];
+          for (int i = 0; i < kChunk; ++i) {
+            const int kj = get<0>(cS(c * kChunk + i)), qi = get<1>(cS(c * kChunk + i));
+            to[i] = !kTested || (qi < qrows && kj < kcols)
+                        ? load_float<Element>(p.bias.data, p.bias_float32, bias_at + qi * p.bias.sr + kj * p.bias.sc)
+                        : 0.0f;
+          }
         }
-        if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
-                                   : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
-                                         (partial && ((key_bits[half][e / 16] >> (qi % 32)) & 1) == 0)))
-          x = -kInf;
-        // (x - max) first: x and max near the float32 limit would overflow times log2(e).
-        const float4 row = st[qi];
-        const float prob = exp2_ftz((x - row.x) * kLog2e) * row.y;
-        const float ds = prob * (acc_dp(e) - row.z);
-        acc_s(e) = prob;
-        acc_dp(e) = kSoftcap ? ds * (1.0f - tanh_x * tanh_x) : ds;
-        if (key_sums) key_sum[half] += ds;
+      };
+      load_bias(0, bias_now);
+#pragma unroll
+      for (int c = 0; c < kAccS / kChunk; ++c) {
+        if (c + 1 < kAccS / kChunk) load_bias(c + 1, bias_next);
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          const int e = c * kChunk + i;
+          const int half = e / 2 % 2, kj = get<0>(cS(e)), qi = get<1>(cS(e));
+          // The logit rounded as the forward kernels round it (one FFMA; softcap:
+          // tanh of s times scale / softcap), so that P is exactly 1 where a
+          // row's max is its one key (a top-k window of 1).
+          float x, tanh_x = 0.0f;
+          if constexpr (kSoftcap) {
+            tanh_x = tanh_ex2(acc_s(e) * inner);
+            x = softcap * tanh_x + key_bias[half];
+          } else {
+            x = acc_s(e) * scale + (kRowBias ? bias_now[i] : key_bias[half]);
+          }
+          if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
+                                     : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
+                                           (partial && ((key_bits[half][e / 16] >> (qi % 32)) & 1) == 0)))
+            x = -kInf;
+          // (x - max) first: x and max near the float32 limit would overflow times log2(e).
+          const float4 row = st[qi];
+          const float prob = exp2_ftz((x - row.x) * kLog2e) * row.y;
+          const float ds = prob * (acc_dp(e) - row.z);
+          acc_s(e) = prob;
+          acc_dp(e) = kSoftcap ? ds * (1.0f - tanh_x * tanh_x) : ds;
+          if (key_sums) key_sum[half] += ds;
+        }
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) bias_now[i] = bias_next[i];
       }
     };
     if (kKeyGroups || !whole || partial)
       gradients(std::true_type{});
     else
       gradients(std::false_type{});
+    // A bias with rows: dS^T (acc_dp) into the open dbias tile, or at its last
+    // step, out (the thread's elements inside the sequences).
+    if (tile_grads) {
+      if (!db_close) {
+        if constexpr (Config::kDbSums) {
+#pragma unroll
+          for (int e = 0; e < kAccS; ++e)
+            db_sum[e * Config::kThreads] = acc_dp(e) + (db_open ? db_sum[e * Config::kThreads] : 0.0f);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kAccS; ++e) {
+          const int kj = get<0>(cS(e)), qi = get<1>(cS(e));
+          const float sum = acc_dp(e) + (Config::kDbSums && db_open ? db_sum[e * Config::kThreads] : 0.0f);
+          if (whole || (qi < qrows && kj < kcols)) db_out.add(p, hb, q0 + qi, row0 + kj, sum);
+        }
+      }
+    }
+    if constexpr (kRowBias) db_open = !db_close;
 
     // P^T and dS^T in Element, in the A-operand layout of the dK / dV MMAs (the
     // accumulator's kBlockM / 8 query groups are kBlockM / 16 k-slices of 16),
