@@ -89,6 +89,9 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   Element* k_smem = q_smem + Config::kQElems;  // two buffers
   Element* v_smem = k_smem + 2 * Config::kKvElems;  // two buffers
   auto* bias_smem = reinterpret_cast<float*>(smem + Config::kBiasAt);  // two buffers
+  // The list's keys of iteration j's tile in buffer j % 3 (-1 past the list),
+  // staged one iteration ahead of their gathers.
+  auto* keys_smem = reinterpret_cast<int*>(smem + Config::kKeysAt);
   auto* q_full = reinterpret_cast<std::uint64_t*>(smem + Config::kBarriersAt);
   std::uint64_t* k_full = q_full + 1;  // two
   std::uint64_t* v_full = q_full + 3;  // two
@@ -114,12 +117,12 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   const int listed = blk.mask_count;
   const std::uint32_t* list_bits =
       kLists ? p.mask_bits + (blk.mask_block / p.mask_blocks * p.seqlen_q + row0) * p.bits_sr : nullptr;
-  // The K or V rows (`rows`: the sequence's first, `stride` apart) of list
-  // positions [n kBlockN, + kBlockN) into dst as TMA lays them out (64-feature
-  // boxes of kBlockN 128-byte swizzled rows): thread t copies chunk t % kChunks
-  // of rows t / kChunks + kRowStep j; zeros past the list and the head dim. The
-  // caller commits the group.
-  auto gather = [&](const Element* rows, std::int64_t stride, Element* dst, int n) {
+  // The K or V rows (`rows`: the sequence's first, `stride` apart) of the keys
+  // staged in buffer s into dst as TMA lays them out (64-feature boxes of
+  // kBlockN 128-byte swizzled rows): thread t copies chunk t % kChunks of rows
+  // t / kChunks + kRowStep j; zeros past the list and the head dim. The caller
+  // commits the group.
+  auto gather = [&](const Element* rows, std::int64_t stride, Element* dst, int s) {
     constexpr int kChunks = kHeadDim / 8, kRowStep = Config::kThreads / kChunks;
     static_assert(Config::kThreads % kChunks == 0 && kBlockN % kRowStep == 0, "whole rows a pass");
     const int c = tid % kChunks, r0 = tid / kChunks;
@@ -127,10 +130,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     const bool feature = 8 * c < p.head_dim;
 #pragma unroll
     for (int j = 0; j < kBlockN / kRowStep; ++j) {
-      const int r = r0 + kRowStep * j, at = n * kBlockN + r;
+      const int r = r0 + kRowStep * j, key = keys_smem[s * kBlockN + r];
       const unsigned to = base + sw128_offset(r, 8 * (c % 8));
-      if (feature && at < listed) {
-        const Element* src = rows + std::int64_t{list[at]} * stride + 8 * c;
+      if (feature && key >= 0) {
+        const Element* src = rows + std::int64_t{key} * stride + 8 * c;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
       } else {
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(to), "r"(0));
@@ -178,13 +181,21 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     }
   };
   const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
-  // The key-only bias: thread t < kBlockN stages key t of a tile (of the
-  // list: the key at its position t) in float.
-  auto fetch_bias = [&](int n) {
-    const int at = n * kBlockN + tid;
-    if (!has_bias || tid >= kBlockN || at >= (kLists ? listed : sk)) return 0.0f;
-    const std::int64_t key = kLists ? list[at] : at;
+  // The key-only bias: thread t < kBlockN stages key t of a tile (of a list:
+  // the key at its position t, staged in buffer s) in float.
+  auto fetch_bias = [&](int n, int s) {
+    if (!has_bias || tid >= kBlockN) return 0.0f;
+    const std::int64_t key = kLists ? keys_smem[s * kBlockN + tid] : std::int64_t{n} * kBlockN + tid;
+    if (key < 0 || key >= sk) return 0.0f;
     return load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
+  };
+  // A list's key at position t of tile n (thread t < kBlockN), -1 past the list.
+  auto fetch_key = [&](int n) {
+    const int at = n * kBlockN + tid;
+    return tid < kBlockN && n >= tile_first && at < listed ? list[at] : -1;
+  };
+  auto store_key = [&](int s, int key) {
+    if (tid < kBlockN) keys_smem[s * kBlockN + tid] = key;
   };
   auto store_bias = [&](int s, float x) {
     if (has_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
@@ -233,16 +244,17 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     wgmma_batch<false>(mma_o, rP, tOrV, acc_o);
   };
 
-  // Prologue: the barriers, then Q and the first tile's K; its bias.
+  // Prologue: the walk's tile and the one after it (a list's: their keys),
+  // the barriers, then Q and the first tile's K; its bias.
+  Tile cur = next_tile(blk.tile_end);
+  Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
+  if constexpr (kLists) store_key(0, fetch_key(cur.n)), store_key(1, fetch_key(next.n));
   if (tid == 0) {
     Barrier::init(q_full, 1);
     for (int s = 0; s < 2; ++s) Barrier::init(&k_full[s], 1), Barrier::init(&v_full[s], 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  // The walk's tile and the one after it.
-  Tile cur = next_tile(blk.tile_end);
-  Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
   if (tid == 0 && cur.n >= tile_first) {
     load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
     if (!kLists || cur.key0 >= 0)
@@ -250,10 +262,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   }
   if (cur.n >= tile_first) {
     if (kLists && cur.key0 < 0) {
-      gather(k_rows, p.k.sr, k_smem, cur.n);
+      gather(k_rows, p.k.sr, k_smem, 0);
       cute::cp_async_fence();
     }
-    store_bias(0, fetch_bias(cur.n));
+    store_bias(0, fetch_bias(cur.n, 0));
     Barrier::wait(q_full, 0);
   }
   // Iteration i over `tile` (n; `following`: the next iteration's, next_n <
@@ -262,6 +274,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   auto iteration = [&](int i, const Tile& tile, const Tile& following, auto pipelined) {
     constexpr bool kPipelined = decltype(pipelined)::value;
     const int buf = i & 1, n = tile.n, next_n = following.n;
+    const int keys_now = i % 3, keys_next = (i + 1) % 3, keys_after = (i + 2) % 3;  // a list's key buffers
     const bool partial = tile.partial;
     // A partial tile's mask words: the thread's two rows, keys [n kBlockN, +
     // kBlockN); a list's: their bits of positions [n kBlockN, + kBlockN), 0
@@ -309,14 +322,15 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     wgmma_batch<true>(mma_s, tSrQ, tSrK, acc_s);
     if constexpr (kPipelined) mma_pv(i - 1);
     if constexpr (kLists) {
-      if (next_n >= tile_first && !k_next_loads) gather(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, next_n);
-      if (!v_loads) gather(v_rows, p.v.sr, v_smem + buf * Config::kKvElems, n);
+      if (next_n >= tile_first && !k_next_loads) gather(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
+      if (!v_loads) gather(v_rows, p.v.sr, v_smem + buf * Config::kKvElems, keys_now);
       cute::cp_async_fence();
       v_loaded = v_loads;
     }
-    // While they run: the next tile's bias and the tile after it.
-    const float next_bias = next_n >= tile_first ? fetch_bias(next_n) : 0.0f;
+    // While they run: the next tile's bias and the tile after it (a list's: its keys).
+    const float next_bias = next_n >= tile_first ? fetch_bias(next_n, keys_next) : 0.0f;
     const Tile after = next_n >= tile_first ? next_tile(next_n) : Tile{tile_first - 1, false};
+    const int after_key = kLists ? fetch_key(after.n) : -1;
     if constexpr (kPipelined)
       warpgroup_wait<1>();
     else
@@ -385,6 +399,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
       row_sum[half] += sum;
     }
     store_bias(buf ^ 1, next_bias);
+    if constexpr (kLists) store_key(keys_after, after_key);
 
     if constexpr (kPipelined) {
       warpgroup_wait<0>();
