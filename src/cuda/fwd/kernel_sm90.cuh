@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     int n;
     bool partial;
     int key0 = -1;  // a list's tile of the consecutive keys [key0, key0 + kBlockN) (TMA); -1: gathered
+    int key = -1;   // a list's key at position t of the tile (thread t < kBlockN), -1 past the list
   };
   // The walk's tile after tile n (n < tile_first: none), 32 classes a look by each warp.
   auto next_tile = [&](int n) {
@@ -175,7 +176,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
         const int first = list[at];
         if (list[at + kBlockN - 1] - first == kBlockN - 1) key0 = first;
       }
-      return Tile{n - 1, false, key0};
+      const bool mine = tid < kBlockN && n - 1 >= tile_first && at + tid < listed;
+      return Tile{n - 1, false, key0, mine ? list[at + tid] : -1};
     } else {
       return Tile{n - 1, false};
     }
@@ -188,11 +190,6 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     const std::int64_t key = kLists ? keys_smem[s * kBlockN + tid] : std::int64_t{n} * kBlockN + tid;
     if (key < 0 || key >= sk) return 0.0f;
     return load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
-  };
-  // A list's key at position t of tile n (thread t < kBlockN), -1 past the list.
-  auto fetch_key = [&](int n) {
-    const int at = n * kBlockN + tid;
-    return tid < kBlockN && n >= tile_first && at < listed ? list[at] : -1;
   };
   auto store_key = [&](int s, int key) {
     if (tid < kBlockN) keys_smem[s * kBlockN + tid] = key;
@@ -248,7 +245,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   // the barriers, then Q and the first tile's K; its bias.
   Tile cur = next_tile(blk.tile_end);
   Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
-  if constexpr (kLists) store_key(0, fetch_key(cur.n)), store_key(1, fetch_key(next.n));
+  if constexpr (kLists) store_key(0, cur.key), store_key(1, next.key);
   if (tid == 0) {
     Barrier::init(q_full, 1);
     for (int s = 0; s < 2; ++s) Barrier::init(&k_full[s], 1), Barrier::init(&v_full[s], 1);
@@ -274,7 +271,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   auto iteration = [&](int i, const Tile& tile, const Tile& following, auto pipelined) {
     constexpr bool kPipelined = decltype(pipelined)::value;
     const int buf = i & 1, n = tile.n, next_n = following.n;
-    const int keys_now = i % 3, keys_next = (i + 1) % 3, keys_after = (i + 2) % 3;  // a list's key buffers
+    const int keys_next = (i + 1) % 3;  // a list's keys: tile in buffer i % 3, the next and the one after
     const bool partial = tile.partial;
     // A partial tile's mask words: the thread's two rows, keys [n kBlockN, +
     // kBlockN); a list's: their bits of positions [n kBlockN, + kBlockN), 0
@@ -323,14 +320,13 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     if constexpr (kPipelined) mma_pv(i - 1);
     if constexpr (kLists) {
       if (next_n >= tile_first && !k_next_loads) gather(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
-      if (!v_loads) gather(v_rows, p.v.sr, v_smem + buf * Config::kKvElems, keys_now);
+      if (!v_loads) gather(v_rows, p.v.sr, v_smem + buf * Config::kKvElems, i % 3);
       cute::cp_async_fence();
       v_loaded = v_loads;
     }
     // While they run: the next tile's bias and the tile after it (a list's: its keys).
     const float next_bias = next_n >= tile_first ? fetch_bias(next_n, keys_next) : 0.0f;
     const Tile after = next_n >= tile_first ? next_tile(next_n) : Tile{tile_first - 1, false};
-    const int after_key = kLists ? fetch_key(after.n) : -1;
     if constexpr (kPipelined)
       warpgroup_wait<1>();
     else
@@ -399,7 +395,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
       row_sum[half] += sum;
     }
     store_bias(buf ^ 1, next_bias);
-    if constexpr (kLists) store_key(keys_after, after_key);
+    if constexpr (kLists) store_key((i + 2) % 3, after.key);
 
     if constexpr (kPipelined) {
       warpgroup_wait<0>();
