@@ -12,15 +12,15 @@
 // batched length and never stored.
 //
 // The walks (ForwardWalk), a kernel each, so that the dense walk keeps its
-// registers. kMasked (batched: a mask and varlen exclude each other): a mask comes packed
-// (ForwardParams::packed, bits by query row) with the classes of its 128-row x
-// kBlockN-key tiles (ForwardParams::tiles); a kernel of its own, so that the
-// walk without one keeps its registers. The walk skips empty tiles, loads
+// registers. kMasked (a mask without top-k; batched: a mask and varlen exclude
+// each other): the mask comes packed (ForwardParams::packed, bits by query
+// row) with the classes of its 128-row x kBlockN-key tiles
+// (ForwardParams::tiles). The walk skips empty tiles, loads
 // included, tests nothing on full ones, and on a partial one tests each
 // element against its bit (a thread's two rows' words of the tile load while
 // S = Q K^T runs).
 // kKeyLists: the block's key list (KeyLists, built for query blocks of 128
-// rows: a top-k selection, or a mask, or both) walked kBlockN positions a
+// rows: a top-k selection, with a mask or not) walked kBlockN positions a
 // tile, the last first, each element tested against its row's bit of the
 // list position (the pre-pass folded causal, the window and the keys into the
 // bits; 0 past the list), the key-only bias read by key. A tile of
@@ -63,7 +63,7 @@
 namespace dmattn::cuda {
 
 // The forward's walks: every key tile of the band, the user's mask by tile
-// class and bit, the key lists (a mask and/or top-k).
+// class and bit, the key lists (top-k, with a mask or not).
 enum class ForwardWalk { kDense, kMasked, kKeyLists };
 
 template <class Config, ForwardWalk kWalk>
