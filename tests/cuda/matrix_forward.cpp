@@ -220,7 +220,8 @@ Case hopper_topk_case(Case c, std::int64_t d, int variant, std::int64_t sq, std:
   if (variant == 1) c.mask_shape = {c.B, 1, c.Sq, c.Sk}, c.mask_density = 0.5;
   if (variant == 2) c.options.sliding_window = {150, 0};
   if (variant == 4) hopper_varlen(c, 1), c.Sq = c.Sk = 1, c.options.keep_window_size = 40;
-  const char* what[] = {"intervals", "thresholds + mask", "thresholds window", "intervals scattered", "varlen thresholds"};
+  const char* what[] = {"intervals", "thresholds + mask", "thresholds window", "intervals scattered",
+                        "varlen thresholds"};
   c.name = std::string("Hopper top-k ") + what[variant];
   return c;
 }

@@ -39,9 +39,10 @@
 //                 wait for S_i; logits, online softmax -> P_i (float)
 //                 wait for P V; O *= the correction of tile i; P_i to Element
 // Q, K and V come by TMA (one thread issues them, each buffer has an
-// mbarrier; K and V gathered by the key-list walk); K and V have two buffers each: after iteration i's opening
-// barrier, K_{i+1} and V_i load into the buffers whose last readers (S_{i-1},
-// P V_{i-2}) finished in iteration i - 1.#pragma once
+// mbarrier; the key-list walk gathers the tiles of scattered keys); K and V
+// have two buffers each: after iteration i's opening barrier, K_{i+1} and V_i
+// load into the buffers whose last readers (S_{i-1}, P V_{i-2}) finished in
+// iteration i - 1.#pragma once
 
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
@@ -292,7 +293,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
 #pragma unroll
         for (int w = 0; w < kWords; ++w) {
           const int word = n * kWords + w;
-          row_bits[half][w] = my_row[half] < qrows && 32 * word < listed ? list_bits[my_row[half] * p.bits_sr + word] : 0u;
+          row_bits[half][w] =
+              my_row[half] < qrows && 32 * word < listed ? list_bits[my_row[half] * p.bits_sr + word] : 0u;
         }
       // This thread's copies of K_n (and V_{n-1}) landed, made visible to wgmma by the barrier.
       cute::cp_async_wait<0>();
@@ -319,7 +321,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     wgmma_batch<true>(mma_s, tSrQ, tSrK, acc_s);
     if constexpr (kPipelined) mma_pv(i - 1);
     if constexpr (kLists) {
-      if (next_n >= tile_first && !k_next_loads) gather(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
+      if (next_n >= tile_first && !k_next_loads)
+        gather(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
       if (!v_loads) gather(v_rows, p.v.sr, v_smem + buf * Config::kKvElems, i % 3);
       cute::cp_async_fence();
       v_loaded = v_loads;
