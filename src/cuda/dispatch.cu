@@ -2,10 +2,13 @@
 // parameters and the kernel of every step out, or Error::kUnsupported, before
 // anything is enqueued. The table it implements (docs/architecture.md):
 //
-//   forward        Hopper kSm90       sm_90a device, D' = 64 or 128 compiled (D <= D'), no top-k (a mask:
-//                                     packed with its tile classes, no key lists), batched or varlen, no
-//                                     bias or a key-only one, one split, TMA-addressable q, k, v (varlen:
-//                                     the packed rows)
+//   forward        Hopper kSm90       sm_90a device, D' = 64 or 128 compiled (D <= D'), batched or varlen,
+//                                     no bias or a key-only one, one split, TMA-addressable q, k, v (varlen:
+//                                     the packed rows); top-k (intervals or thresholds, with a mask or not)
+//                                     at D' = 64, or below 16384 keys (heuristics.h forward_sm90_topk): the
+//                                     key lists of 128-row blocks (kKeyLists: runs of consecutive keys by
+//                                     TMA, the rest gathered); a mask alone: packed with its tile classes
+//                                     (kMasked), no key lists
 //                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
 //                  sm80 kSm80         everything else (128 rows a CTA; 64 above D = 128)
 //                  split-KV           grids that leave SMs idle (choose_splits), sm80 kernels only
@@ -282,14 +285,16 @@ void plan_selection(const Problem& p, Plan& plan) {
 
 // ---- The Hopper kernels' conditions ---------------------------------------
 
-// The Hopper forward: written for the dense training shapes at D' = 64 and 128
-// (TMA fills the features past a smaller head dim with zeros), a mask tested
-// by tile class and bit; the 128-row sm80 walk otherwise.
+// The Hopper forward: written for the training shapes at D' = 64 and 128 (TMA
+// fills the features past a smaller head dim with zeros), a top-k selection
+// walked over the key lists, a mask alone by tile class and bit; the 128-row
+// sm80 walk otherwise.
 bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device) {
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
   return device.sm90a && i.forward_sm90_smem > 0 && plan.kernel == ForwardKernel::kSm80 &&
-         plan.block_m == kForwardSm90BlockM && p.num_splits == 1 && plan.selection == DeviceSelection::kNone &&
+         plan.block_m == kForwardSm90BlockM && p.num_splits == 1 &&
+         (plan.selection == DeviceSelection::kNone || forward_sm90_topk(i.head_dim, p.seqlen_k)) &&
          p.vector_q && p.vector_k && p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) &&
          i.forward_sm90_smem <= device.smem_optin && tma_addressable(p.q, p.query_tokens(p.batch), p.heads) &&
          tma_addressable(p.k, p.key_tokens(p.batch), p.heads / p.group) &&
@@ -378,10 +383,17 @@ ForwardPlan plan_forward(const Problem& p) {
   const int block_n = forward_block_n(instance.head_dim, plan.block_m);
   params.num_splits = choose_splits(blocks_m * params.heads * params.batch, (params.seqlen_k + block_n - 1) / block_n,
                                     device.sms, device.sms * per_sm);
+  // The Hopper forward: top-k (with a mask or not) over the key lists (built
+  // for its 128-row blocks); a mask alone by its tile classes and bits. The
+  // mask's one pass costs less than the lists' two, and on a dense mask its
+  // walk less than the lists' (H200, a ~50% random mask: fwd 1.61 ms against
+  // 2.75 over key lists); on a sparse one the lists' shorter walk wins (a
+  // top-1024 mask: 6.17 against 4.02). Nothing the plan sees tells them apart
+  // (docs/kernels.md).
   if (forward_sm90_applies(plan, instance, device)) {
     plan.kernel = ForwardKernel::kSm90;
-    plan.mask_tiles = plan.key_lists;  // a mask alone: tile classes and bits instead of key lists
-    plan.key_lists = false;
+    plan.mask_tiles = plan.key_lists && plan.selection == DeviceSelection::kNone;
+    if (plan.mask_tiles) plan.key_lists = false;
   }
   plan.run = instance.forward[dtype];
   return plan;

@@ -45,6 +45,13 @@ constexpr bool sm90_head_dim(int head_dim) { return head_dim == 64 || head_dim =
 // overlap decides: against one CTA of 192 x 128 or 128 x 128 tiles (the same
 // time), 3.37 -> 2.85 ms (B = 1, 32 / 8 heads, S = 16384, causal; H100).
 constexpr int kForwardSm90BlockM = 128;
+// Top-k on the Hopper forward (its key-list walk) or on the sm80 gathered
+// walk: at D' = 64 (two CTAs an SM) the Hopper walk is faster (S = 16384,
+// w = 1024: 1.043 -> 0.943 ms); at D' = 128 (one CTA an SM, a handful of
+// tiles a CTA whose prologue nothing overlaps) it is faster up to S = 8192
+// (S = 4096, w = 1024: 0.465 -> 0.427; S = 8192, w = 2048: 1.221 -> 1.164),
+// even at 16384 and 1-2% slower from 32768 on (B = 1, 32 / 8 heads, key bias; H200).
+constexpr bool forward_sm90_topk(int head_dim, std::int64_t seqlen_k) { return head_dim <= 64 || seqlen_k < 16384; }
 constexpr int forward_sm90_block_n(int head_dim) { return head_dim <= 64 ? 64 : 128; }
 constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2 : 1; }
 

@@ -201,6 +201,31 @@ Case hopper_mask_case(Case c, std::int64_t d, int variant) {
   return c;
 }
 
+// The Hopper forward's key-list walk (top-k, a mask, or both), GQA (4 or 8
+// query heads over 2 kv heads), rows x keys given (sizes with fewer than 8 key
+// tiles of 64 or a grid of at least 132 CTAs: no split-KV): intervals, causal,
+// w above the first blocks' keys (their lists are runs of consecutive keys,
+// loaded by TMA; later ones gathered) (0); thresholds with a random mask of
+// rows (1); thresholds from a left window, a float32 bias (2); intervals, not
+// causal, w = 20 (scattered keys, every tile gathered) (3); varlen
+// (hopper_varlen 1: a window, a key-only bias of Hk heads) with thresholds (4).
+constexpr int kHopperTopkVariants = 5;
+Case hopper_topk_case(Case c, std::int64_t d, int variant, std::int64_t sq, std::int64_t sk) {
+  c.B = 2, c.Hk = 2, c.D = d;
+  c.Sq = sq, c.Sk = sk;
+  c.bias_dtype = variant == 2 ? DType::kFloat32 : c.dtype;
+  c.bias_shape = {variant == 1 ? c.B : 1, variant == 1 ? c.H : c.Hk, 1, c.Sk};
+  c.options.causal = variant != 3;
+  c.options.keep_window_size = variant == 0 ? 200 : variant == 3 ? 20 : 60;
+  if (variant == 1) c.mask_shape = {c.B, 1, c.Sq, c.Sk}, c.mask_density = 0.5;
+  if (variant == 2) c.options.sliding_window = {150, 0};
+  if (variant == 4) hopper_varlen(c, 1), c.Sq = c.Sk = 1, c.options.keep_window_size = 40;
+  const char* what[] = {"intervals", "thresholds + mask", "thresholds window", "intervals scattered",
+                        "varlen thresholds"};
+  c.name = std::string("Hopper top-k ") + what[variant];
+  return c;
+}
+
 std::vector<Case> forward_matrix(bool small) {
   std::vector<Case> cases;
   const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};
@@ -294,6 +319,11 @@ std::vector<Case> forward_matrix(bool small) {
         m.name = name(m, "small " + m.name);
         cases.push_back(m);
       }
+      Case t = base(0, 0, d == 96 ? DType::kFloat16 : DType::kBFloat16);
+      t.H = 4;
+      t = hopper_topk_case(t, d, d == 128 ? 0 : d == 64 ? 1 : d == 96 ? 3 : 4, 260, 300);
+      t.name = name(t, "small " + t.name);
+      cases.push_back(t);
     }
     return cases;
   }
@@ -638,6 +668,14 @@ std::vector<Case> forward_matrix(bool small) {
       Case m = hopper_mask_case(base(0, 0, variant % 2 ? DType::kFloat16 : DType::kBFloat16), d, variant);
       m.name = name(m, m.name);
       cases.push_back(m);
+    }
+  for (std::int64_t d : {128, 64})
+    for (int variant = 0; variant < kHopperTopkVariants; ++variant) {
+      Case t = base(0, 0, variant % 2 ? DType::kFloat16 : DType::kBFloat16);
+      t.H = 8;
+      t = hopper_topk_case(t, d, variant, 1100, 1100);  // 9 blocks x 8 heads x 2 = 144 CTAs
+      t.name = name(t, t.name);
+      cases.push_back(t);
     }
   // The Hopper forward at D = 64 (grids of at least 132 CTAs or fewer than 8
   // key tiles: no split-KV): GQA and MQA, lengths off its 128-row and 64-key

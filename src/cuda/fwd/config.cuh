@@ -78,10 +78,12 @@ struct ForwardSm90Config {
   using MmaO = WgmmaRS<Element, 64, kHeadDim, kBlockN, TwoWarpgroups, cute::GMMA::Major::MN>;
 
   static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
-  // Q, two buffers of K, two of V, two of the key-only bias (floats), then the
-  // barriers of Q, the K buffers and the V buffers.
+  // Q, two buffers of K, two of V, two of the key-only bias (floats), three of
+  // a key list's keys (ints), then the barriers of Q, the K buffers and the V
+  // buffers.
   static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
-  static constexpr int kBarriersAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
+  static constexpr int kKeysAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
+  static constexpr int kBarriersAt = kKeysAt + 3 * kBlockN * int(sizeof(int));
   static constexpr int kSmemBytes = kBarriersAt + 5 * 8;
 };
 

@@ -1,23 +1,34 @@
-// The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the dense query
-// blocks of head dims up to 64 and 128 (zero-padded by TMA) without split-KV
-// or a top-k selection, batched or varlen, with no bias or a key-only one,
-// softcap and the user's mask. The dispatch plans it where it applies
-// (dispatch.cu forward_sm90_applies: an sm_90a device, TMA can address Q, K
-// and V); everything else (decode tiles, split-KV, top-k key lists, per-row
-// biases, head dims above 128) runs forward_kernel (fwd/kernel_sm80.cuh).
+// The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the query blocks of
+// head dims up to 64 and 128 (zero-padded) without split-KV, batched or
+// varlen, with no bias or a key-only one, softcap, the user's mask and top-k.
+// The dispatch plans it where it applies (dispatch.cu forward_sm90_applies: an
+// sm_90a device, TMA can address Q, K and V); everything else (decode tiles,
+// split-KV, per-row biases, head dims above 128) runs forward_kernel
+// (fwd/kernel_sm80.cuh).
 //
 // Varlen: the TMA maps span the packed rows (TokenExtent), a sequence's tiles
 // start at its first row; a tile's rows or keys past the sequence (the next
 // sequence's, or zeros past the packed rows) are masked like those past a
 // batched length and never stored.
 //
-// kMasked (batched: a mask and varlen exclude each other): a mask comes packed
-// (ForwardParams::packed, bits by query row) with the classes of its 128-row x
-// kBlockN-key tiles (ForwardParams::tiles); a kernel of its own, so that the
-// walk without one keeps its registers. The walk skips empty tiles, loads
+// The walks (ForwardWalk), a kernel each, so that the dense walk keeps its
+// registers. kMasked (a mask without top-k; batched: a mask and varlen exclude
+// each other): the mask comes packed (ForwardParams::packed, bits by query
+// row) with the classes of its 128-row x kBlockN-key tiles
+// (ForwardParams::tiles). The walk skips empty tiles, loads
 // included, tests nothing on full ones, and on a partial one tests each
 // element against its bit (a thread's two rows' words of the tile load while
 // S = Q K^T runs).
+// kKeyLists: the block's key list (KeyLists, built for query blocks of 128
+// rows: a top-k selection, with a mask or not) walked kBlockN positions a
+// tile, the last first, each element tested against its row's bit of the
+// list position (the pre-pass folded causal, the window and the keys into the
+// bits; 0 past the list), the key-only bias read by key. A tile of
+// consecutive keys (a dense stretch of the list) loads by TMA as the dense
+// walk's; any other has its K and V rows gathered by key with 16-byte cp.async
+// from every thread into the layout TMA writes (so that the wgmma descriptors
+// stay), issued after the MMAs of the iteration before the one that reads
+// them: the copies land, then fence.proxy.async, then that iteration's barrier.
 //
 // One CTA of two warpgroups owns 128 query rows, 64 a warpgroup, and walks key
 // tiles of kBlockN (the last first, as forward_kernel): 128 at D = 128; 64 at
@@ -28,9 +39,10 @@
 //                 wait for S_i; logits, online softmax -> P_i (float)
 //                 wait for P V; O *= the correction of tile i; P_i to Element
 // Q, K and V come by TMA (one thread issues them, each buffer has an
-// mbarrier); K and V have two buffers each: after iteration i's opening
-// barrier, K_{i+1} and V_i load into the buffers whose last readers (S_{i-1},
-// P V_{i-2}) finished in iteration i - 1.#pragma once
+// mbarrier; the key-list walk gathers the tiles of scattered keys); K and V
+// have two buffers each: after iteration i's opening barrier, K_{i+1} and V_i
+// load into the buffers whose last readers (S_{i-1}, P V_{i-2}) finished in
+// iteration i - 1.#pragma once
 
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
@@ -51,7 +63,11 @@
 
 namespace dmattn::cuda {
 
-template <class Config, bool kMasked>
+// The forward's walks: every key tile of the band, the user's mask by tile
+// class and bit, the key lists (top-k, with a mask or not).
+enum class ForwardWalk { kDense, kMasked, kKeyLists };
+
+template <class Config, ForwardWalk kWalk>
 __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     forward_kernel_sm90(const __grid_constant__ ForwardParams p, const __grid_constant__ ForwardSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
@@ -59,10 +75,12 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kHeadDim = Config::kHeadDim;
   using Element = typename Config::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr bool kMasked = kWalk == ForwardWalk::kMasked, kLists = kWalk == ForwardWalk::kKeyLists;
 
   const ForwardBlock blk(p, kBlockM, kBlockN);
   if (blk.row0 >= blk.sq) return;
   const int h = blk.h, b = blk.b, hk = h / p.group;
+  const int tid = threadIdx.x, lane = tid % 32;
   const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
   const bool has_bias = p.bias.data != nullptr;
   const int tile_first = blk.tile_first;
@@ -72,6 +90,9 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   Element* k_smem = q_smem + Config::kQElems;  // two buffers
   Element* v_smem = k_smem + 2 * Config::kKvElems;  // two buffers
   auto* bias_smem = reinterpret_cast<float*>(smem + Config::kBiasAt);  // two buffers
+  // The list's keys of iteration j's tile in buffer j % 3 (-1 past the list),
+  // staged one iteration ahead of their gathers.
+  auto* keys_smem = reinterpret_cast<int*>(smem + Config::kKeysAt);
   auto* q_full = reinterpret_cast<std::uint64_t*>(smem + Config::kBarriersAt);
   std::uint64_t* k_full = q_full + 1;  // two
   std::uint64_t* v_full = q_full + 3;  // two
@@ -92,8 +113,37 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     Barrier::arrive_and_expect_tx(bar, kRows * kHeadDim * int(sizeof(Element)));
     tma_load_rows<kRows, kHeadDim>(bar, static_cast<int>(start + row), head, tma_b, std::pair{map, dst});
   };
+  // The key list (kLists): its keys, their count, the bits of the block's first row.
+  const std::int32_t* list = blk.mask_keys;
+  const int listed = blk.mask_count;
+  const std::uint32_t* list_bits =
+      kLists ? p.mask_bits + (blk.mask_block / p.mask_blocks * p.seqlen_q + row0) * p.bits_sr : nullptr;
+  // The K or V rows (`rows`: the sequence's first, `stride` apart) of the keys
+  // staged in buffer s into dst as TMA lays them out (64-feature boxes of
+  // kBlockN 128-byte swizzled rows): thread t copies chunk t % kChunks of rows
+  // t / kChunks + kRowStep j; zeros past the list and the head dim. The caller
+  // commits the group.
+  auto gather = [&](const Element* rows, std::int64_t stride, Element* dst, int s) {
+    constexpr int kChunks = kHeadDim / 8, kRowStep = Config::kThreads / kChunks;
+    static_assert(Config::kThreads % kChunks == 0 && kBlockN % kRowStep == 0, "whole rows a pass");
+    const int c = tid % kChunks, r0 = tid / kChunks;
+    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst)) + c / 8 * (kBlockN * 128);
+    const bool feature = 8 * c < p.head_dim;
+#pragma unroll
+    for (int j = 0; j < kBlockN / kRowStep; ++j) {
+      const int r = r0 + kRowStep * j, key = keys_smem[s * kBlockN + r];
+      const unsigned to = base + sw128_offset(r, 8 * (c % 8));
+      if (feature && key >= 0) {
+        const Element* src = rows + std::int64_t{key} * stride + 8 * c;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
+      } else {
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(to), "r"(0));
+      }
+    }
+  };
+  const auto* k_rows = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + blk.ks * p.k.sr;
+  const auto* v_rows = static_cast<const Element*>(p.v.data) + b * p.v.sb + hk * p.v.sh + blk.ks * p.v.sr;
 
-  const int tid = threadIdx.x, lane = tid % 32;
   // The walk's key tiles, from tile_end - 1 down, the mask's empty ones left
   // out; partial: the tile's elements test the mask.
   const int mh = h / p.mask_group;
@@ -103,6 +153,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   struct Tile {
     int n;
     bool partial;
+    int key0 = -1;  // a list's tile of the consecutive keys [key0, key0 + kBlockN) (TMA); -1: gathered
+    int key = -1;   // a list's key at position t of the tile (thread t < kBlockN), -1 past the list
   };
   // The walk's tile after tile n (n < tile_first: none), 32 classes a look by each warp.
   auto next_tile = [&](int n) {
@@ -118,16 +170,30 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
         }
       }
       return Tile{tile_first - 1, false};
+    } else if constexpr (kLists) {  // the list is ascending: its first and last key tell a run
+      const int at = (n - 1) * kBlockN;
+      int key0 = -1;
+      if (n - 1 >= tile_first && at + kBlockN <= listed) {
+        const int first = list[at];
+        if (list[at + kBlockN - 1] - first == kBlockN - 1) key0 = first;
+      }
+      const bool mine = tid < kBlockN && n - 1 >= tile_first && at + tid < listed;
+      return Tile{n - 1, false, key0, mine ? list[at + tid] : -1};
     } else {
       return Tile{n - 1, false};
     }
   };
-  // The key-only bias: thread t < kBlockN stages key t of a tile in float.
   const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
-  auto fetch_bias = [&](int n) {
-    const std::int64_t key = std::int64_t{n} * kBlockN + tid;
-    if (!has_bias || tid >= kBlockN || key >= sk) return 0.0f;
+  // The key-only bias: thread t < kBlockN stages key t of a tile (of a list:
+  // the key at its position t, staged in buffer s) in float.
+  auto fetch_bias = [&](int n, int s) {
+    if (!has_bias || tid >= kBlockN) return 0.0f;
+    const std::int64_t key = kLists ? keys_smem[s * kBlockN + tid] : std::int64_t{n} * kBlockN + tid;
+    if (key < 0 || key >= sk) return 0.0f;
     return load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
+  };
+  auto store_key = [&](int s, int key) {
+    if (tid < kBlockN) keys_smem[s * kBlockN + tid] = key;
   };
   auto store_bias = [&](int s, float x) {
     if (has_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
@@ -158,41 +224,62 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   // groups of 8 keys are 8 k-slices of 16.
   using ARegs = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>>;
   Tensor rP = make_tensor<Element>(ARegs{});
+  // The key-list walk's TMA loads (not every tile's): the parity of each K
+  // and V buffer's next completion (bit s: buffer s), and whether the last
+  // iteration's V came by TMA.
+  unsigned k_parity = 0, v_parity = 0;
+  bool v_loaded = false;
+  auto wait_loaded = [&](std::uint64_t* full, unsigned& parity, int s) {
+    Barrier::wait(&full[s], (parity >> s) & 1);
+    parity ^= 1u << s;
+  };
   // O += P V of iteration j (its V in buffer j % 2, loaded with parity j / 2 % 2).
   auto mma_pv = [&](int j) {
-    Barrier::wait(&v_full[j & 1], (j >> 1) & 1);
+    if constexpr (!kLists) Barrier::wait(&v_full[j & 1], (j >> 1) & 1);
+    if (kLists && v_loaded) wait_loaded(v_full, v_parity, j & 1);
     Tensor tOrV = thr_o.partition_fragment_B(stage_vt(j & 1));
     warpgroup_fence_operand(rP);
     wgmma_batch<false>(mma_o, rP, tOrV, acc_o);
   };
 
-  // Prologue: the barriers, then Q and the first tile's K; its bias.
+  // Prologue: the walk's tile and the one after it (a list's: their keys),
+  // the barriers, then Q and the first tile's K; its bias.
+  Tile cur = next_tile(blk.tile_end);
+  Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
+  if constexpr (kLists) store_key(0, cur.key), store_key(1, next.key);
   if (tid == 0) {
     Barrier::init(q_full, 1);
     for (int s = 0; s < 2; ++s) Barrier::init(&k_full[s], 1), Barrier::init(&v_full[s], 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  // The walk's tile and the one after it.
-  Tile cur = next_tile(blk.tile_end);
-  Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
   if (tid == 0 && cur.n >= tile_first) {
     load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
-    load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, blk.ks, std::int64_t{cur.n} * kBlockN, hk);
+    if (!kLists || cur.key0 >= 0)
+      load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, blk.ks, kLists ? cur.key0 : std::int64_t{cur.n} * kBlockN, hk);
   }
   if (cur.n >= tile_first) {
-    store_bias(0, fetch_bias(cur.n));
+    if (kLists && cur.key0 < 0) {
+      gather(k_rows, p.k.sr, k_smem, 0);
+      cute::cp_async_fence();
+    }
+    store_bias(0, fetch_bias(cur.n, 0));
     Barrier::wait(q_full, 0);
   }
-  // Iteration i over tile n (next_n: the next iteration's, < tile_first:
-  // none); kPipelined (all but the first): with the previous tile's P V.
-  // Returns the tile after next_n.
-  auto iteration = [&](int i, int n, bool partial, int next_n, auto pipelined) {
+  // Iteration i over `tile` (n; `following`: the next iteration's, next_n <
+  // tile_first: none); kPipelined (all but the first): with the previous
+  // tile's P V. Returns the tile after next_n.
+  auto iteration = [&](int i, const Tile& tile, const Tile& following, auto pipelined) {
     constexpr bool kPipelined = decltype(pipelined)::value;
-    const int buf = i & 1;
-    // A partial tile's mask words: the thread's two rows, keys [n kBlockN, + kBlockN).
+    const int buf = i & 1, n = tile.n, next_n = following.n;
+    const int keys_next = (i + 1) % 3;  // a list's keys: tile in buffer i % 3, the next and the one after
+    const bool partial = tile.partial;
+    // A partial tile's mask words: the thread's two rows, keys [n kBlockN, +
+    // kBlockN); a list's: their bits of positions [n kBlockN, + kBlockN), 0
+    // past the rows and the list (whose last words may be another row's).
     constexpr int kWords = kBlockN / 32;
     std::uint32_t row_bits[2][kWords];
+    const int qrows = clamp_to_tile(sq - row0);
     if (kMasked && partial) {
 #pragma unroll
       for (int half = 0; half < 2; ++half)
@@ -200,23 +287,48 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
         for (int w = 0; w < kWords; ++w)
           row_bits[half][w] = mask_words[(row0 + my_row[half]) * p.packed.so + (std::int64_t{n} * kWords + w) * p.packed.si];
     }
-    __syncthreads();  // tile n's bias is staged; every thread is done with iteration i - 1
-    // K of next_n and V of n, into the buffers that S_{i-1} and P V_{i-2} used.
-    if (tid == 0) {
-      if (next_n >= tile_first)
-        load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, blk.ks,
-             std::int64_t{next_n} * kBlockN, hk);
-      load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks, std::int64_t{n} * kBlockN,
-           hk);
+    if constexpr (kLists) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int w = 0; w < kWords; ++w) {
+          const int word = n * kWords + w;
+          row_bits[half][w] =
+              my_row[half] < qrows && 32 * word < listed ? list_bits[my_row[half] * p.bits_sr + word] : 0u;
+        }
+      // This thread's copies of K_n (and V_{n-1}) landed, made visible to wgmma by the barrier.
+      cute::cp_async_wait<0>();
+      fence_async_shared();
     }
-    Barrier::wait(&k_full[buf], (i >> 1) & 1);
+    __syncthreads();  // tile n's bias is staged; every thread is done with iteration i - 1
+    // K of next_n and V of n, into the buffers that S_{i-1} and P V_{i-2} used
+    // (a list's tiles of scattered keys gathered below, after the MMAs are issued).
+    const bool k_next_loads = next_n >= tile_first && (!kLists || following.key0 >= 0);
+    const bool v_loads = !kLists || tile.key0 >= 0;
+    if (tid == 0) {
+      if (k_next_loads)
+        load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, blk.ks,
+             kLists ? following.key0 : std::int64_t{next_n} * kBlockN, hk);
+      if (v_loads)
+        load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks,
+             kLists ? tile.key0 : std::int64_t{n} * kBlockN, hk);
+    }
+    if constexpr (!kLists) Barrier::wait(&k_full[buf], (i >> 1) & 1);
+    if (kLists && tile.key0 >= 0) wait_loaded(k_full, k_parity, buf);
 
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor tSrK = thr_s.partition_fragment_B(stage_k(buf));
     wgmma_batch<true>(mma_s, tSrQ, tSrK, acc_s);
     if constexpr (kPipelined) mma_pv(i - 1);
-    // While they run: the next tile's bias and the tile after it.
-    const float next_bias = next_n >= tile_first ? fetch_bias(next_n) : 0.0f;
+    if constexpr (kLists) {
+      if (next_n >= tile_first && !k_next_loads)
+        gather(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
+      if (!v_loads) gather(v_rows, p.v.sr, v_smem + buf * Config::kKvElems, i % 3);
+      cute::cp_async_fence();
+      v_loaded = v_loads;
+    }
+    // While they run: the next tile's bias and the tile after it (a list's: its keys).
+    const float next_bias = next_n >= tile_first ? fetch_bias(next_n, keys_next) : 0.0f;
     const Tile after = next_n >= tile_first ? next_tile(next_n) : Tile{tile_first - 1, false};
     if constexpr (kPipelined)
       warpgroup_wait<1>();
@@ -224,10 +336,12 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
       warpgroup_wait<0>();
 
     // The logits (SPEC 1: softcap, then the bias) and the allowed set: a tile
-    // wholly inside the band and the keys tests no element.
+    // wholly inside the band and the keys tests no element (a list's tile
+    // tests its bits alone).
     const std::int64_t col0 = std::int64_t{n} * kBlockN;
-    const bool whole = col0 + kBlockN <= sk && band_covers(p.band, offset, row0, blk.row_last, col0, col0 + kBlockN - 1);
-    const int qrows = clamp_to_tile(sq - row0), kcols = clamp_to_tile(sk - col0);
+    const bool whole =
+        kLists || (col0 + kBlockN <= sk && band_covers(p.band, offset, row0, blk.row_last, col0, col0 + kBlockN - 1));
+    const int kcols = clamp_to_tile(sk - col0);
     const TileBand band(p.band, offset, row0, col0);
     const float* bias_cols = bias_smem + buf * kBlockN;
     // Each condition is tested once a tile, outside the element loops.
@@ -249,7 +363,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
         if (!(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) acc_s(e) = -kInf;
       });
     }
-    if (kMasked && partial)  // key kj's word: e / 16
+    if (kLists || (kMasked && partial))  // key kj's word: e / 16
       for_each([&](int e, int half, int kj) {
         if (((row_bits[half][e / 16] >> (kj % 32)) & 1) == 0) acc_s(e) = -kInf;
       });
@@ -284,6 +398,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
       row_sum[half] += sum;
     }
     store_bias(buf ^ 1, next_bias);
+    if constexpr (kLists) store_key((i + 2) % 3, after.key);
 
     if constexpr (kPipelined) {
       warpgroup_wait<0>();
@@ -300,12 +415,17 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   };
   int tiles = 0;  // iterations run
   auto step = [&](auto pipelined) {
-    const Tile after = iteration(tiles++, cur.n, cur.partial, next.n, pipelined);
+    const Tile after = iteration(tiles++, cur, next, pipelined);
     cur = next, next = after;
   };
   if (cur.n >= tile_first) step(std::false_type{});
   while (cur.n >= tile_first) step(std::true_type{});
   if (tiles > 0) {  // the last tile's P V
+    if constexpr (kLists) {
+      cute::cp_async_wait<0>();
+      fence_async_shared();
+      __syncthreads();
+    }
     mma_pv(tiles - 1);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);

@@ -79,7 +79,9 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
     case ForwardKernel::kSm90:
       if constexpr (sm90_head_dim(kHeadDim)) {
         using Config = ForwardSm90Config<Element, kHeadDim>;
-        auto kernel = plan.mask_tiles ? forward_kernel_sm90<Config, true> : forward_kernel_sm90<Config, false>;
+        auto kernel = plan.mask_tiles  ? forward_kernel_sm90<Config, ForwardWalk::kMasked>
+                      : plan.key_lists ? forward_kernel_sm90<Config, ForwardWalk::kKeyLists>
+                                       : forward_kernel_sm90<Config, ForwardWalk::kDense>;
         const cudaError_t err =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
         if (err != cudaSuccess) return err;
