@@ -177,7 +177,7 @@ def _check_case(case, spec, world):
 
     dims = dict(bias=3, mask=3)
     local = {n: shard(t, dims.get(n, 1)).detach().requires_grad_(n in grads) for n, t in whole.items()}
-    with mock.patch.object(sp, "_fuses", return_value=False) if spec.get("blocks") else contextlib.nullcontext():
+    with mock.patch.object(sp._ring, "_fuses", return_value=False) if spec.get("blocks") else contextlib.nullcontext():
         out_l, lse_l = _call(sp.attention, local, spec, group=group, mode=mode, head_chunks=_head_chunks(spec, size))
         (out_l * local["weights"]).sum().backward()
     low = spec.get("dtype") == torch.bfloat16
