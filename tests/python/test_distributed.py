@@ -244,7 +244,9 @@ def _check_ring_memory(world):
     """The peak of the tensor memory that the fused top-k ring's forward and backward allocate: during the
     backward call, out and dq (H u each, u = B L D 8 bytes) and the whole sequence's k, v, dk and dv (P Hk u
     each); besides them only vectors of one value a row or a key and head: lse and its zero gradient, and the
-    whole sequence's bias, its gradient and the intervals (int32 pairs)."""
+    whole sequence's bias, its gradient and the intervals (int32 pairs). The received shards of an all-gather
+    (P Hk u) may outlive its wait by a moment: the backend's thread lets go of its work after waking the caller
+    (gloo: up to 1 run in 8 held them into the backward call), so the bound allows one gather's shards more."""
     Hq, Hk, L = 12, 4, 2 * CHUNK
     g = _generator("memory_ring_topk")
     q, dout = (torch.randn(B, L, Hq, D, generator=g, dtype=torch.float64) for _ in range(2))
@@ -258,7 +260,9 @@ def _check_ring_memory(world):
     P, unit = world, B * L * D * 8
     expected = (2 * Hq + 4 * P * Hk) * unit
     vectors = B * Hq * L * 8 * 2 + B * Hk * P * L * (8 + 8 + 8)
-    assert expected <= memory.peak <= expected + vectors, (memory.peak / unit, expected / unit, memory.at_peak)
+    lingering = P * Hk * unit
+    assert expected <= memory.peak <= expected + vectors + lingering, (memory.peak / unit, expected / unit,
+                                                                         memory.at_peak)
 
 
 def _check_ulysses_selection(world):
