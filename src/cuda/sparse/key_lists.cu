@@ -12,19 +12,10 @@
 #include <cstdint>
 
 #include "../common/check.h"
+#include "../common/warp.cuh"
 
 namespace dmattn::cuda {
 namespace {
-
-// The sum of x over lanes 0 .. lane of the warp (all 32 lanes call it).
-__device__ inline int warp_inclusive_sum(int x, int lane) {
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int y = __shfl_up_sync(0xffffffff, x, d);
-    if (lane >= d) x += y;
-  }
-  return x;
-}
 
 // Pre-pass 1, one CTA per (64-key tile at col0, rows [row0, row0 + rows) of a
 // query block): one warp a row, 32 keys a lane step. A pair is allowed when the

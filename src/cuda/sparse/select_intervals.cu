@@ -8,6 +8,7 @@
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
+#include "../common/warp.cuh"
 #include "select.cuh"
 
 namespace dmattn::cuda::topk {
@@ -229,12 +230,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
         own[e] = w < words ? word_ones[w] : 0;
         sum += own[e];
       }
-      std::uint32_t before = sum;
-      for (int d = 1; d < 32; d *= 2) {
-        const std::uint32_t up = __shfl_up_sync(0xFFFFFFFFu, before, d);
-        if (lane >= d) before += up;
-      }
-      before -= sum;
+      std::uint32_t before = warp_inclusive_sum(sum, lane) - sum;
       for (int e = 0; e < kPerLane; ++e) {
         const int w = kPerLane * lane + e;
         if (w < words) word_ones[w] = before;
