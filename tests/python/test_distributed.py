@@ -212,6 +212,21 @@ def _check_error(case, world):
         raise AssertionError(f"no {error.__name__}")
 
 
+def _memory_of(case, Hq, Hk, L, **options):
+    """LiveMemory over one causal forward and backward of sp.attention (keep window 5, a key-only bias) on
+    float64 shards of L rows, Hq / Hk heads, with `options` (the mode, head chunks)."""
+    g = _generator(case)
+    q, dout = (torch.randn(B, L, Hq, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, L, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(B, Hk, 1, L, generator=g, dtype=torch.float64)
+    for t in (q, k, v, bias):
+        t.requires_grad_()
+    with LiveMemory() as memory:
+        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, **options)
+        out.backward(dout)
+    return memory
+
+
 def _check_memory(case, world):
     """The peak of the tensor memory that Ulysses' forward and backward allocate, against
     the pipeline's accounting. In units u of one head of this rank's rows (B L D 8 bytes):
@@ -222,15 +237,7 @@ def _check_memory(case, world):
     wk = lcm(Hk, P C) / (P C). With one chunk: max((2P - 1) X, P (X + Y)). Besides those,
     only vectors of one value a key and head (lse, the head-layout bias and its gradient)."""
     chunks, Hq, Hk, L = MEMORY[case][world], 12, 4, 2 * CHUNK
-    g = _generator(case)
-    q, dout = (torch.randn(B, L, Hq, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(B, L, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
-    bias = torch.randn(B, Hk, 1, L, generator=g, dtype=torch.float64)
-    for t in (q, k, v, bias):
-        t.requires_grad_()
-    with LiveMemory() as memory:
-        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, head_chunks=chunks)
-        out.backward(dout)
+    memory = _memory_of(case, Hq, Hk, L, head_chunks=chunks)
     P, unit = world, B * L * D * 8
     wq, wk = Hq // (P * chunks), math.lcm(Hk, P * chunks) // (P * chunks)
     X, Y = 3 * wq + 2 * wk, wq + 2 * wk
@@ -248,15 +255,7 @@ def _check_ring_memory(world):
     (P Hk u) may outlive its wait by a moment: the backend's thread lets go of its work after waking the caller
     (gloo: up to 1 run in 8 held them into the backward call), so the bound allows one gather's shards more."""
     Hq, Hk, L = 12, 4, 2 * CHUNK
-    g = _generator("memory_ring_topk")
-    q, dout = (torch.randn(B, L, Hq, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(B, L, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
-    bias = torch.randn(B, Hk, 1, L, generator=g, dtype=torch.float64)
-    for t in (q, k, v, bias):
-        t.requires_grad_()
-    with LiveMemory() as memory:
-        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, mode="ring")
-        out.backward(dout)
+    memory = _memory_of("memory_ring_topk", Hq, Hk, L, mode="ring")
     P, unit = world, B * L * D * 8
     expected = (2 * Hq + 4 * P * Hk) * unit
     vectors = B * Hq * L * 8 * 2 + B * Hk * P * L * (8 + 8 + 8)
