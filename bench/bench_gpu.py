@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU benchmark: dmattn against torch SDPA and FlexAttention, same inputs, one process.
 
-Three suites, each a list of cases (Spec below) with the systems that can run them:
+Four suites, each a list of cases (Spec below) with the systems that can run them:
 
 - main: B=1, 32 query heads, 8 kv heads, D=128, bf16, causal, S in {4096, 16384}: no mask; a key-only
   bias (B, 8, 1, S); the key bias plus a (B, 8, S, S) bool mask holding the top-1024 keys of every row
@@ -12,6 +12,9 @@ Three suites, each a list of cases (Spec below) with the systems that can run th
   mask, a full 4-D bias with its gradient, a sliding window), each beside its best peer and the target.
 - topk: dmattn's top-k against its own dense path on the same shape and bias, for S in {2048 .. 65536}
   and w in {256, 1024, 2048}, batched, varlen, D=64 and S=131072, with the ideal work ratio.
+- portable: the sm80-class kernels forced on this GPU (DMATTN_PORTABLE=1) under the shared memory of an
+  RTX 4090 / L40 (DMATTN_SMEM_LIMIT=99) and of an A100 (163), D in {64, 128}, 32/8 heads, B=16 x 2048 and
+  B=1 x 16384, without a bias and with a key bias, against SDPA flash (FA2, mma.sync code too).
 
 Systems: dmattn; torch SDPA with one backend forced (flash = FA2, cuDNN, efficient; a bias or mask is
 given to SDPA as a materialised (B, H, Sq, Sk) additive bias with -inf where a key is not allowed);
@@ -24,7 +27,7 @@ V read for decode, and the peak memory a system allocates beyond the shared inpu
 or a block mask included). The max |difference| of each peer's output from dmattn's is recorded as a
 check.
 
-    python3 bench/bench_gpu.py run --out DIR [--suite main,shapes,topk] [--deadline EPOCH] [--commit SHA]
+    python3 bench/bench_gpu.py run --out DIR [--suite main,shapes,topk,portable] [--deadline EPOCH] [--commit SHA]
                                    [--only TEXT]
     python3 bench/bench_gpu.py report DIR/performance.json --out docs
 
@@ -72,6 +75,7 @@ class Spec:
     deterministic: bool = False
     window: Optional[Tuple[int, int]] = None
     api: str = "attention"  # or "flash_dmattn_func" (the seed's entry point)
+    smem_cap: int = 0  # KiB: dmattn's sm80-class kernels forced, the shared memory capped (0: the device's own)
     systems: Tuple[str, ...] = ALL
 
     @property
@@ -140,7 +144,14 @@ TOPK = [
     Spec("key bias, keep 2048, S=32768", sq=32768, bias="key", keep=2048, systems=("dmattn",)),
     Spec("key bias, keep 2048, S=131072", sq=131072, bias="key", keep=2048, systems=("dmattn",)),
 ]
-SUITES = {"main": _main_suite(), "shapes": SHAPES, "topk": TOPK}
+PORTABLE_SHAPES = (("D=128, 32/8 heads, B=16, S=2048", dict(batch=16, sq=2048)),
+                   ("D=128, 32/8 heads, S=16384", {}),
+                   ("D=64, 32/8 heads, B=16, S=2048", dict(batch=16, sq=2048, head_dim=64)),
+                   ("D=64, 32/8 heads, S=16384", dict(head_dim=64)))
+PORTABLE = [Spec(f"{cap} KiB, {name}{bias}", smem_cap=cap, bias=bias and "key",
+                 systems=("dmattn",) if bias or cap != 99 else ("dmattn", "SDPA flash"), **shape)
+            for cap in (99, 163) for name, shape in PORTABLE_SHAPES for bias in ("", ", key bias")]
+SUITES = {"main": _main_suite(), "shapes": SHAPES, "topk": TOPK, "portable": PORTABLE}
 
 # DESIGN.md: one H200, B=1, 32/8 heads, D=128, bf16, causal, S=16384, fwd ms / fwd+bwd ms; measured by
 # others on the seed project (flash-dmattn) and its peers, not re-run here.
@@ -278,7 +289,24 @@ def make_dmattn(torch, case, grad):
         def forward():
             return dmattn.attention(q, k, v, mask=case.mask, bias=bias, **options)
 
-    return (fwd_bwd(torch, forward, [q, k, v, bias], case.dout) if grad else forward), []
+    fn = fwd_bwd(torch, forward, [q, k, v, bias], case.dout) if grad else forward
+    return (emulated(fn, s.smem_cap) if s.smem_cap else fn), []
+
+
+def emulated(fn, smem_cap):
+    """fn run on the sm80-class kernels with `smem_cap` KiB of shared memory (the dispatch reads both settings at
+    every call, the backward's too)."""
+    settings = dict(DMATTN_PORTABLE="1", DMATTN_SMEM_LIMIT=str(smem_cap))
+
+    def call():
+        os.environ.update(settings)
+        try:
+            return fn()
+        finally:
+            for name in settings:
+                del os.environ[name]
+
+    return call
 
 
 def make_sdpa(backend_name):
@@ -729,13 +757,44 @@ def topk_report(suite):
     return lines + skipped(suite["rows"]) + measured_apart(suite) + ["", "![top-k time over dense](performance-topk.png)", ""]
 
 
+def portable_report(suite):
+    meta, rows = suite["meta"], Rows(suite["rows"])
+    spec = {s.case: s for s in PORTABLE}
+    lines = header("Portable kernels (the Ampere/Ada issue's speed proxy)", meta, [
+        "dmattn's sm80-class kernels (mma.sync, cp.async) forced on this GPU with the shared memory of an RTX 4090 "
+        "/ L40 (99 KiB) or an A100 (163 KiB): the dispatch picks the tiles it would pick there. bf16, causal, "
+        "32/8 heads, no bias or a key bias (B, 8, 1, S) with dbias. Peer: SDPA flash (FA2) on the same GPU, "
+        "which is mma.sync code too. Targets: dmattn <= FA2, and the key bias <= 1.05x no bias.", "",
+        "| shared memory | shape | fwd ms | fwd+bwd ms | FA2 fwd ms | FA2 fwd+bwd ms | fwd / FA2 | fwd+bwd / FA2 "
+        "| key bias fwd ms | key bias fwd+bwd ms | key bias / no bias (fwd, fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"])
+
+    def cell(value, digits=2, suffix=""):
+        return "" if value is None else f"{value:.{digits}f}{suffix}"
+
+    for cap in (99, 163):
+        for name, _ in PORTABLE_SHAPES:
+            plain, biased = spec[f"{cap} KiB, {name}"], spec[f"{cap} KiB, {name}, key bias"]
+            peer = spec[f"99 KiB, {name}"]
+            ours = [rows.get(plain, "dmattn", m) for m in ("fwd", "fwd+bwd")]
+            fa2 = [rows.get(peer, "SDPA flash", m) for m in ("fwd", "fwd+bwd")]
+            bias = [rows.get(biased, "dmattn", m) for m in ("fwd", "fwd+bwd")]
+            over = [a / b if a and b else None for a, b in zip(ours, fa2)]
+            cost = [a / b if a and b else None for a, b in zip(bias, ours)]
+            lines.append(f"| {cap} KiB | {name} | " + " | ".join(
+                [cell(x) for x in ours + fa2] + [cell(x, suffix="x") for x in over] + [cell(x) for x in bias] +
+                [", ".join(cell(x, suffix="x") for x in cost)]) + " |")
+    return lines + skipped(suite["rows"]) + measured_apart(suite) + [""]
+
+
 def report(suites, out_dir):
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = ["# GPU benchmark: dmattn against torch SDPA and FlexAttention", "",
              "Produced by `scripts/bench_gpu.sh` (bench/bench_gpu.py): one process, the same inputs for every "
              "system; each section gives its own date, device and commit.", ""]
-    for name, make in (("shapes", shapes_report), ("topk", topk_report), ("main", main_report)):
+    for name, make in (("shapes", shapes_report), ("topk", topk_report), ("portable", portable_report),
+                       ("main", main_report)):
         if name in suites:
             lines += make(suites[name])
     (out_dir / "performance.md").write_text("\n".join(lines))
@@ -818,7 +877,8 @@ def main():
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="measure, then write the JSON, the table and the plots")
     p_run.add_argument("--out", default=os.environ.get("OUT", "docs"))
-    p_run.add_argument("--suite", default="main,shapes,topk", help="comma-separated suites: main, shapes, topk")
+    p_run.add_argument("--suite", default="main,shapes,topk",
+                       help="comma-separated suites: main, shapes, topk, portable")
     p_run.add_argument("--deadline", type=float, default=0.0, help="epoch seconds after which nothing new starts")
     p_run.add_argument("--commit", default=os.environ.get("DMATTN_COMMIT", ""))
     p_run.add_argument("--only", default="", help="run only the cases whose name contains this text")
