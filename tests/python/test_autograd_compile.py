@@ -137,3 +137,48 @@ def test_cuda_graph_capture_forward_backward():
     torch.cuda.synchronize()
     expected = dmattn.attention(*fresh, causal=True, keep_window_size=16)
     torch.testing.assert_close(out, expected)
+
+
+def _batched_call(keep):
+    q, k, v, mask, bias = _inputs(dtype=torch.float32, sq=9, sk=11)
+    return (q, k, v, bias), lambda: dmattn.attention(q, k, v, mask, bias, causal=True, keep_window_size=keep)
+
+
+def _varlen_call(keep):
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    q = torch.randn(12, 4, 8, requires_grad=True)
+    k, v = (torch.randn(12, 2, 8, requires_grad=True) for _ in range(2))
+    bias = torch.randn(12, 2, requires_grad=True)
+    return (q, k, v, bias), lambda: dmattn.varlen_attention(q, k, v, cu, cu, 7, 7, bias, causal=True,
+                                                            keep_window_size=keep)
+
+
+@pytest.mark.filterwarnings("ignore:.*Profiler clears events:UserWarning")
+@pytest.mark.parametrize("keep", [None, 3], ids=["dense", "topk"])
+@pytest.mark.parametrize("make", [_batched_call, _varlen_call], ids=["batched", "varlen"])
+def test_eager_calls_skip_the_dispatcher(make, keep):
+    """An eager call runs the ops' bodies without the dispatcher (no dmattn op reaches the profiler) and gives
+    bitwise what the ops give (forced by a dispatch mode, OpCalls), forward and every gradient."""
+    from op_calls import OpCalls
+
+    leaves, call = make(keep)
+    results = []
+    for through_ops in (False, True):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            if through_ops:
+                with OpCalls() as ops:
+                    out = call()
+            else:
+                out = call()
+            grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        dispatched = sorted({e.name for e in prof.events() if e.name.startswith("dmattn::")})
+        expected = ["dmattn::bwd", "dmattn::fwd"] if make is _batched_call else ["dmattn::varlen_bwd",
+                                                                                 "dmattn::varlen_fwd"]
+        if keep is not None:
+            expected.append(expected[1].replace("fwd", "select"))
+        assert dispatched == (sorted(expected) if through_ops else []), dispatched
+        if through_ops:
+            assert len(ops.names()) == len(expected) - 1  # the backward op runs after the mode has closed
+        results.append((out, *grads))
+    for eager, op in zip(*results):
+        assert torch.equal(eager, op)
