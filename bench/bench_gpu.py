@@ -877,7 +877,7 @@ def main():
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="measure, then write the JSON, the table and the plots")
     p_run.add_argument("--out", default=os.environ.get("OUT", "docs"))
-    p_run.add_argument("--suite", default="main,shapes,topk",
+    p_run.add_argument("--suite", default=",".join(SUITES),
                        help="comma-separated suites: main, shapes, topk, portable")
     p_run.add_argument("--deadline", type=float, default=0.0, help="epoch seconds after which nothing new starts")
     p_run.add_argument("--commit", default=os.environ.get("DMATTN_COMMIT", ""))

@@ -3,7 +3,7 @@
 # backend into the current python3 (no downloads: --no-build-isolation --no-deps,
 # the build tools of that environment), then runs bench/bench_gpu.py, which
 # writes performance.json, performance.md and the plots into $OUT (default docs/);
-# options go to `bench_gpu.py run` (--suite main,shapes,topk, --deadline, --only).
+# options go to `bench_gpu.py run` (--suite main,shapes,topk,portable, --deadline, --only).
 #
 #   scripts/bench_gpu.sh [bench_gpu.py run options: --suite, --deadline EPOCH, --commit SHA, --only]
 #   env: DMATTN_CUDA_ARCHS (default 90a), DMATTN_HEAD_DIMS (default 64;128),

@@ -78,6 +78,19 @@ def test_topk_fraction_and_ideal():
     assert cells[7] == f"{float(kept / causal):.3f}"
 
 
+def test_portable_ratios():
+    """The portable table: dmattn over FA2 (measured beside the 99 KiB runs) and the key bias over no bias."""
+    suite = _results("portable", 1.5)
+    for row in suite["rows"]:
+        if row["case"].endswith("key bias"):
+            row["ms"] *= 1.1
+    text = "\n".join(bench_gpu.portable_report(suite))
+    for cap in (99, 163):
+        line = next(line for line in text.splitlines() if line.startswith(f"| {cap} KiB | D=64, 32/8 heads, S=16384 |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[2:] == ["1.50", "4.50", "1.00", "3.00", "1.50x", "1.50x", "1.65", "4.95", "1.10x, 1.10x"], cells
+
+
 def test_load_reads_the_single_table_format(tmp_path):
     old = dict(meta=dict(date="d"), rows=[dict(case="no mask", sq=1, sk=1)])
     (tmp_path / "performance.json").write_text(json.dumps(old))
