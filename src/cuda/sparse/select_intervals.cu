@@ -71,28 +71,37 @@ __global__ void interval_keys(Params p, Chunk c, std::uint64_t* keys) {
 struct Wavelet {
   uint2* levels;  // [kb][words]: {bits, ones before}
 
-  // Ones before position pos (0..n) of segment t at level l.
-  __device__ std::int64_t rank1(const Chunk& c, int l, std::int64_t t, std::int64_t pos) const {
+  // Ones before position pos (0..n) of segment t at level l; I: the index type
+  // (int within one CTA's head of at most kFusedKeys keys, else int64).
+  template <class I>
+  __device__ I rank1(const Chunk& c, int l, I t, I pos) const {
     if (pos == 0) return 0;
-    if (pos == c.n) return c.n - c.zeros(l);
-    const uint2 word = levels[l * c.words() + (t * c.n + pos) / 32];
-    return word.y + __popc(word.x & ((1u << (pos % 32)) - 1));
+    if (pos == static_cast<I>(c.n)) return static_cast<I>(c.n - c.zeros(l));
+    const uint2 word = levels[l * static_cast<I>(c.words()) + (t * static_cast<I>(c.n) + pos) / 32];
+    return static_cast<I>(word.y) + __popc(word.x & ((1u << (pos % 32)) - 1));
   }
-  // The k-th smallest (k >= 1) key index among sorted positions [0, r) of segment t.
-  __device__ std::int64_t kth_smallest(const Chunk& c, std::int64_t t, std::int64_t r, std::int64_t k) const {
-    std::int64_t lo = 0, hi = r, value = 0;
+  // The k-th smallest (k >= 1) key index among sorted positions [0, r[i]) of
+  // segment t, for N prefixes at once: their chains of dependent loads overlap.
+  template <int N, class I>
+  __device__ void kth_smallest(const Chunk& c, I t, const I (&r)[N], I k, I (&value)[N]) const {
+    I lo[N], hi[N], rest[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) lo[i] = 0, hi[i] = r[i], rest[i] = k, value[i] = 0;
     for (int l = 0; l < c.kb; ++l) {
-      const std::int64_t ones_lo = rank1(c, l, t, lo), ones_hi = rank1(c, l, t, hi);
-      const std::int64_t zeros = (hi - lo) - (ones_hi - ones_lo);
-      if (k <= zeros) {
-        lo -= ones_lo, hi -= ones_hi;
-      } else {
-        k -= zeros;
-        lo = c.zeros(l) + ones_lo, hi = c.zeros(l) + ones_hi;
-        value |= std::int64_t{1} << (c.kb - 1 - l);
+      const I zeros_l = static_cast<I>(c.zeros(l)), bit = I{1} << (c.kb - 1 - l);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const I ones_lo = rank1(c, l, t, lo[i]), ones_hi = rank1(c, l, t, hi[i]);
+        const I zeros = (hi[i] - lo[i]) - (ones_hi - ones_lo);
+        if (rest[i] <= zeros) {
+          lo[i] -= ones_lo, hi[i] -= ones_hi;
+        } else {
+          rest[i] -= zeros;
+          lo[i] = zeros_l + ones_lo, hi[i] = zeros_l + ones_hi;
+          value[i] |= bit;
+        }
       }
     }
-    return value;
   }
 };
 
@@ -160,16 +169,17 @@ __global__ void init_tile_states(char* states, std::size_t stride, int tiles) {
 }
 
 // Key `key` at sorted position r of local segment t: it has r beaters; rows stop
-// selecting it at the first row that sees the w-th smallest beater index.
-__device__ void write_key_rows(const Params& p, const Chunk& c, const Wavelet& wm, std::int64_t t, std::int64_t r,
-                               std::uint64_t key, KeyRows* out) {
+// selecting it at the first row that sees the w-th smallest beater index,
+// `beater` (read where r >= w).
+__device__ void write_key_rows(const Params& p, const Chunk& c, std::int64_t t, std::int64_t r, std::uint64_t key,
+                               std::int64_t beater, KeyRows* out) {
   const std::int64_t j = key_index(c, key), g = c.g0 + t;
   if (j >= p.seqlen_k) return;  // padding of the chunk layout
   KeyRows rows{0, 0};
   if (((key >> c.kb) & c.masked()) != c.masked()) {
     const Sequence s(p, g / p.heads);
     const std::int64_t start = first_row(p, s, j);
-    const std::int64_t end = r < p.w ? s.sq : first_row(p, s, wm.kth_smallest(c, t, r, p.w));
+    const std::int64_t end = r < p.w ? s.sq : first_row(p, s, beater);
     if (start < end) rows = {static_cast<std::int32_t>(start), static_cast<std::int32_t>(end)};
   }
   out[g * p.seqlen_k + j] = rows;
@@ -177,7 +187,11 @@ __device__ void write_key_rows(const Params& p, const Chunk& c, const Wavelet& w
 
 __global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t* keys, KeyRows* out) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < c.items()) write_key_rows(p, c, wm, i / c.n, i % c.n, keys[i], out);
+  if (i >= c.items()) return;
+  const std::int64_t t = i / c.n, r[1] = {i % c.n};
+  std::int64_t beater[1] = {0};
+  if (r[0] >= p.w) wm.kth_smallest(c, t, r, p.w, beater);
+  write_key_rows(p, c, t, r[0], keys[i], beater[0], out);
 }
 
 // Heads of at most kFusedKeys keys: one CTA a head (segment) does it all in
@@ -248,11 +262,14 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
     }
   }
   __syncthreads();
-  const Wavelet wm{levels};
-  for (int k = 0; k < kFusedItems; ++k) {
-    const int r = kFusedItems * threadIdx.x + k;
-    if (r < c.n) write_key_rows(p, c, wm, 0, r, keys[k], out);
-  }
+  // The thread's keys' w-th smallest beaters at once (a key before position w
+  // queries position w instead, in range, and ignores it).
+  const int w = static_cast<int>(min(p.w, c.n)), first = kFusedItems * threadIdx.x;
+  int r[kFusedItems], beater[kFusedItems];
+  for (int k = 0; k < kFusedItems; ++k) r[k] = min(max(first + k, w), static_cast<int>(c.n));
+  Wavelet{levels}.kth_smallest(c, 0, r, w, beater);
+  for (int k = 0; k < kFusedItems; ++k)
+    if (first + k < c.n) write_key_rows(p, c, 0, first + k, keys[k], beater[k], out);
 }
 
 }  // namespace
