@@ -108,9 +108,19 @@ def _ulysses_chunks(heads: int, kv_heads: int, size: int, head_chunks) -> int:
     return head_chunks
 
 
-def _check_ring(q: Tensor, k: Tensor, options, size: int, head_chunks):
-    if head_chunks is not None:
-        raise _error("head_chunks", "None with mode='ring' (it chunks the heads of mode='ulysses')", head_chunks)
+def _ring_groups(kv_heads: int, head_chunks) -> int:
+    """The number G of head groups of mode="ring": `head_chunks`, checked (a divisor of Hk: whole
+    kv heads a group), or by default the largest divisor of Hk up to 4."""
+    if head_chunks is None:
+        return max(n for n in range(1, 5) if kv_heads % n == 0)
+    head_chunks = checked("head_chunks", head_chunks, int)
+    if head_chunks < 1 or kv_heads % head_chunks:
+        raise _error("head_chunks", f"None or a count G >= 1 dividing Hk = {kv_heads} (ring: whole kv heads in each "
+                     "head group)", head_chunks)
+    return head_chunks
+
+
+def _check_ring(q: Tensor, k: Tensor, options, size: int):
     if q.shape[1] % 2:
         raise _error("q.shape[1]", f"a local sequence length divisible by 2 (ring: the sequence splits into 2 x {size} "
                      "zigzag chunks)", q.shape[1])
@@ -175,8 +185,9 @@ def attention(
         chunks = _ulysses_chunks(q.shape[2], k.shape[2], size, head_chunks)
         pipeline = _HeadPipeline(group, rank, size, chunks, q.device)
         return _UlyssesAttention.apply(q, k, v, mask, bias, pipeline, options, return_lse)
-    _check_ring(q, k, options, size, head_chunks)
-    out, lse = _RingAttention.apply(q, k, v, mask, bias, _Ring(group, rank, size), options)
+    _check_ring(q, k, options, size)
+    groups = _ring_groups(k.shape[2], head_chunks)
+    out, lse = _RingAttention.apply(q, k, v, mask, bias, _Ring(group, rank, size), options, groups)
     return (out, lse) if return_lse else out
 
 
