@@ -91,9 +91,9 @@ class _RingAttention(torch.autograd.Function):
                 ctx.fused = True
                 return _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options, groups)
             selection = _ring_selection(q, k, mask_all, bias_all, ring.size, options)
-        out, lse, block_lse = q.new_empty(q.shape), [], []
+        out, lse, block_lse = _Heads(q, 2, groups), [], []
         for g in range(groups):
-            q_g, k_g, v_g, out_g = (_head_chunk(t, 2, g, groups) for t in (q, k, v, out))
+            q_g, k_g, v_g = (_head_chunk(t, 2, g, groups) for t in (q, k, v))
             mask_g, bias_g, selection_g = (_head_chunk(t, 1, g, groups) for t in (mask, bias, selection))
             lse_g = None
             for block, (k_b, v_b, mask_b, bias_b) in _ring_walk(ring, k_g, v_g, mask_g, bias_g, chunk, causal):
@@ -106,10 +106,10 @@ class _RingAttention(torch.autograd.Function):
                 else:
                     _merge(acc[:, block.rows], lse_g[..., block.rows], out_b, lse_b)
                 del out_b
-            out_g.copy_(acc)
+            out.put(g, acc)
             lse.append(lse_g)
             del acc
-        lse = torch.cat(lse, 1)
+        out, lse = out.whole, torch.cat(lse, 1)
         ctx.save_for_backward(q, k, v, mask, bias, selection, out, lse, *block_lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -122,11 +122,10 @@ class _RingAttention(torch.autograd.Function):
         ring, options, groups = ctx.ring, ctx.options, ctx.groups
         bias_grad = bias is not None and ctx.needs_input_grad[4]
         chunk, causal, acc = q.shape[1] // 2, options[2], _accumulator_dtype(q, ring.size)
-        dq, dk, dv = (t.new_empty(t.shape) for t in (q, k, v))
+        dq, dk, dv = (_Heads(t, 2, groups) for t in (q, k, v))
         dbias = []
         for g in range(groups):
-            q_g, k_g, v_g, out_g, dout_g, dq_g, dk_g, dv_g = (_head_chunk(t, 2, g, groups)
-                                                              for t in (q, k, v, out, dout, dq, dk, dv))
+            q_g, k_g, v_g, out_g, dout_g = (_head_chunk(t, 2, g, groups) for t in (q, k, v, out, dout))
             mask_g, bias_g, selection_g = (_head_chunk(t, 1, g, groups) for t in (mask, bias, selection))
             lse_g = _head_chunk(lse, 1, g, groups)
             owners = [t for t in (k_g, v_g, bias_g if bias_grad else None) if t is not None]
@@ -153,14 +152,31 @@ class _RingAttention(torch.autograd.Function):
                 if step + 1 == ring.size:
                     grads = [t.to(o.dtype) for t, o in zip(grads, owners)]
                 grads, pending = ring.shift(grads)
-            dq_g.copy_(dq_acc)
+            dq.put(g, dq_acc)
             del dq_acc
             _wait(pending)
-            dk_g.copy_(grads[0])
-            dv_g.copy_(grads[1])
+            dk.put(g, grads[0])
+            dv.put(g, grads[1])
             dbias += grads[2:]
             del grads
-        return dq, dk, dv, None, _join_bias_grads(dbias, bias), None, None, None
+        return dq.whole, dk.whole, dv.whole, None, _join_bias_grads(dbias, bias), None, None, None
+
+
+class _Heads:
+    """A tensor of all heads (dim `dim`, shaped and typed like `like`) put together from its
+    head groups' parts: with one group the part itself (cast to like's dtype), else a tensor
+    of the whole shape, made at the first part, that each part is copied into."""
+
+    def __init__(self, like: Tensor, dim: int, groups: int):
+        self.like, self.dim, self.groups, self.whole = like, dim, groups, None
+
+    def put(self, group: int, part: Tensor):
+        if self.groups == 1:
+            self.whole = part.to(self.like.dtype)
+            return
+        if self.whole is None:
+            self.whole = self.like.new_empty(self.like.shape)
+        _head_chunk(self.whole, self.dim, group, self.groups).copy_(part)
 
 
 def _join_bias_grads(parts: List[Tensor], bias: Optional[Tensor]) -> Optional[Tensor]:
@@ -269,7 +285,7 @@ def _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options, groups):
     del selection
     intervals = [_head_chunk(whole, 1, g, groups).contiguous() for g in range(groups)]
     del whole
-    out, lse = q.new_empty(q.shape), []
+    out, lse = _Heads(q, 2, groups), []
     for g in range(groups):
         k_all, v_all = (gather() for gather in kv)
         kv = _gather_heads(ring, k, v, g + 1, groups)
@@ -277,10 +293,10 @@ def _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options, groups):
         out_g, lse_g = torch.ops.dmattn.fwd(_head_chunk(q, 2, g, groups), k_all, v_all, mask_g, _shape(mask_g),
                                             bias_g, _shape(bias_g), intervals[g], *options)
         del k_all, v_all
-        _head_chunk(out, 2, g, groups).copy_(out_g)
+        out.put(g, out_g)
         lse.append(lse_g)
         del out_g
-    lse = torch.cat(lse, 1)
+    out, lse = out.whole, torch.cat(lse, 1)
     ctx.save_for_backward(q, k, v, mask_all, bias_all, out, lse, *intervals)
     ctx.mark_non_differentiable(lse)
     return out, lse
@@ -293,7 +309,7 @@ def _fused_backward(ctx, dout):
     q, k, v, mask_all, bias_all, out, lse, *intervals = ctx.saved_tensors
     ring, options, groups = ctx.ring, ctx.options, ctx.groups
     bias_grad = bias_all is not None and ctx.needs_input_grad[4]
-    dq, dk, dv = (t.new_empty(t.shape) for t in (q, k, v))
+    dq, dk, dv = (_Heads(t, 2, groups) for t in (q, k, v))
     dbias = []
     kv = _gather_heads(ring, k, v, 0, groups)
     for g in range(groups):
@@ -305,15 +321,15 @@ def _fused_backward(ctx, dout):
                                             intervals[g], out_g,
                                             _head_chunk(lse, 1, g, groups), *options, bias_grad)
         del k_all, v_all
-        _head_chunk(dq, 2, g, groups).copy_(dq_g)
+        dq.put(g, dq_g)
         del dq_g
         dk_g, dv_g, *dbias_g = _sum_shards(ring, [(grads.pop(0), 1), (grads.pop(0), 1)] +
                                            ([(grads.pop(0), 3)] if bias_grad else []))
-        _head_chunk(dk, 2, g, groups).copy_(dk_g)
-        _head_chunk(dv, 2, g, groups).copy_(dv_g)
+        dk.put(g, dk_g)
+        dv.put(g, dv_g)
         dbias += dbias_g
         del dk_g, dv_g, dbias_g
-    return dq, dk, dv, None, _join_bias_grads(dbias, bias_all), None, None, None
+    return dq.whole, dk.whole, dv.whole, None, _join_bias_grads(dbias, bias_all), None, None, None
 
 
 def _gather_heads(ring, k, v, group: int, groups: int):

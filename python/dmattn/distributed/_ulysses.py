@@ -3,7 +3,7 @@
 import contextlib
 import functools
 import math
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -90,13 +90,11 @@ class _HeadPipeline:
 
     Point-to-point messages (batch_isend_irecv: one per batch row, peer and tensor), each
     a contiguous block, so that a message goes out of or into its final place: received
-    pieces are (B, P, L, w, D) buffers, one a tensor, the (B, S, w, D) view of which the
-    dmattn call reads; results go out of the call's own (B, S, w, D) outputs. Only the
-    packing of the pieces sent (and of the rank's own piece) and the unpacking of the
-    pieces received are copies. The pieces sent go one tensor at a time, each let go of
-    once its messages are done (`_scatter`). On CUDA those copies and the messages run
-    on a side stream, ordered with the caller's stream by events; on the CPU (gloo) the
-    results' messages overlap the calls, the pieces' are waited for as they go."""
+    pieces are (B, P, L, w, D) buffers, the (B, S, w, D) view of which the dmattn call
+    reads; results go out of the call's own (B, S, w, D) outputs. Only the packing of the
+    pieces sent (and of the rank's own piece) and the unpacking of the pieces received
+    are copies. On CUDA those copies and the messages run on a side stream, ordered with
+    the caller's stream by events; on the CPU (gloo) the messages overlap the calls."""
 
     def __init__(self, group, rank: int, size: int, chunks: int, device: torch.device):
         self.group, self.rank, self.size, self.chunks, self.device = group, rank, size, chunks, device
@@ -115,12 +113,15 @@ class _HeadPipeline:
         width = t.shape[2] * repeat // (self.size * self.chunks)
         return (rank * self.chunks + chunk) * width, width
 
-    def _pack(self, into: Tensor, t: Tensor, repeat: int, rank: int, chunk: int):
-        """into (B, L, w, D) <- chunk `chunk` of t's (replicated) heads for rank `rank`."""
-        first, width = self._heads(t, repeat, rank, chunk)
-        for offset, head, heads, replicas in _runs(first, width, repeat):
-            place = into.narrow(2, offset, heads * replicas).unflatten(2, (heads, replicas))
-            place.copy_(t.narrow(2, head, heads).unsqueeze(3))
+    def _pack(self, into: Tensor, sources, rank: int, chunk: int):
+        """into (B, L, sum of widths, D) <- chunk `chunk` of every source for rank `rank`."""
+        start = 0
+        for t, repeat in sources:
+            first, width = self._heads(t, repeat, rank, chunk)
+            for offset, head, heads, replicas in _runs(first, width, repeat):
+                place = into.narrow(2, start + offset, heads * replicas).unflatten(2, (heads, replicas))
+                place.copy_(t.narrow(2, head, heads).unsqueeze(3))
+            start += width
 
     def _unpack(self, target: Tensor, repeat: int, rank: int, chunk: int, piece: Tensor):
         """Chunk `chunk` of target's heads on rank `rank` <- piece (B, L, w, D), replicas summed
@@ -134,35 +135,33 @@ class _HeadPipeline:
                 place.add_(part.unflatten(2, (heads, replicas)).sum(3))
 
     def _scatter(self, chunk: int, sources) -> _Transfer:
-        """Sends chunk `chunk` of the sequence-layout `sources`, one source at a time: its pieces
-        are packed, sent, waited for (on the side stream; by the host on the CPU) and let go of
-        before the next source's are packed, so that one source's sent pieces are alive at a
-        time. Waiting on the transfer gives their head-layout views."""
-        views, event = [], None
+        """Starts sending chunk `chunk` of the sequence-layout `sources`; waiting on the
+        transfer gives their head-layout views."""
+        t0 = sources[0][0]
+        batch, length, dim = t0.shape[0], t0.shape[1], t0.shape[3]
+        widths = [self._heads(t, repeat, self.rank, chunk)[1] for t, repeat in sources]
+        first, ops, event = self._tags(batch), [], None
         with self._on_side():
-            for t, repeat in sources:
-                batch, length, _, dim = t.shape
-                width = self._heads(t, repeat, self.rank, chunk)[1]
-                received = t.new_empty(batch, self.size, length, width, dim)
-                self._pack(received[:, self.rank], t, repeat, self.rank, chunk)
-                if self.side is not None:
-                    received.record_stream(self.main)
-                first, ops = self._tags(batch), []
-                for j in range(self.size):
-                    if j != self.rank:
-                        packed = t.new_empty(batch, length, width, dim)
-                        self._pack(packed, t, repeat, j, chunk)
-                        for b in range(batch):
-                            ops.append(dist.P2POp(dist.isend, packed[b], group=self.group, group_peer=j, tag=first + b))
-                            ops.append(dist.P2POp(dist.irecv, received[b, j], group=self.group, group_peer=j,
-                                                  tag=first + b))
-                        del packed
-                _wait(dist.batch_isend_irecv(ops) if ops else [])
-                del ops
-                views.append(received.flatten(1, 2))
+            received = t0.new_empty(batch, self.size, length, sum(widths), dim)
+            self._pack(received[:, self.rank], sources, self.rank, chunk)
             if self.side is not None:
                 event = self.side.record_event()
-        return _Transfer([], views, event)
+                received.record_stream(self.main)
+            for j in range(self.size):
+                if j != self.rank:
+                    packed = t0.new_empty(batch, length, sum(widths), dim)
+                    if self.side is not None:
+                        # ProcessGroupNCCL lets go of it when the caller's stream waits for the messages: its
+                        # memory must not return to the side stream before that wait.
+                        packed.record_stream(self.main)
+                    self._pack(packed, sources, j, chunk)
+                    for b in range(batch):
+                        ops.append(dist.P2POp(dist.isend, packed[b], group=self.group, group_peer=j, tag=first + b))
+                        ops.append(dist.P2POp(dist.irecv, received[b, j], group=self.group, group_peer=j,
+                                              tag=first + b))
+            requests = dist.batch_isend_irecv(ops) if ops else []
+        views = [received.narrow(3, sum(widths[:i]), w).flatten(1, 2) for i, w in enumerate(widths)]
+        return _Transfer(requests, views, event)
 
     def _gather(self, chunk: int, outputs: List[Tensor], targets) -> _Transfer:
         """Starts sending the head-layout `outputs` (B, S, w, D) of chunk `chunk` back, once
@@ -201,14 +200,14 @@ class _HeadPipeline:
         if self.device.type == "cuda":
             self.main, self.side = torch.cuda.current_stream(self.device), _side_stream(self.device.index)
             self.side.wait_stream(self.main)
-        # Buffers held at a time: chunk c's received pieces, chunk c + 1's received pieces (and while
-        # they go, one tensor's sent pieces), chunk c's results and the pieces of them that arrive.
+        # Buffers held at a time: chunk c's received pieces, chunk c + 1's received and sent
+        # pieces, chunk c's results and the pieces of them that arrive.
         incoming, returning = self._scatter(0, sources), None
         for c in range(self.chunks):
             if returning is not None:
                 with self._on_side():
                     returning.wait()  # chunk c - 1 is home and its buffers free
-            views = incoming.wait()
+            views = incoming.wait()  # chunk c's sent pieces free
             incoming = self._scatter(c + 1, sources) if c + 1 < self.chunks else None
             outputs = compute(c, *views)
             del views
