@@ -12,7 +12,8 @@ Shapes: B=1, 32 query heads, 8 kv heads, D=128, bf16, causal, a key-only bias
 (1, 8, 1, S) in bf16 with a gradient; dense, and with keep_window_size (256 in the
 check, 2048 in the timing). Modes: Ulysses (its default head chunks, and a row for each
 count in --head-chunks, e.g. 8,16: smaller chunks, less memory) and ring (its top-k
-selected once for the whole sequence, from the all-gathered bias).
+selected once for the whole sequence, from the all-gathered bias; its default head
+groups, and a row for each count in --head-chunks that divides the 8 kv heads).
 
 check: every rank draws the same whole-sequence inputs, runs its shard, and rank 0
 gathers the output and every gradient (dq, dk, dv, dbias) and compares them with a
@@ -93,9 +94,11 @@ def volume(mode, P, S, H=HEADS, Hk=KV_HEADS, D=HEAD_DIM, element=2, bias_heads=K
 
 
 def _variants(args):
-    """(mode, head_chunks) of the parallel rows: each mode of --modes with its defaults,
-    then Ulysses with each count of --head-chunks."""
-    return [(mode, None) for mode in args.modes] + [("ulysses", c) for c in args.head_chunks if "ulysses" in args.modes]
+    """(mode, head_chunks) of the parallel rows: each mode of --modes with its defaults, then
+    each count of --head-chunks for Ulysses (head chunks) and, where it divides the kv heads,
+    the ring (head groups)."""
+    counts = [("ulysses", c) for c in args.head_chunks] + [("ring", c) for c in args.head_chunks if KV_HEADS % c == 0]
+    return [(mode, None) for mode in args.modes] + [(m, c) for m, c in counts if m in args.modes]
 
 
 def _label(mode, chunks):
@@ -331,8 +334,9 @@ def _time_parallel(torch, dist, sp, mode, chunks, S, w, reps):
     dout = local.pop("dout")
     leaves = {n: t.requires_grad_() for n, t in local.items()}
     attention = functools.partial(sp.attention, causal=True, keep_window_size=w, mode=mode, head_chunks=chunks)
-    sent_fwd, sent_bwd = volume(mode, P, S, chunks=sp._ulysses_chunks(HEADS, KV_HEADS, P, chunks),
-                                topk=w is not None and w < S)
+    topk = w is not None and w < S
+    chunks_u = sp._ulysses_chunks(HEADS, KV_HEADS, P, chunks, topk) if mode == "ulysses" else 1
+    sent_fwd, sent_bwd = volume(mode, P, S, chunks=chunks_u, topk=topk)
     times, peak, pool = _measure(torch, functools.partial(_step, attention, leaves, dout), reps, sync=dist.barrier)
     slowest = torch.tensor(times, device=DEVICE)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

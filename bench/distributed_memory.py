@@ -5,8 +5,9 @@
 
 distributed_bench.py's shapes (B=1, 32 query heads, 8 kv heads, D=128, bf16, causal, a
 keep window S / 64, a learnable (1, 8, 1, S) bias) at S = --seq: Ulysses fwd+bwd in
---ranks gloo processes for each head_chunks count, the ring with the keep window and
-dense, and one process on the whole sequence,
+--ranks gloo processes for each head_chunks count and dense with its default, the ring
+(its default head groups) with the keep window and dense, and one process on the whole
+sequence,
 under tests/python/memory_model.py's LiveMemory. As in the bench, the caller holds q,
 k, v, the bias and dout, and the output through the backward; each line is the rank
 with the highest peak. Every tensor involved
@@ -61,6 +62,10 @@ def _worker(rank, ranks, store, args, results):
         peak, caller, at_peak = _step(attention, args.seq, torch.Generator().manual_seed(0),
                                       lambda t, dim: sp.shard_sequence(t, dim))
         lines.append((f"Ulysses, {ranks} ranks, head_chunks={chunks}", peak, caller, at_peak))
+    attention = lambda *a, **kw: sp.attention(*a, **kw, causal=True)  # noqa: E731
+    peak, caller, at_peak = _step(attention, args.seq, torch.Generator().manual_seed(0),
+                                  lambda t, dim: sp.shard_sequence(t, dim))
+    lines.append((f"Ulysses, {ranks} ranks, dense, default head_chunks", peak, caller, at_peak))
     for window, label in ((args.seq // 64, "keep window"), (None, "dense")):
         attention = lambda *a, w=window, **kw: sp.attention(*a, **kw, causal=True, keep_window_size=w,  # noqa: E731
                                                             mode="ring")

@@ -10,7 +10,8 @@
 #        default a temporary directory), CHECK_SEQ (default 2048), SEQ (default
 #        131072), REPS (default 3; TOPK_REPS, default 10, for the keep-window rows),
 #        HEAD_CHUNKS (e.g. 8,16: a Ulysses row for each head_chunks count beside the
-#        default's; default none), PYTHON (default python3)
+#        default's, and a ring row for each that divides the 8 kv heads; default
+#        none), PYTHON (default python3)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1

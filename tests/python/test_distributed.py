@@ -87,6 +87,14 @@ CASES = {
                                options=dict(causal=True, keep_window_size=5)),
     "ring_topk_bfloat16": dict(mode="ring", kv_heads=2, bias=(B, "Hk"), dtype=torch.bfloat16,
                                options=dict(causal=True, keep_window_size=5)),
+    # The ring's head groups: one (the whole heads at once), a bias all groups share, query heads a group.
+    "ring_one_group": dict(mode="ring", kv_heads=2, bias=(B, "Hk"), head_chunks=1, options=dict(causal=True)),
+    "ring_groups_shared_bias_bfloat16": dict(mode="ring", kv_heads=2, bias=(1, 1), dtype=torch.bfloat16,
+                                             options=dict(causal=True)),
+    "ring_topk_groups_bias_per_head": dict(mode="ring", heads=12, kv_heads=4, bias=(B, "H", "tied"), head_chunks=4,
+                                           options=dict(causal=True, keep_window_size=5)),
+    "ring_topk_one_group": dict(mode="ring", kv_heads=2, bias=(B, "Hk", "tied"), head_chunks=1,
+                                options=dict(causal=True, keep_window_size=5)),
     # The ring's top-k in blocks, as CUDA runs it where a query block would straddle a rank's two chunks.
     "ring_topk_blocks_ties": dict(mode="ring", kv_heads=2, bias=(B, "Hk", "tied"), blocks=True,
                                   options=dict(causal=True, keep_window_size=5)),
@@ -115,13 +123,15 @@ ERRORS = {
                             "dmattn: head_chunks: expected None or a count C >= 1 with H = 6 divisible by lcm"),
     "ulysses_head_chunks_type": ("ulysses", None, dict(head_chunks=2.0), TypeError,
                                  "dmattn: head_chunks: expected an int, got float"),
-    "ring_head_chunks": ("ring", None, dict(head_chunks=2), ValueError,
-                         "dmattn: head_chunks: expected None with mode='ring'"),
+    "ring_head_chunks": ("ring", None, dict(head_chunks=3), ValueError,
+                         "dmattn: head_chunks: expected None or a count G >= 1 dividing Hk = 2"),
 }
 
 # Memory: Ulysses fwd + bwd of (B, S, 12, D) q, 4 kv heads and a (B, 4, 1, S) bias, head chunks a world size.
 MEMORY = {"memory_whole_kv_heads": {2: 2, 3: 2}, "memory_query_head_chunks": {2: 6, 3: 4},
           "memory_one_chunk": {2: 1, 3: 1}}
+# Memory: the ring's fwd + bwd of the same shapes: (keep window or None, head groups G).
+MEMORY_RING = {"memory_ring_topk": (5, 1), "memory_ring_topk_groups": (5, 4), "memory_ring_dense_groups": (None, 2)}
 
 DOGE = {"doge_ulysses_topk": ("ulysses", 5), "doge_ring": ("ring", 64), "doge_ring_topk": ("ring", 5)}
 
@@ -212,9 +222,9 @@ def _check_error(case, world):
         raise AssertionError(f"no {error.__name__}")
 
 
-def _memory_of(case, Hq, Hk, L, **options):
-    """LiveMemory over one causal forward and backward of sp.attention (keep window 5, a key-only bias) on
-    float64 shards of L rows, Hq / Hk heads, with `options` (the mode, head chunks)."""
+def _memory_of(case, Hq, Hk, L, keep_window_size=5, **options):
+    """LiveMemory over one causal forward and backward of sp.attention (keep window 5 unless given, a key-only
+    bias) on float64 shards of L rows, Hq / Hk heads, with `options` (the mode, head chunks)."""
     g = _generator(case)
     q, dout = (torch.randn(B, L, Hq, D, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(B, L, Hk, D, generator=g, dtype=torch.float64) for _ in range(2))
@@ -222,7 +232,7 @@ def _memory_of(case, Hq, Hk, L, **options):
     for t in (q, k, v, bias):
         t.requires_grad_()
     with LiveMemory() as memory:
-        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, **options)
+        out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=keep_window_size, **options)
         out.backward(dout)
     return memory
 
@@ -247,21 +257,35 @@ def _check_memory(case, world):
     assert expected <= memory.peak <= expected + vectors, (memory.peak / unit, expected / unit, memory.at_peak)
 
 
-def _check_ring_memory(world):
-    """The peak of the tensor memory that the fused top-k ring's forward and backward allocate: during the
-    backward call, out and dq (H u each, u = B L D 8 bytes) and the whole sequence's k, v, dk and dv (P Hk u
-    each); besides them only vectors of one value a row or a key and head: lse and its zero gradient, and the
-    whole sequence's bias, its gradient and the intervals (int32 pairs). The received shards of an all-gather
-    (P Hk u) may outlive its wait by a moment: the backend's thread lets go of its work after waking the caller
-    (gloo: up to 1 run in 8 held them into the backward call), so the bound allows one gather's shards more."""
+def _check_ring_memory(case, world):
+    """The peak of the tensor memory that the ring's forward and backward allocate (u = B L D 8 bytes, one head
+    of this rank's rows). One head group (the fused top-k ring as before head groups): during the backward
+    call, out and dq (H u each) and the whole sequence's k, v, dk and dv (P Hk u each). G > 1 groups of Hk / G
+    kv heads: out and the whole dq, dk and dv (made at the first group's results: H, H, Hk and Hk u) and, at a
+    later group's worst moment, its working set. Fused top-k: the group's dq (H / G u) and whole-sequence k,
+    v, dk and dv (P Hk / G u each), and up to that many more for the next group's gather (started before the
+    call). Dense: the block's scaled dout and dq and the group's dq accumulator (3 H / G u at most, 2 H / G at
+    least), the group's k and v shards made contiguous and the shard in transit (4 Hk / G u), the dk/dv
+    accumulators sent and received and the block's (6 Hk / G u at most). The received shards of an all-gather
+    (P Hk / G u a tensor) may outlive its wait by a moment: the backend's thread lets go of its work after
+    waking the caller (gloo held them into the backward call up to 1 run in 8), so the bounds allow them.
+    Besides them only vectors of one value a row or a key and head (lse, the bias, its gradient and the
+    intervals)."""
+    window, groups = MEMORY_RING[case]
     Hq, Hk, L = 12, 4, 2 * CHUNK
-    memory = _memory_of("memory_ring_topk", Hq, Hk, L, mode="ring")
+    memory = _memory_of(case, Hq, Hk, L, mode="ring", head_chunks=groups, keep_window_size=window)
     P, unit = world, B * L * D * 8
-    expected = (2 * Hq + 4 * P * Hk) * unit
-    vectors = B * Hq * L * 8 * 2 + B * Hk * P * L * (8 + 8 + 8)
-    lingering = P * Hk * unit
-    assert expected <= memory.peak <= expected + vectors + lingering, (memory.peak / unit, expected / unit,
-                                                                         memory.at_peak)
+    if groups == 1:
+        expected, slack = (2 * Hq + 4 * P * Hk) * unit, P * Hk * unit
+    elif window is not None:
+        expected = (2 * Hq + 2 * Hk) * unit + (Hq + 4 * P * Hk) * unit // groups
+        slack = 4 * P * Hk * unit // groups
+    else:
+        expected = (2 * Hq + 2 * Hk) * unit + (2 * Hq + 4 * Hk) * unit // groups
+        slack = (Hq + 6 * Hk) * unit // groups
+    vectors = B * Hq * L * 8 * 4 + B * Hk * P * L * (8 + 8 + 8) * 2
+    assert expected <= memory.peak <= expected + slack + vectors, (memory.peak / unit, expected / unit,
+                                                                    memory.at_peak)
 
 
 def _check_ulysses_selection(world):
@@ -283,16 +307,18 @@ def _check_ulysses_selection(world):
 
 def _check_ring_selection(world):
     """The ring's top-k selects once for the whole sequence and, fused, makes one forward and one backward call
-    over the whole sequence's keys, the backward taking the forward's intervals."""
+    a head group (G = 2 by default with 2 kv heads) over the whole sequence's keys, each group's backward taking
+    its forward's intervals."""
     g, L = _generator("ring_selection"), 2 * CHUNK
     q, k, v, bias = (torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
                      for shape in ((B, L, H, D), (B, L, 2, D), (B, L, 2, D), (B, 2, 1, L)))
     with OpCalls() as ops:
         out = sp.attention(q, k, v, bias=bias, causal=True, keep_window_size=5, mode="ring")
         out.backward(torch.ones_like(out))
-    assert ops.names() == ["select", "fwd", "bwd"], ops.names()
-    (_, fwd), (_, bwd) = ops.calls[1:]
-    assert fwd[1].shape[1] == world * L and fwd[7].data_ptr() == bwd[8].data_ptr(), "one call over every key"
+    assert ops.names() == ["select", "fwd", "fwd", "bwd", "bwd"], ops.names()
+    fwd, bwd = [args for name, args in ops.calls if name == "fwd"], [args for name, args in ops.calls if name == "bwd"]
+    assert all(f[1].shape[1] == world * L and f[7].data_ptr() == b[8].data_ptr() for f, b in zip(fwd, bwd)), \
+        "one call a group over every key"
 
 
 def _check_layouts(world):
@@ -359,8 +385,8 @@ def _worker(rank, world, store, results):
     checks += [(case, lambda c=case: _check_memory(c, world)) for case in MEMORY]
     checks += [("layouts", lambda: _check_layouts(world)),
                ("ulysses_selection", lambda: _check_ulysses_selection(world)),
-               ("ring_selection", lambda: _check_ring_selection(world)),
-               ("memory_ring_topk", lambda: _check_ring_memory(world))]
+               ("ring_selection", lambda: _check_ring_selection(world))]
+    checks += [(case, lambda c=case: _check_ring_memory(c, world)) for case in MEMORY_RING]
     for case, check in checks:
         try:
             outcome[case] = check() or "ok"
@@ -391,7 +417,7 @@ def outcomes(request, tmp_path_factory):
     return {case: [r[case] for r in ranks] for case in ranks[0]}
 
 
-@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, "memory_ring_topk", "layouts", "ulysses_selection",
+@pytest.mark.parametrize("case", [*CASES, *ERRORS, *DOGE, *MEMORY, *MEMORY_RING, "layouts", "ulysses_selection",
                                   "ring_selection"])
 def test_case(outcomes, case):
     results = outcomes[case]

@@ -27,7 +27,9 @@ once (dmattn::select, per-key row intervals), and its forward and backward take 
 selection. Nothing head-sharded of the size of q is kept for the backward, which sends
 q, k, v, out and dout again.
 
-Ring: the k, v, mask and bias shards travel around the ring (P - 1 hops, each
+Ring, in G head groups (`head_chunks`: kv heads g Hk / G ... with the query heads that
+read them), one after the other, so that every temporary holds one group's heads: the
+k, v, mask and bias shards travel around the ring (P - 1 hops, each
 overlapped with the attention of the block at hand); each block's (out, lse) is
 merged into the running output with its log-sum-exp. The backward passes the shards
 around again; each block's gradients come from dmattn's backward op given the
@@ -64,7 +66,7 @@ from torch import Tensor
 
 from ..ops import _broadcast_shape, _common, _reduce, checked
 from ._base import MODES, _check_mode, _error, _process_group, gather_sequence, shard_sequence
-from ._ring import _Ring, _RingAttention
+from ._ring import _Ring, _RingAttention, _selects
 from ._ulysses import _HeadPipeline, _UlyssesAttention
 
 __all__ = ["MODES", "attention", "gather_sequence", "shard_sequence", "use_sequence_parallel_for_doge"]
@@ -93,14 +95,15 @@ def _key_only(name: str, t: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[
     return reduced
 
 
-def _ulysses_chunks(heads: int, kv_heads: int, size: int, head_chunks) -> int:
+def _ulysses_chunks(heads: int, kv_heads: int, size: int, head_chunks, topk: bool) -> int:
     """The number C of head chunks of mode="ulysses": `head_chunks`, checked, or by
-    default the largest C up to 4 whose kv heads, replicated to lcm(Hk, P C), leave every
-    chunk a whole number of query heads a kv head (H divisible by lcm(Hk, P C))."""
+    default the largest C up to 8 (up to 4 with a top-k keep window below the keys,
+    `topk`) whose kv heads, replicated to lcm(Hk, P C), leave every chunk a whole number
+    of query heads a kv head (H divisible by lcm(Hk, P C))."""
     if heads % size:
         raise _error("q.shape[2]", f"a head count divisible by the group size {size} (ulysses splits the heads)", heads)
     if head_chunks is None:
-        return max(n for n in range(1, 5) if heads % math.lcm(kv_heads, size * n) == 0)
+        return max(n for n in range(1, 5 if topk else 9) if heads % math.lcm(kv_heads, size * n) == 0)
     head_chunks = checked("head_chunks", head_chunks, int)
     if head_chunks < 1 or heads % math.lcm(kv_heads, size * head_chunks):
         raise _error("head_chunks", f"None or a count C >= 1 with H = {heads} divisible by lcm(Hk, P C) = "
@@ -108,9 +111,20 @@ def _ulysses_chunks(heads: int, kv_heads: int, size: int, head_chunks) -> int:
     return head_chunks
 
 
-def _check_ring(q: Tensor, k: Tensor, options, size: int, head_chunks):
-    if head_chunks is not None:
-        raise _error("head_chunks", "None with mode='ring' (it chunks the heads of mode='ulysses')", head_chunks)
+def _ring_groups(kv_heads: int, head_chunks, topk: bool) -> int:
+    """The number G of head groups of mode="ring": `head_chunks`, checked (a divisor of Hk: whole
+    kv heads a group), or by default the largest divisor of Hk up to 8 (up to 4 with a top-k
+    keep window below the keys, `topk`)."""
+    if head_chunks is None:
+        return max(n for n in range(1, 5 if topk else 9) if kv_heads % n == 0)
+    head_chunks = checked("head_chunks", head_chunks, int)
+    if head_chunks < 1 or kv_heads % head_chunks:
+        raise _error("head_chunks", f"None or a count G >= 1 dividing Hk = {kv_heads} (ring: whole kv heads in each "
+                     "head group)", head_chunks)
+    return head_chunks
+
+
+def _check_ring(q: Tensor, k: Tensor, options, size: int):
     if q.shape[1] % 2:
         raise _error("q.shape[1]", f"a local sequence length divisible by 2 (ring: the sequence splits into 2 x {size} "
                      "zigzag chunks)", q.shape[1])
@@ -153,12 +167,18 @@ def attention(
             take CUDA tensors, gloo groups CPU tensors.
         mode: "ulysses" (H divisible by the group size; every option) or "ring"
             (Sk_local == S_local, even; no sliding window).
-        head_chunks: "ulysses" only: the number C of chunks each rank's heads are cut
+        head_chunks: "ulysses": the number C of chunks each rank's heads are cut
             into, one dmattn call each; the all-to-alls of one chunk overlap the
             attention of the next, and the buffers in use at a time shrink with C.
             The kv heads (and a key-only mask's and bias's) are replicated to
             lcm(heads, P C), so H must be divisible by lcm(Hk, P C). Default: the
-            largest such C up to 4.
+            largest such C up to 8, up to 4 with a top-k keep window below the
+            sequence length (whose short calls pay each chunk's fixed costs).
+            "ring": the number G of head groups (G divides Hk), one whole ring (or
+            fused top-k call) each, one after the other: the ring's temporaries
+            hold Hk / G kv heads and their query heads. Default: the largest
+            divisor of Hk up to 8, up to 4 with a top-k keep window below the
+            sequence length.
         Other options as in `dmattn.attention`; `causal` and `sliding_window` apply to
         the whole sequence.
 
@@ -171,12 +191,14 @@ def attention(
     _check_tokens(q, k, v, group)
     mask, bias = _key_only("mask", mask, q, k), _key_only("bias", bias, q, k)
     options = _common(scale, softcap, causal, sliding_window, keep_window_size, deterministic, return_lse)
+    topk = _selects(options, size * k.shape[1])
     if mode == "ulysses":
-        chunks = _ulysses_chunks(q.shape[2], k.shape[2], size, head_chunks)
+        chunks = _ulysses_chunks(q.shape[2], k.shape[2], size, head_chunks, topk)
         pipeline = _HeadPipeline(group, rank, size, chunks, q.device)
         return _UlyssesAttention.apply(q, k, v, mask, bias, pipeline, options, return_lse)
-    _check_ring(q, k, options, size, head_chunks)
-    out, lse = _RingAttention.apply(q, k, v, mask, bias, _Ring(group, rank, size), options)
+    _check_ring(q, k, options, size)
+    groups = _ring_groups(k.shape[2], head_chunks, topk)
+    out, lse = _RingAttention.apply(q, k, v, mask, bias, _Ring(group, rank, size), options, groups)
     return (out, lse) if return_lse else out
 
 

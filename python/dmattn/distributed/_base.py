@@ -100,3 +100,12 @@ def _wait(requests):
 
 def _shape(t: Optional[Tensor]) -> Optional[List[int]]:
     return None if t is None else list(t.shape)
+
+
+def _head_chunk(t: Optional[Tensor], dim: int, chunk: int, chunks: int) -> Optional[Tensor]:
+    """Chunk `chunk` of `chunks` equal chunks of t's heads (dim `dim`), a view; t itself where it has
+    one head (a mask, bias or selection that every head shares)."""
+    if t is None or t.shape[dim] == 1:
+        return t
+    width = t.shape[dim] // chunks
+    return t.narrow(dim, chunk * width, width)

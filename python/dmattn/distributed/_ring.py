@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._base import _chunks, _shape, _shard, _start_gather, _wait
+from ._base import _chunks, _head_chunk, _shape, _shard, _start_gather, _wait
 
 
 class _Ring:
@@ -67,36 +67,49 @@ def _accumulator_dtype(t: Tensor, size: int) -> torch.dtype:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Ring attention on zigzag shards. `options` is dmattn::fwd's option tuple; mask
-    and bias are key-only and in their reduced shape (no stride-0 dims). A keep window
-    below the sequence length is selected once, for the whole sequence, from the
+    """Ring attention on zigzag shards, in `groups` head groups one after the other: group g
+    is kv heads g Hk / G ... (g + 1) Hk / G - 1 with the query heads that read them (and
+    the mask's, bias's and selection's heads of those, or all of a tensor of one head), a
+    whole ring of its own, so that every temporary (the shard in transit, block outputs
+    and gradients, accumulators, the fused call's whole-sequence k, v, dk and dv) holds
+    the group's heads only. `options` is dmattn::fwd's option tuple; mask and bias are
+    key-only and in their reduced shape (no stride-0 dims). A keep window below the
+    sequence length is selected once, for the whole sequence and every head, from the
     all-gathered key-only mask and bias (`_ring_selection`); then, where `_fuses` allows,
-    the blocks fuse into one call over the all-gathered k and v (`_fused_forward`),
-    otherwise each ring block takes its share of the selection (`_block_intervals`)."""
+    each group's blocks fuse into one call over its all-gathered k and v
+    (`_fused_forward`), otherwise each ring block takes its share of the selection
+    (`_block_intervals`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, bias, ring, options):
+    def forward(ctx, q, k, v, mask, bias, ring, options, groups):
         chunk, causal = q.shape[1] // 2, options[2]
-        ctx.ring, ctx.options, ctx.fused = ring, options, False
+        ctx.ring, ctx.options, ctx.groups, ctx.fused = ring, options, groups, False
         selection = None
         if _selects(options, ring.size * q.shape[1]):
             mask_all, bias_all = _gather_key_only(mask, bias, ring)
             if _fuses(q, chunk, causal):
                 ctx.fused = True
-                return _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options)
+                return _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options, groups)
             selection = _ring_selection(q, k, mask_all, bias_all, ring.size, options)
-        out = lse = None
-        block_lse = []
-        for block, (k_b, v_b, mask_b, bias_b) in _ring_walk(ring, k, v, mask, bias, chunk, causal):
-            out_b, lse_b = torch.ops.dmattn.fwd(q[:, block.rows], k_b, v_b, mask_b, _shape(mask_b), bias_b,
-                                                _shape(bias_b), _block_intervals(selection, block, chunk),
-                                                options[0], options[1], block.causal, *options[3:])
-            block_lse.append(lse_b)
-            if out is None:
-                out, lse = out_b.to(_accumulator_dtype(q, ring.size)), lse_b.clone()
-            else:
-                _merge(out[:, block.rows], lse[..., block.rows], out_b, lse_b)
-        out = out.to(q.dtype)
+        out, lse, block_lse = _Heads(q, 2, groups), [], []
+        for g in range(groups):
+            q_g, k_g, v_g = (_head_chunk(t, 2, g, groups) for t in (q, k, v))
+            mask_g, bias_g, selection_g = (_head_chunk(t, 1, g, groups) for t in (mask, bias, selection))
+            lse_g = None
+            for block, (k_b, v_b, mask_b, bias_b) in _ring_walk(ring, k_g, v_g, mask_g, bias_g, chunk, causal):
+                out_b, lse_b = torch.ops.dmattn.fwd(q_g[:, block.rows], k_b, v_b, mask_b, _shape(mask_b), bias_b,
+                                                    _shape(bias_b), _block_intervals(selection_g, block, chunk),
+                                                    options[0], options[1], block.causal, *options[3:])
+                block_lse.append(lse_b)
+                if lse_g is None:
+                    acc, lse_g = out_b.to(_accumulator_dtype(q, ring.size)), lse_b.clone()
+                else:
+                    _merge(acc[:, block.rows], lse_g[..., block.rows], out_b, lse_b)
+                del out_b
+            out.put(g, acc)
+            lse.append(lse_g)
+            del acc
+        out, lse = out.whole, torch.cat(lse, 1)
         ctx.save_for_backward(q, k, v, mask, bias, selection, out, lse, *block_lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -106,35 +119,78 @@ class _RingAttention(torch.autograd.Function):
         if ctx.fused:
             return _fused_backward(ctx, dout)
         q, k, v, mask, bias, selection, out, lse, *block_lse = ctx.saved_tensors
-        ring, options = ctx.ring, ctx.options
+        ring, options, groups = ctx.ring, ctx.options, ctx.groups
         bias_grad = bias is not None and ctx.needs_input_grad[4]
         chunk, causal, acc = q.shape[1] // 2, options[2], _accumulator_dtype(q, ring.size)
-        owners = [t for t in (k, v, bias if bias_grad else None) if t is not None]
-        # dk, dv (and dbias) of the shard at hand travel one hop behind the shard, in the
-        # accumulator dtype, and the last hop, home, in their own (rounded as they would be there).
-        dq = grads = None
-        pending = []
-        walk = _ring_walk(ring, k, v, mask, bias, chunk, causal)
-        for step, (lse_b, (block, (k_b, v_b, mask_b, bias_b))) in enumerate(zip(block_lse, walk)):
-            rows, cols = block.rows, block.cols
-            dq_b, *grads_b = torch.ops.dmattn.bwd(
-                _block_dout(dout[:, rows], lse_b, lse[..., rows]), q[:, rows], k_b, v_b, mask_b, _shape(mask_b),
-                bias_b, _shape(bias_b), _block_intervals(selection, block, chunk), out[:, rows], lse_b, options[0],
-                options[1], block.causal, *options[3:], bias_grad)
-            grads_b = grads_b[:len(owners)]
-            if step == 0:  # the rank's own shard: all its rows and keys
-                dq, grads = dq_b.to(acc), [g.to(acc) for g in grads_b]
-            else:
-                dq[:, rows] += dq_b
-                _wait(pending)
-                for g, g_b, keys in zip(grads, grads_b, ((slice(None), cols), (slice(None), cols), (..., cols))):
-                    g[keys] += g_b
-            if step + 1 == ring.size:
-                grads = [g.to(t.dtype) for g, t in zip(grads, owners)]
-            grads, pending = ring.shift(grads)
-        _wait(pending)
-        dk, dv, *dbias = grads
-        return dq.to(q.dtype), dk, dv, None, dbias[0] if bias_grad else None, None, None
+        dq, dk, dv = (_Heads(t, 2, groups) for t in (q, k, v))
+        dbias = []
+        for g in range(groups):
+            q_g, k_g, v_g, out_g, dout_g = (_head_chunk(t, 2, g, groups) for t in (q, k, v, out, dout))
+            mask_g, bias_g, selection_g = (_head_chunk(t, 1, g, groups) for t in (mask, bias, selection))
+            lse_g = _head_chunk(lse, 1, g, groups)
+            owners = [t for t in (k_g, v_g, bias_g if bias_grad else None) if t is not None]
+            # dk, dv (and dbias) of the shard at hand travel one hop behind the shard, in the accumulator dtype,
+            # and the last hop, home, in their own (rounded as they would be there).
+            pending = []
+            walk = _ring_walk(ring, k_g, v_g, mask_g, bias_g, chunk, causal)
+            lses = block_lse[g * ring.size:(g + 1) * ring.size]
+            for step, (lse_b, (block, (k_b, v_b, mask_b, bias_b))) in enumerate(zip(lses, walk)):
+                rows, cols = block.rows, block.cols
+                dq_b, *grads_b = torch.ops.dmattn.bwd(
+                    _block_dout(dout_g[:, rows], lse_b, lse_g[..., rows]), q_g[:, rows], k_b, v_b, mask_b,
+                    _shape(mask_b), bias_b, _shape(bias_b), _block_intervals(selection_g, block, chunk),
+                    out_g[:, rows], lse_b, options[0], options[1], block.causal, *options[3:], bias_grad)
+                grads_b = grads_b[:len(owners)]
+                if step == 0:  # the rank's own shard: all its rows and keys
+                    dq_acc, grads = dq_b.to(acc), [t.to(acc) for t in grads_b]
+                else:
+                    dq_acc[:, rows] += dq_b
+                    _wait(pending)
+                    for t, t_b, keys in zip(grads, grads_b, ((slice(None), cols), (slice(None), cols), (..., cols))):
+                        t[keys] += t_b
+                del dq_b, grads_b
+                if step + 1 == ring.size:
+                    grads = [t.to(o.dtype) for t, o in zip(grads, owners)]
+                grads, pending = ring.shift(grads)
+            dq.put(g, dq_acc)
+            del dq_acc
+            _wait(pending)
+            dk.put(g, grads[0])
+            dv.put(g, grads[1])
+            dbias += grads[2:]
+            del grads
+        return dq.whole, dk.whole, dv.whole, None, _join_bias_grads(dbias, bias), None, None, None
+
+
+class _Heads:
+    """A tensor of all heads (dim `dim`, shaped and typed like `like`) put together from its
+    head groups' parts: with one group the part itself (cast to like's dtype), else a tensor
+    of the whole shape, made at the first part, that each part is copied into."""
+
+    def __init__(self, like: Tensor, dim: int, groups: int):
+        self.like, self.dim, self.groups, self.whole = like, dim, groups, None
+
+    def put(self, group: int, part: Tensor):
+        if self.groups == 1:
+            self.whole = part.to(self.like.dtype)
+            return
+        if self.whole is None:
+            self.whole = self.like.new_empty(self.like.shape)
+        _head_chunk(self.whole, self.dim, group, self.groups).copy_(part)
+
+
+def _join_bias_grads(parts: List[Tensor], bias: Optional[Tensor]) -> Optional[Tensor]:
+    """The bias's gradient from its head groups' parts (none: no gradient): their concatenation,
+    or, where every group shares the bias's one head, their sum, in float32 (float64 for
+    float64) rounded once to the bias's dtype."""
+    if not parts:
+        return None
+    if bias.shape[1] > 1 or len(parts) == 1:
+        return torch.cat(parts, 1)
+    total = parts[0].to(torch.float64 if bias.dtype == torch.float64 else torch.float32)
+    for part in parts[1:]:
+        total.add_(part)
+    return total.to(bias.dtype)
 
 
 class _Block(NamedTuple):
@@ -210,9 +266,10 @@ def _ring_selection(q, k, mask_all, bias_all, size: int, options) -> Tensor:
                                    options[3], options[4], options[5])
 
 
-def _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options):
-    """The ring's top-k forward as one call: this rank's rows against every key of the
-    whole sequence, k and v all-gathered in sequence order (while the selection runs),
+def _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options, groups):
+    """The ring's top-k forward as one call a head group: this rank's rows against every key
+    of the whole sequence, the group's k and v all-gathered in sequence order (the first
+    group's while the selection runs, each next group's while the group before computes),
     the mask and bias the whole sequence's, each key's intervals restricted to the rank's
     rows (`_block_intervals`). Under causal masking the call's causal flag lets each row
     see at least its causal keys (the rows end S - L keys before the last), and the
@@ -220,35 +277,66 @@ def _fused_forward(ctx, q, k, v, mask_all, bias_all, ring, options):
     mask and bias and the intervals (one value a key and head); the backward gathers k
     and v again."""
     chunk, causal = q.shape[1] // 2, options[2]
-    kv = [_start_gather(t, 1, ring.group, ring.size, "ring") for t in (k, v)]
+    kv = _gather_heads(ring, k, v, 0, groups)
     selection = _ring_selection(q, k, mask_all, bias_all, ring.size, options)
     block = _Block(slice(None), slice(None), causal, _chunks(ring.rank, ring.size, "ring")[1],
                    list(range(2 * ring.size)))
-    intervals = _block_intervals(selection, block, chunk)
+    whole = _block_intervals(selection, block, chunk)
     del selection
-    k_all, v_all = (gather() for gather in kv)
-    out, lse = torch.ops.dmattn.fwd(q, k_all, v_all, mask_all, _shape(mask_all), bias_all, _shape(bias_all), intervals,
-                                    *options)
-    ctx.save_for_backward(q, k, v, mask_all, bias_all, intervals, out, lse)
+    intervals = [_head_chunk(whole, 1, g, groups).contiguous() for g in range(groups)]
+    del whole
+    out, lse = _Heads(q, 2, groups), []
+    for g in range(groups):
+        k_all, v_all = (gather() for gather in kv)
+        kv = _gather_heads(ring, k, v, g + 1, groups)
+        mask_g, bias_g = _head_chunk(mask_all, 1, g, groups), _head_chunk(bias_all, 1, g, groups)
+        out_g, lse_g = torch.ops.dmattn.fwd(_head_chunk(q, 2, g, groups), k_all, v_all, mask_g, _shape(mask_g),
+                                            bias_g, _shape(bias_g), intervals[g], *options)
+        del k_all, v_all
+        out.put(g, out_g)
+        lse.append(lse_g)
+        del out_g
+    out, lse = out.whole, torch.cat(lse, 1)
+    ctx.save_for_backward(q, k, v, mask_all, bias_all, out, lse, *intervals)
     ctx.mark_non_differentiable(lse)
     return out, lse
 
 
 def _fused_backward(ctx, dout):
-    """The backward of `_fused_forward`: one call over k and v gathered again, then every
-    rank's dk, dv (and dbias) of the whole sequence summed into their owners' shards
-    (`_sum_shards`)."""
-    q, k, v, mask_all, bias_all, intervals, out, lse = ctx.saved_tensors
-    ring, options = ctx.ring, ctx.options
+    """The backward of `_fused_forward`: one call a head group over its k and v gathered
+    again (the next group's while the group computes), then every rank's dk, dv (and
+    dbias) of the group's whole sequence summed into their owners' shards (`_sum_shards`)."""
+    q, k, v, mask_all, bias_all, out, lse, *intervals = ctx.saved_tensors
+    ring, options, groups = ctx.ring, ctx.options, ctx.groups
     bias_grad = bias_all is not None and ctx.needs_input_grad[4]
-    kv = [_start_gather(t, 1, ring.group, ring.size, "ring") for t in (k, v)]
-    k_all, v_all = (gather() for gather in kv)
-    dq, *grads = torch.ops.dmattn.bwd(dout, q, k_all, v_all, mask_all, _shape(mask_all), bias_all, _shape(bias_all),
-                                      intervals, out, lse, *options, bias_grad)
-    del k_all, v_all
-    dk, dv, *dbias = _sum_shards(ring, [(grads.pop(0), 1), (grads.pop(0), 1)] +
-                                 ([(grads.pop(0), 3)] if bias_grad else []))
-    return dq, dk, dv, None, dbias[0] if bias_grad else None, None, None
+    dq, dk, dv = (_Heads(t, 2, groups) for t in (q, k, v))
+    dbias = []
+    kv = _gather_heads(ring, k, v, 0, groups)
+    for g in range(groups):
+        k_all, v_all = (gather() for gather in kv)
+        kv = _gather_heads(ring, k, v, g + 1, groups)
+        mask_g, bias_g = _head_chunk(mask_all, 1, g, groups), _head_chunk(bias_all, 1, g, groups)
+        q_g, out_g, dout_g = (_head_chunk(t, 2, g, groups) for t in (q, out, dout))
+        dq_g, *grads = torch.ops.dmattn.bwd(dout_g, q_g, k_all, v_all, mask_g, _shape(mask_g), bias_g, _shape(bias_g),
+                                            intervals[g], out_g,
+                                            _head_chunk(lse, 1, g, groups), *options, bias_grad)
+        del k_all, v_all
+        dq.put(g, dq_g)
+        del dq_g
+        dk_g, dv_g, *dbias_g = _sum_shards(ring, [(grads.pop(0), 1), (grads.pop(0), 1)] +
+                                           ([(grads.pop(0), 3)] if bias_grad else []))
+        dk.put(g, dk_g)
+        dv.put(g, dv_g)
+        dbias += dbias_g
+        del dk_g, dv_g, dbias_g
+    return dq.whole, dk.whole, dv.whole, None, _join_bias_grads(dbias, bias_all), None, None, None
+
+
+def _gather_heads(ring, k, v, group: int, groups: int):
+    """Starts the all-gathers of head group `group`'s k and v (`_start_gather`; none past the last group)."""
+    if group == groups:
+        return []
+    return [_start_gather(_head_chunk(t, 2, group, groups), 1, ring.group, ring.size, "ring") for t in (k, v)]
 
 
 def _sum_shards(ring, whole: List[Tuple[Tensor, int]]) -> List[Tensor]:

@@ -3,14 +3,14 @@
 import contextlib
 import functools
 import math
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..ops import _plans_topk
-from ._base import _shape, _wait
+from ._base import _head_chunk, _shape, _wait
 
 
 def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> Tensor:
@@ -40,14 +40,6 @@ def _replicate_heads(t: Tensor, dim: int, parts: int) -> Tensor:
 def _sum_replicas(t: Tensor, dim: int, heads: int) -> Tensor:
     """The gradient of the `heads` heads that `_replicate_heads` replicated to t.shape[dim]."""
     return t if t.shape[dim] == heads else t.unflatten(dim, (heads, -1)).sum(dim + 1)
-
-
-def _chunk_heads(t: Optional[Tensor], chunk: int, chunks: int) -> Optional[Tensor]:
-    """Chunk `chunk` of `chunks` equal chunks of the heads (dim 1) of a head-layout mask or bias."""
-    if t is None:
-        return None
-    width = t.shape[1] // chunks
-    return t.narrow(1, chunk * width, width)
 
 
 @functools.lru_cache(maxsize=None)
@@ -255,7 +247,7 @@ class _UlyssesAttention(torch.autograd.Function):
         out, lses, selections = q.new_empty(q.shape), [], []
 
         def attend(c, q_c, k_c, v_c):
-            mask_c, bias_c = _chunk_heads(mask_h, c, chunks), _chunk_heads(bias_h, c, chunks)
+            mask_c, bias_c = _head_chunk(mask_h, 1, c, chunks), _head_chunk(bias_h, 1, c, chunks)
             intervals_c = None
             if selects:
                 intervals_c = torch.ops.dmattn.select(q_c, k_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), causal,
@@ -290,7 +282,7 @@ class _UlyssesAttention(torch.autograd.Function):
         dbias_h = []
 
         def differentiate(c, q_c, k_c, v_c, out_c, dout_c):
-            mask_c, bias_c = _chunk_heads(mask_h, c, chunks), _chunk_heads(bias_h, c, chunks)
+            mask_c, bias_c = _head_chunk(mask_h, 1, c, chunks), _head_chunk(bias_h, 1, c, chunks)
             dq_c, dk_c, dv_c, dbias_c = torch.ops.dmattn.bwd(
                 dout_c, q_c, k_c, v_c, mask_c, _shape(mask_c), bias_c, _shape(bias_c), selections[c], out_c, lses[c],
                 *options, bias_grad)
