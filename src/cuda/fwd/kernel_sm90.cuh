@@ -268,15 +268,18 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   };
 
   // Prologue: the walk's tile and the one after it (a list's: their keys),
-  // the barriers (a buffer's empty one: an arrival from each consumer warp).
+  // the barriers. Producer walks: a K buffer's full barrier takes an arrival
+  // from each lane of the producer's warp (after its bias stores), its empty
+  // one from each consumer thread (after its bias reads); a V buffer's empty
+  // barrier one from each consumer warp (wgmma reads V).
   Tile cur = next_tile(blk.tile_end);
   Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
   if constexpr (kLists) store_key(0, cur.key), store_key(1, next.key);
   if (threadIdx.x == 0) {
     Barrier::init(q_full, 1);
     for (int s = 0; s < 2; ++s) {
-      Barrier::init(&k_full[s], 1), Barrier::init(&v_full[s], 1);
-      Barrier::init(&k_empty[s], kConsumers / 32), Barrier::init(&v_empty[s], kConsumers / 32);
+      Barrier::init(&k_full[s], kProducer ? 32 : 1), Barrier::init(&v_full[s], 1);
+      Barrier::init(&k_empty[s], kConsumers), Barrier::init(&v_empty[s], kConsumers / 32);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -302,13 +305,13 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       int j = 0, prev = 0;
       for (Tile tile = cur; tile.n >= tile_first; prev = tile.n, tile = next_tile(tile.n), ++j) {
         acquire(k_empty, j);
-        if (has_bias) {
+        if (has_bias)
           for (int t = lane; t < kBlockN; t += 32) bias_smem[(j & 1) * kBlockN + t] = bias_of(tile.n, 0, t);
-          __syncwarp();
-        }
         if (lane == 0)
           load(Int<kBlockN>{}, &maps.k, &k_full[j & 1], k_smem + (j & 1) * Config::kKvElems, blk.ks,
                std::int64_t{tile.n} * kBlockN, hk);
+        else
+          Barrier::arrive(&k_full[j & 1]);
         if (j > 0) load_v(j - 1, prev);
       }
       if (j > 0) load_v(j - 1, prev);
@@ -433,10 +436,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       for_each([&](int e, int half, int kj) {
         if (((row_bits[half][e / 16] >> (kj % 32)) & 1) == 0) acc_s(e) = -kInf;
       });
-    if constexpr (kProducer) {  // the warp is done with K_n and its bias
-      __syncwarp();
-      if (lane == 0) Barrier::arrive(&k_empty[buf]);
-    }
+    if constexpr (kProducer) Barrier::arrive(&k_empty[buf]);  // the thread is done with K_n and its bias
 
     // Online softmax (forward_kernel's): lazily moved maxima (move_row_max), the
     // exact exponent for large logits.
