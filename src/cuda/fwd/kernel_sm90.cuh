@@ -373,7 +373,8 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     const bool v_loads = kLists && tile.key0 >= 0;
     if (tid == 0) {
       if (k_next_loads)
-        load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, blk.ks, following.key0, hk);
+        load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, blk.ks, following.key0,
+             hk);
       if (v_loads) load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks, tile.key0, hk);
     }
     if constexpr (!kLists) Barrier::wait(&k_full[buf], (i >> 1) & 1);

@@ -88,8 +88,8 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
         const cudaError_t err =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
         if (err != cudaSuccess) return err;
-        kernel<<<grid(Config::kBlockM), Config::threads(forward_sm90_warp_specialized<Config>(walk)), Config::kSmemBytes, stream>>>(
-            p, maps);
+        const int threads = Config::threads(forward_sm90_warp_specialized<Config>(walk));
+        kernel<<<grid(Config::kBlockM), threads, Config::kSmemBytes, stream>>>(p, maps);
         return cudaGetLastError();
       }
       break;
