@@ -88,8 +88,14 @@ constexpr int kBackwardWarps = 8;
 // Above 128 features the accumulators of 16 rows x D a warp (dK and dV: 256
 // registers a thread at D = 256) do not fit: two warps then own the same 16
 // rows, each the accumulators of half the features (the feature split), and a
-// CTA owns 64 rows. The small tiles below split the features of 64-multiple
-// head dims up to 128 too, for the shared memory of half the rows.
+// CTA owns 64 rows. The small tiles below take 64 rows too, for the shared
+// memory of half the rows: the dq kernel's with the feature split (64-multiple
+// head dims), the dk/dv kernel's up to D = 128 with the column split: two warps
+// own the same 16 keys, each the S and dP of half a step's queries and dK, dV
+// over them (partial sums, added once at the end), so that no product is
+// computed twice (the feature split computes S and dP in both warps): at
+// D = 128 and 99 KiB fwd+bwd 63.3 -> 59.8 ms (B = 1, 32 / 8 heads,
+// S = 16384, causal; H100; the large tile at 163 KiB: 36.9).
 constexpr int backward_rows(int head_dim) { return head_dim > 128 ? 64 : 128; }
 // Columns a step: the accumulators of 16 x D / split rows a warp (dK and dV,
 // or dQ) and the S and dP tiles of 16 x step must fit in 255 registers; the dq
@@ -99,8 +105,11 @@ constexpr int backward_rows(int head_dim) { return head_dim > 128 ? 64 : 128; }
 constexpr int backward_dkv_step(int head_dim) { return head_dim > 64 ? 32 : 64; }
 constexpr int backward_dq_step(int head_dim) { return head_dim > 128 ? 32 : 64; }
 // S and dP in one k-loop (two independent MMA chains): registers for two
-// k-slices; at D = 256 that spills (sm_90a, bf16: 620 / 648 B instead of 196 / 252).
-constexpr bool backward_paired_sdp(int head_dim) { return head_dim <= 192; }
+// k-slices; at D = 256 that spills (sm_90a, bf16: 620 / 648 B instead of 196 / 252),
+// and so does the column split's dk/dv walk at D = 128 (sm_90a: 176 bytes of
+// dK and dV accumulators stored and reloaded every step; apart, only its
+// epilogue spills).
+constexpr bool backward_paired_sdp(int head_dim, bool column_split) { return head_dim <= 192 && !column_split; }
 // dq by float32 atomics from the dk/dv kernel (Problem::deterministic false):
 // its dQ = dS^T K tiles are 16 queries x 16 features on 2 x 4 warps, 64
 // features a pass.
@@ -113,7 +122,7 @@ constexpr int kSmemSm86 = 99 * 1024;
 constexpr int kSmemSm90 = 227 * 1024;
 // A backward kernel's tile: rows a CTA owns and columns a step. Each kernel
 // has a large tile (the rows and steps above) and a small one: the first of
-// (large rows, 32 columns) and (64 rows with the feature split, 32 columns)
+// (large rows, 32 columns) and (64 rows with a split, 32 columns)
 // whose CTA fits kSmemSm86, or the large one where none does (bwd/config.cuh
 // backward_tile). The dispatch runs the large tile where the device's opt-in
 // limit allows it, else the small one, else refuses the head dim.
@@ -123,10 +132,15 @@ struct BackwardTile {
 constexpr BackwardTile backward_large_tile(int head_dim, bool key_rows) {
   return {backward_rows(head_dim), key_rows ? backward_dkv_step(head_dim) : backward_dq_step(head_dim)};
 }
-// The feature split needs halves of whole 32-feature atoms; 16 rows a warp
-// without it need D <= 128 (the accumulators' registers).
-constexpr bool backward_tile_valid(int head_dim, BackwardTile tile) {
+// The feature split needs halves of whole 32-feature atoms, the column split
+// (dk/dv, 64 rows, D <= 128) steps of two 16-query halves; 16 rows a warp
+// without a split need D <= 128 (the accumulators' registers).
+constexpr bool backward_column_split(int head_dim, bool key_rows, BackwardTile tile) {
+  return key_rows && head_dim <= 128 && 16 * kBackwardWarps / tile.rows == 2;
+}
+constexpr bool backward_tile_valid(int head_dim, bool key_rows, BackwardTile tile) {
   const int split = 16 * kBackwardWarps / tile.rows;
+  if (backward_column_split(head_dim, key_rows, tile)) return tile.step % 32 == 0;
   return (split == 1 && head_dim <= 128) || (split == 2 && head_dim % 64 == 0);
 }
 

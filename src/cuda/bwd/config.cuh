@@ -27,25 +27,29 @@ namespace dmattn::cuda {
 //   stats     row statistics (max, inv, delta): dq of its rows, dk/dv of a
 //             step's columns in two buffers
 //   add       the staged tile (bias / allowed term; dk/dv: then dS^T for dq by
-//             atomics and the dS kept for dbias), rows x add_ld floats, and a
-//             key-only bias of the step's keys (rows floats)
+//             atomics and the dS kept for dbias), rows x add_ld floats, a
+//             key-only bias of the step's keys (rows floats), and with the
+//             column split the key dbias sums one warp hands the other (rows)
 //   then 16 bytes a row: dq, the list bits of the rows (two buffers of 64-bit
 //   words); dk/dv, the keys of the rows and their intervals.
 struct BackwardLayout {
-  int split, stat_floats, keep_ds_at, add_ld, bytes;
+  int split;     // warps a row block: 2 with the feature or the column split
+  bool columns;  // the column split (heuristics.h backward_column_split)
+  int stat_floats, keep_ds_at, add_ld, bytes;
 };
 constexpr BackwardLayout backward_layout(int head_dim, bool key_rows, BackwardTile tile) {
   BackwardLayout l{};
   l.split = 16 * kBackwardWarps / tile.rows;
+  l.columns = backward_column_split(head_dim, key_rows, tile);
   l.stat_floats = key_rows ? 6 * tile.step : 3 * tile.rows;
   // dk/dv: dS^T (Element, two buffers of `step` queries) from float column
   // `step` on; with the feature split both warps of a row block read the
   // staged term, so the stager keeps dS behind the dS^T buffers instead of
   // over it. Rows 4 words past a multiple of 32: fewer bank conflicts.
-  l.keep_ds_at = key_rows && l.split > 1 ? 2 * tile.step : 0;
+  l.keep_ds_at = key_rows && l.split > 1 && !l.columns ? 2 * tile.step : 0;
   const int used = key_rows ? std::max(2 * tile.step, l.keep_ds_at + tile.step) : tile.step;
   l.add_ld = (used + 31) / 32 * 32 + 4;
-  const int floats = l.stat_floats + tile.rows * l.add_ld + tile.rows;
+  const int floats = l.stat_floats + tile.rows * l.add_ld + (l.columns ? 2 : 1) * tile.rows;
   l.bytes = (2 * tile.rows + 4 * tile.step) * head_dim * 2 + floats * 4 + tile.rows * 16;
   return l;
 }
@@ -57,7 +61,7 @@ constexpr BackwardTile backward_tile(int head_dim, bool key_rows, bool small) {
   const BackwardTile large = backward_large_tile(head_dim, key_rows);
   if (small)
     for (const BackwardTile tile : {large, BackwardTile{large.rows, 32}, BackwardTile{64, 32}})
-      if (backward_tile_valid(head_dim, tile) && backward_layout(head_dim, key_rows, tile).bytes <= kSmemSm86)
+      if (backward_tile_valid(head_dim, key_rows, tile) && backward_layout(head_dim, key_rows, tile).bytes <= kSmemSm86)
         return tile;
   return large;
 }
@@ -74,22 +78,28 @@ struct BackwardConfig {
   static constexpr BackwardLayout kLayout = backward_layout(kHeadDim, kKeyRows, kTile);
   static constexpr int kWarps = kBackwardWarps;
   static constexpr int kThreads = kWarps * 32;
-  // Feature split (64 rows): warps w and w + kMmaWarps own the same 16 rows,
-  // compute the same S, dP, P and dS tiles (a 4-warp MMA over the whole head
-  // dim; only the first one stages dS), and each keeps the accumulators of its
-  // half of the features (kAccDim).
-  static constexpr int kFeatureSplit = kLayout.split;
-  static constexpr int kMmaWarps = kWarps / kFeatureSplit, kMmaThreads = kMmaWarps * 32;
+  // 64 rows: warps w and w + kMmaWarps own the same 16 rows (4-warp MMAs).
+  // Feature split: both compute the same S, dP, P and dS tiles over the whole
+  // head dim (only the first one stages dS), and each keeps the accumulators
+  // of its half of the features (kAccDim). Column split (dk/dv): each computes
+  // those of its half of the step's columns (kWarpStep from column0 w /
+  // kMmaWarps * kWarpStep) and the accumulators of all features over them,
+  // the second warp's added into the first's at the end.
+  static constexpr int kSplit = kLayout.split;
+  static constexpr bool kColumnSplit = kLayout.columns;
+  static constexpr int kFeatureSplit = kColumnSplit ? 1 : kSplit;
+  static constexpr int kMmaWarps = kWarps / kSplit, kMmaThreads = kMmaWarps * 32;
   static constexpr int kAccDim = kHeadDim / kFeatureSplit;
   static constexpr int kBlockRows = kTile.rows;  // the CTA's own rows: keys (dk/dv) or queries (dq)
   static_assert(kHeadDim <= 256 && backward_compiled(kHeadDim), "a head dim with a CUDA backward");
-  static_assert(backward_tile_valid(kHeadDim, kTile) && 16 * kMmaWarps == kBlockRows, "16 rows a warp");
+  static_assert(backward_tile_valid(kHeadDim, kKeyRows, kTile) && 16 * kMmaWarps == kBlockRows, "16 rows a warp");
   // A top-k key group (selection.h, kKeyGroupKeys keys) is walked by
   // kGroupBlocks CTAs, each over the group's rows with its share of the keys.
   static constexpr int kGroupBlocks = kKeyGroupKeys / kBlockRows;
   static_assert(kGroupBlocks * kBlockRows == kKeyGroupKeys, "a key group splits into whole CTAs");
   static constexpr int kStep = kTile.step;  // columns a step: queries (dk/dv) or keys (dq)
-  static constexpr bool kPairedSdp = backward_paired_sdp(kHeadDim);
+  static constexpr int kWarpStep = kColumnSplit ? kStep / 2 : kStep;  // a warp's columns of a step
+  static constexpr bool kPairedSdp = backward_paired_sdp(kHeadDim, kColumnSplit);
   static constexpr int kSmemRow = kAccDim % 64 == 0 ? 64 : 32;  // a feature half is whole atoms (D = 192: 3 of 32)
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
@@ -101,11 +111,20 @@ struct BackwardConfig {
       cute::Layout<cute::Shape<cute::_8, cute::Int<kSmemRow>>, cute::Stride<cute::Int<kSmemRow>, cute::_1>>{}));
   using SmemLayoutRows = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockRows>, cute::Int<kHeadDim>>{}));
   using SmemLayoutCols = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kStep>, cute::Int<kHeadDim>>{}));
-  // A column tile seen as (feature, column), a thread's kAccDim features: the
-  // B operand of dS B0 and P B1. Feature half f starts kStep * kAccDim
-  // elements on (whole swizzle atoms, so the offset commutes with the swizzle).
+  // A warp's columns of a column tile as (column, feature), the B operand of
+  // A0 B0^T and A1 B1^T, and seen as (feature, column), a thread's kAccDim
+  // features: the B operand of dS B0 and P B1. The column half c starts
+  // kWarpStep * kSmemRow elements on, the feature half f kStep * kAccDim
+  // (whole swizzle atoms, so the offsets commute with the swizzle).
+  using SmemLayoutWarpCols = decltype(cute::composition(
+      SmemLayoutCols{}, cute::make_layout(cute::Shape<cute::Int<kWarpStep>, cute::Int<kHeadDim>>{},
+                                          cute::Stride<cute::_1, cute::Int<kStep>>{})));
   using SmemLayoutColsT = decltype(cute::composition(
-      SmemLayoutCols{}, cute::make_layout(cute::Shape<cute::Int<kAccDim>, cute::Int<kStep>>{}, cute::GenRowMajor{})));
+      SmemLayoutCols{}, cute::make_layout(cute::Shape<cute::Int<kAccDim>, cute::Int<kWarpStep>>{},
+                                          cute::Stride<cute::Int<kStep>, cute::_1>{})));
+  static_assert(kWarpStep % 16 == 0, "a warp's columns are whole k-steps of dS B0");
+  static_assert(!kColumnSplit || (kBlockRows * kHeadDim * 4 <= 4 * kStep * kHeadDim * 2),
+                "the column split adds the accumulators through the column buffers");
   using LdsmAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
   using LdsmAtomT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
 

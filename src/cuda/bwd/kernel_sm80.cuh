@@ -31,9 +31,10 @@
 //   finish_dq:       dq = scale * the atomic float32 sums (deterministic = false).
 // Both walks use the same kind of tile (BackwardConfig: a large one and one
 // that fits sm_86's shared memory): each warp owns 16 rows (its accumulators),
-// the columns stream through double-buffered shared memory (with the feature
-// split, above 128 features and in the small tiles, a CTA owns 64 rows, two
-// warps a row block, and a top-k group is two CTAs: BackwardConfig::kFeatureSplit), and
+// the columns stream through double-buffered shared memory (with a split, above
+// 128 features and in the small tiles, a CTA owns 64 rows, two warps a row
+// block, and a top-k group is two CTAs: BackwardConfig::kSplit; the two warps
+// share the features, or in the small dk/dv tile the step's columns), and
 //   S  = A0 B0^T, dP = A1 B1^T          (dq: Q K^T, dO V^T;  dk/dv: K Q^T, V dO^T)
 //   acc_a += dS B0, acc_b += P B1        (dq: dQ += dS K;     dk/dv: dK += dS^T Q, dV += P^T dO)
 // with P and dS going from the accumulators to the next MMA in registers.
@@ -192,19 +193,25 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   };
 
   const int d = p.head_dim, tid = threadIdx.x;
-  // Feature split (Config::kFeatureSplit): the thread's MMA slice, its share
-  // of the accumulators' features from `feature0`, and whether it writes the
-  // dS terms that both warps of a row block hold (stager).
-  const int mma_tid = Config::kFeatureSplit == 1 ? tid : tid % Config::kMmaThreads;
-  const int feature_part = Config::kFeatureSplit == 1 ? 0 : tid / Config::kMmaThreads;
+  // Feature or column split (Config::kSplit): the thread's MMA slice; with the
+  // feature split its share of the accumulators' features from `feature0` and
+  // whether it writes the dS terms that both warps of a row block hold
+  // (stager); with the column split its share of a step's columns from
+  // `column0` and whether it holds the sums of both warps' accumulators and
+  // row sums at the end (holder).
+  const int mma_tid = Config::kSplit == 1 ? tid : tid % Config::kMmaThreads;
+  const int part = Config::kSplit == 1 ? 0 : tid / Config::kMmaThreads;
+  const int feature_part = Config::kFeatureSplit == 1 ? 0 : part;
   const int feature0 = feature_part * Config::kAccDim;
-  const bool stager = feature_part == 0;
+  const int column_part = Config::kColumnSplit ? part : 0, column0 = column_part * Config::kWarpStep;
+  const bool stager = feature_part == 0, holder = column_part == 0;
   extern __shared__ __align__(128) char smem[];
   auto* rows_smem = reinterpret_cast<Element*>(smem);
   Element* cols_smem = rows_smem + 2 * Config::kRowElems;
   auto* stats = reinterpret_cast<float*>(cols_smem + 4 * Config::kColElems);
   float* tile_add = stats + Config::kStatFloats;           // the staged bias / allowed term, then dS
   float* key_add = tile_add + kBlockRows * Config::kAddLd;  // a key-only bias of the step's keys
+  float* part_sums = key_add + kBlockRows;                   // column split: the second warp's key dbias sums
   auto* row_bits = reinterpret_cast<std::uint64_t*>(smem + Config::kSmemBytes - kBlockRows * 16);  // dq
   auto* own_keys = reinterpret_cast<std::int32_t*>(row_bits);                                      // dk/dv
   auto* own_rows = reinterpret_cast<KeyRows*>(own_keys + kBlockRows);                             // dk/dv
@@ -217,8 +224,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto col_tile = [&](int buf, int which) {
     return make_tensor(make_smem_ptr(cols_smem + (2 * buf + which) * Config::kColElems), SmemLayoutCols{});
   };
-  auto col_tile_t = [&](int buf, int which) {  // the thread's features (Config::kFeatureSplit)
-    return make_tensor(make_smem_ptr(cols_smem + (2 * buf + which) * Config::kColElems + feature_part * kStep * Config::kAccDim),
+  auto warp_cols = [&](int buf, int which) {  // the thread's columns (Config::kColumnSplit)
+    return make_tensor(make_smem_ptr(cols_smem + (2 * buf + which) * Config::kColElems + column0 * Config::kSmemRow),
+                       typename Config::SmemLayoutWarpCols{});
+  };
+  auto col_tile_t = [&](int buf, int which) {  // the thread's features and columns
+    return make_tensor(make_smem_ptr(cols_smem + (2 * buf + which) * Config::kColElems + feature_part * kStep * Config::kAccDim +
+                                     column0 * Config::kSmemRow),
                        SmemLayoutColsT{});
   };
 
@@ -335,10 +347,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   auto ldsm_bt = copy_bt.get_thread_slice(mma_tid);
   constexpr int kAccDim = Config::kAccDim;
   Tensor rA = thr.partition_fragment_A(sA0);                              // (MMA, MMA_M, MMA_K = D / 16)
-  Tensor rB = thr.partition_fragment_B(col_tile(0, 0));                   // (MMA, MMA_N, MMA_K = D / 16)
-  Tensor rBt = thr.partition_fragment_B(col_tile_t(0, 0));  // (MMA, MMA_D, MMA_K = kStep / 16)
+  Tensor rB = thr.partition_fragment_B(warp_cols(0, 0));                  // (MMA, MMA_N, MMA_K = D / 16)
+  Tensor rBt = thr.partition_fragment_B(col_tile_t(0, 0));  // (MMA, MMA_D, MMA_K = kWarpStep / 16)
   Tensor rA1 = thr.partition_fragment_A(sA1);                             // dP's operands (S and dP in one k-loop)
-  Tensor rB1 = thr.partition_fragment_B(col_tile(0, 1));
+  Tensor rB1 = thr.partition_fragment_B(warp_cols(0, 1));
   Tensor rAv = ldsm_a.retile_D(rA), rA1v = ldsm_a.retile_D(rA1);
   Tensor rBv = ldsm_b.retile_D(rB), rB1v = ldsm_b.retile_D(rB1);
   Tensor rBtv = ldsm_bt.retile_D(rBt);
@@ -348,7 +360,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   Tensor acc_b = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kAccDim>>{});  // dV
   clear(acc_a);
   if constexpr (kKeyRows) clear(acc_b);
-  Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kStep>>{}));
+  // The thread's elements of S as (row, column of its warp's, from column0).
+  Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<Config::kWarpStep>>{}));
   constexpr int kM = decltype(size<1>(cS))::value, kN = decltype(size<2>(cS))::value;
   static_assert(kM == 1, "a warp owns 16 rows");
   const float scale = p.scale, softcap = p.softcap, inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
@@ -365,8 +378,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int key = own_keys[get<0>(cS(make_coord(make_coord(0, half), 0, 0)))];
-      if (lane % 4 != 0 || key < 0 || !stager || !((rows >> half) & 1)) continue;
+      if (lane % 4 != 0 || key < 0 || !stager || !holder || !((rows >> half) & 1)) continue;
       db_out.add(p, hb, 0, key, x[half]);
+    }
+  };
+  // Column split: the second warp's quad-reduced key sums x of the thread's two
+  // rows added into the first's (a barrier of the whole CTA; the slots are
+  // written again only after the walk's next one).
+  auto add_key_sum_parts = [&](float* x) {
+    if constexpr (Config::kColumnSplit) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        if (!holder && lane % 4 == 0) part_sums[get<0>(cS(make_coord(make_coord(0, half), 0, 0)))] = x[half];
+      __syncthreads();
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        if (holder) x[half] += part_sums[get<0>(cS(make_coord(make_coord(0, half), 0, 0)))];
     }
   };
 
@@ -449,18 +476,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       }
     }
 
-    Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
-    Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<kStep>>{});
+    Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<Config::kWarpStep>>{});
+    Tensor acc_dp = partition_fragment_C(mma, Shape<Int<kBlockRows>, Int<Config::kWarpStep>>{});
     clear(acc_s);
     if (stats_only || !Config::kPairedSdp) {
-      gemm_ss(mma, acc_s, copy_a, sA0p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 0)), rB, rBv);
+      gemm_ss(mma, acc_s, copy_a, sA0p, rA, rAv, copy_b, ldsm_b.partition_S(warp_cols(buf, 0)), rB, rBv);
       if (!stats_only) {
         clear(acc_dp);
-        gemm_ss(mma, acc_dp, copy_a, sA1p, rA, rAv, copy_b, ldsm_b.partition_S(col_tile(buf, 1)), rB, rBv);
+        gemm_ss(mma, acc_dp, copy_a, sA1p, rA, rAv, copy_b, ldsm_b.partition_S(warp_cols(buf, 1)), rB, rBv);
       }
     } else {  // S and dP in one k-loop: two independent MMA chains between a k-slice's ldmatrix and its use
       clear(acc_dp);
-      Tensor sB0 = ldsm_b.partition_S(col_tile(buf, 0)), sB1 = ldsm_b.partition_S(col_tile(buf, 1));
+      Tensor sB0 = ldsm_b.partition_S(warp_cols(buf, 0)), sB1 = ldsm_b.partition_S(warp_cols(buf, 1));
 #pragma unroll
       for (int kk = 0; kk < size<2>(rA); ++kk) {
         copy(copy_a, sA0p(_, _, kk), rAv(_, _, kk));
@@ -508,7 +535,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         const int m = kKeyRows ? inner / 2 : outer / 2, half = kKeyRows ? inner % 2 : outer % 2;
         const int nn = kKeyRows ? outer / 2 : inner / 2, c = kKeyRows ? outer % 2 : inner % 2;
         const auto at = make_coord(make_coord(c, half), m, nn);
-        const int r = get<0>(cS(at)), col = get<1>(cS(at));
+        const int r = get<0>(cS(at)), col = column0 + get<1>(cS(at));
         const int qi = kKeyRows ? col : r, kj = kKeyRows ? r : col;
         float x = acc_s(at) * scale, tanh_x = 0.0f;
         if constexpr (kSoftcap) tanh_x = tanh_ex2(x * inv_softcap), x = softcap * tanh_x;
@@ -574,7 +601,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       const auto* pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rdS.data()));
 #pragma unroll
       for (int e = 0; e < size(acc_dp); e += 2) {
-        const int r = get<0>(cS(e)), col = get<1>(cS(e));
+        const int r = get<0>(cS(e)), col = column0 + get<1>(cS(e));
         if (stager) *reinterpret_cast<std::uint32_t*>(ds_t + buf * kStep + r * Config::kDsLd + col) = pairs[e / 2];
       }
       dq_pending = t;
@@ -602,6 +629,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         float x[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]), key_sum[half] = 0.0f;
+        add_key_sum_parts(x);
         store_key_sums(hb, x, 3u);
       }
     }
@@ -660,9 +688,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
 
   // Epilogue: dq = scale * acc_a; dk = scale * acc_a, dv = acc_b.
   Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kAccDim>>{}));
-  // The rows of a dk/dv CTA stored: all but the pieces that hand their sums on.
+  // The rows of a dk/dv CTA stored: all but the pieces that hand their sums on
+  // (column split: by the holders).
   const int my_row[2] = {get<0>(cS(make_coord(make_coord(0, 0), 0, 0))), get<0>(cS(make_coord(make_coord(0, 1), 0, 0)))};
-  bool my_store[2] = {true, true};
+  bool my_store[2] = {holder, holder};
   constexpr int kAccN = decltype(size<2>(acc_a))::value;
   // f(e, feature) for the thread's accumulator elements e of row `half` (a
   // key's pieces; the stores below keep their loop: as a call, the bf16 dq
@@ -694,22 +723,44 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     }
   };
   if constexpr (kKeyRows) {
+    if constexpr (Config::kColumnSplit) {  // the second warp's dK and dV added into the first's through the column buffers
+      auto* sums = reinterpret_cast<float*>(cols_smem);
+      const auto add_parts = [&](auto& acc) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          for_each_feature(half, [&](auto e, int f) {
+            if (!holder) sums[my_row[half] * kHeadDim + f] = acc(e);
+          });
+        __syncthreads();
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          for_each_feature(half, [&](auto e, int f) {
+            if (holder) acc(e) += sums[my_row[half] * kHeadDim + f];
+          });
+        __syncthreads();
+      };
+      add_parts(acc_a);
+      add_parts(acc_b);
+    }
     if (pieces) {  // the key's earlier pieces' sums added, handed on unless the last piece
       const KeyPieces<kHeadDim, kBlockRows> hand(p, b, kvh, own_keys, piece_info);
-      hand.wait();
       float x[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]);
+      add_key_sum_parts(x);
+      hand.wait();
       typename KeyPieces<kHeadDim, kBlockRows>::Row piece[2];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         piece[half] = hand.row(my_row[half]);
-        my_store[half] = piece[half].last();
-        x[half] = piece[half].add(2 * kHeadDim, quad_sum(key_sum[half]), lane % 4 == 0 && stager);
+        my_store[half] = holder && piece[half].last();
+        x[half] = piece[half].add(2 * kHeadDim, x[half], lane % 4 == 0 && stager && holder);
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half)
         for_each_feature(half, [&](auto e, int f) {
-          acc_a(e) = piece[half].add(f, acc_a(e), true);
-          acc_b(e) = piece[half].add(kHeadDim + f, acc_b(e), true);
+          acc_a(e) = piece[half].add(f, acc_a(e), holder);
+          acc_b(e) = piece[half].add(kHeadDim + f, acc_b(e), holder);
         });
       hand.pass();
       if (p.bias_grad == BiasGrad::kPerKey)
