@@ -129,12 +129,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // Steps: query blocks [first, first + span) of each head of the group in
   // turn; a bias with rows, the heads of the group for each query block in
   // turn (the query heads of a bias head consecutive, so that their dS^T
-  // tiles add up to one dbias tile before it is stored).
+  // tiles add up to one dbias tile before it is stored). Ordered dq: the
+  // query blocks from the last down, the heads of the group for each (heads
+  // outermost where the group's heads have several key-only dbias heads,
+  // whose sums close when the bias head changes), so that key block
+  // key_block - 1 walks the steps it shares with this one first, in the same
+  // order (see before_end).
   const int first = q_hi > q_lo ? static_cast<int>(q_lo / kBlockM) : 0;
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;
-  const auto step_head = [&](int s) { return h_first + (kRowBias ? s % p.group : s / span); };
-  const auto step_block = [&](int s) { return first + (kRowBias ? s / p.group : s % span); };
+  const bool heads_inner =
+      kRowBias || (kOrdered && (p.bias_grad != BiasGrad::kPerKey || p.bias_group % p.group == 0));
+  const auto step_head = [&](int s) { return h_first + (heads_inner ? s % p.group : s / span); };
+  const auto step_block = [&](int s) {
+    const int i = heads_inner ? s / p.group : s % span;
+    return kOrdered ? first + span - 1 - i : first + i;
+  };
   // The mask (dense walk): step s = (head h_first + s / span, query block
   // first + s % span) is walked unless its tile is empty (the batch strides
   // are 0 where the mask broadcasts over batches).
@@ -180,7 +190,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // of their linear index (what the hardware does, as FlashAttention 3's
   // deterministic backward also assumes): key block key_block - 1 is CTA
   // linear - gridDim.y of the same batch entry, started before this one, and
-  // it waits only on CTAs before itself.
+  // it waits only on CTAs before itself. It seldom waits at all: the query
+  // blocks key_block - 1 has and this one lacks are its lowest, walked last
+  // (steps by descending query block), so each shared step comes no later in
+  // its walk than in this one, and a key block runs about one step behind
+  // the one before it instead of waiting for that one's extra steps (walked
+  // first, ascending, each key block's wait grew by its predecessor's extra
+  // steps of every head, and a key block could end no earlier than the one
+  // before it: 1.26x the atomic walk's time at S = 16384, 32 / 8 heads).
   const QueryRange before = kOrdered && key_block > 0 ? dense_queries(row0 - kBlockN) : QueryRange{0, 0};
   const int before_end = before.end > before.first ? static_cast<int>((before.end + kBlockM - 1) / kBlockM) : 0;
 
