@@ -79,10 +79,13 @@ __device__ __forceinline__ void bulk_reduce_add(float* to, const float* from, in
                : "memory");
 }
 
-// Waits until the calling thread's bulk groups are complete, their writes to
-// global memory performed and visible to it (tma_store_wait waits only until
-// they have read their shared memory).
-__device__ __forceinline__ void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Waits until the calling thread's bulk groups but the kPending most recent
+// are complete, their writes to global memory performed and visible to it
+// (tma_store_wait waits only until they have read their shared memory).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_complete() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 
 // Generic-proxy accesses of global memory ordered with the async proxy's
 // (bulk copies and reductions) that follow, and the other way round.
