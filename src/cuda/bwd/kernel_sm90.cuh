@@ -48,9 +48,8 @@
 // shared memory in register order and one of its threads adds them to dq_acc
 // by one bulk reduction (DqBlocks); deterministic (kOrdered,
 // BackwardParams::dq_turns), after the warp of the key block before has added
-// its part to the block: the turn is read, and passed on once the
-// reduction is complete, while the S / dP MMAs of the step after next run
-// (a step's reduction has the next step to complete in). The
+// its part to the block: the turn is read, and the last step's passed on once
+// its reduction is complete, while the next step's S / dP MMAs run. The
 // key-only dbias sums dS^T over
 // the queries of a bias head in registers, in the walk's order: bitwise
 // reproducible, as dk and dv. (Keeping dQ's accumulators across the next
@@ -130,22 +129,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // Steps: query blocks [first, first + span) of each head of the group in
   // turn; a bias with rows, the heads of the group for each query block in
   // turn (the query heads of a bias head consecutive, so that their dS^T
-  // tiles add up to one dbias tile before it is stored). Ordered dq: the
-  // query blocks from the last down, the heads of the group for each (heads
-  // outermost where the group's heads have several key-only dbias heads,
-  // whose sums close when the bias head changes), so that key block
-  // key_block - 1 walks the steps it shares with this one first, in the same
-  // order (see before_end).
+  // tiles add up to one dbias tile before it is stored).
   const int first = q_hi > q_lo ? static_cast<int>(q_lo / kBlockM) : 0;
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;
-  const bool heads_inner =
-      kRowBias || (kOrdered && (p.bias_grad != BiasGrad::kPerKey || p.bias_group % p.group == 0));
-  const auto step_head = [&](int s) { return h_first + (heads_inner ? s % p.group : s / span); };
-  const auto step_block = [&](int s) {
-    const int i = heads_inner ? s / p.group : s % span;
-    return kOrdered ? first + span - 1 - i : first + i;
-  };
+  const auto step_head = [&](int s) { return h_first + (kRowBias ? s % p.group : s / span); };
+  const auto step_block = [&](int s) { return first + (kRowBias ? s / p.group : s % span); };
   // The mask (dense walk): step s = (head h_first + s / span, query block
   // first + s % span) is walked unless its tile is empty (the batch strides
   // are 0 where the mask broadcasts over batches).
@@ -191,14 +180,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // of their linear index (what the hardware does, as FlashAttention 3's
   // deterministic backward also assumes): key block key_block - 1 is CTA
   // linear - gridDim.y of the same batch entry, started before this one, and
-  // it waits only on CTAs before itself. It seldom waits at all: the query
-  // blocks key_block - 1 has and this one lacks are its lowest, walked last
-  // (steps by descending query block), so each shared step comes no later in
-  // its walk than in this one, and a key block runs about one step behind
-  // the one before it instead of waiting for that one's extra steps (walked
-  // first, ascending, each key block's wait grew by its predecessor's extra
-  // steps of every head, and a key block could end no earlier than the one
-  // before it: 1.26x the atomic walk's time at S = 16384, 32 / 8 heads).
+  // it waits only on CTAs before itself.
   const QueryRange before = kOrdered && key_block > 0 ? dense_queries(row0 - kBlockN) : QueryRange{0, 0};
   const int before_end = before.end > before.first ? static_cast<int>((before.end + kBlockM - 1) / kBlockM) : 0;
 
@@ -304,10 +286,19 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const auto turn = [&](int h, int blk) {
     return p.dq_turns + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::Dq::kWarps + warp;
   };
-  // Ordered, lane 0: step s's block passes to the next key block (its
-  // reduction complete; the ordered walk skips no step).
-  const auto pass = [&](int s) { pass_turn(turn(step_head(s), step_block(s)), key_block + 1); };
+  // Ordered, lane 0: the blocks of steps [from, to) pass to the next key
+  // block, their reductions complete (the ordered walk skips no step): one
+  // release fence, then relaxed stores. A step passes its block on with
+  // those of kPassSteps - 1 steps after it: each release fence stalls the warp
+  // on its outstanding memory operations (a release store a step took the
+  // ordered walk ~25% longer than the one by atomics, most of its gap).
+  constexpr int kPassSteps = 4;
+  const auto pass = [&](int from, int to) {
+    release_turns();
+    for (int s = from; s < to; ++s) set_turn(turn(step_head(s), step_block(s)), key_block + 1);
+  };
   bool my_turn = true;  // ordered, lane 0: the step's turn was read before its reduction
+  int passed = 0;       // ordered, lane 0: the steps whose blocks have passed on
 
   cp_async_wait<0>();
   fence_async_shared();
@@ -358,9 +349,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     Tensor tSrDo = thr_sdp.partition_fragment_B(rows_tile(do_smem, buf));
     wgmma_batch<true>(mma_sdp, tSrK, tSrQ, acc_s);
     wgmma_batch<true>(mma_sdp, tSrV, tSrDo, acc_dp);
-    // While they run: the next step; ordered, the turn of the step before
-    // last passes on (its reduction, not the last step's, complete) and this
-    // step's is read (no wait on either in the step where it is ready).
+    // While they run: the next step; ordered, the last step's turn passes on
+    // and this step's is read (no wait on either in the step where it is ready).
     const Step next = next_step(cur.s);
     const bool more = next.s < total;
     const int h_next = step_head(next.s), blk_next = step_block(next.s);
@@ -370,9 +360,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         kRowBias ? b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + (seq.ks + row0) * p.bias.sc : 0;
     const bool db_close = !more || blk_next != blk || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb);
     if (kOrdered && lane == 0) {
-      if (t > 1) {
+      if (cur.s - 1 - passed >= kPassSteps) {  // all but the last step's reductions complete
         bulk_wait_complete<1>();
-        pass(cur.s - 2);
+        pass(passed, cur.s - 1);
+        passed = cur.s - 1;
       }
       my_turn = blk >= before_end || read_turn(turn(h, blk)) == key_block;
     }
@@ -555,7 +546,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   if (lane == 0) tma_store_wait<0>();
   if (kOrdered && lane == 0) {
     bulk_wait_complete<0>();
-    for (int s = max(total - 2, 0); s < total; ++s) pass(s);
+    pass(passed, total);
   }
 
   // dk = scale * acc_dk, dv = acc_dv by key, the pieces of a key added up first.
