@@ -79,10 +79,13 @@ __device__ __forceinline__ void bulk_reduce_add(float* to, const float* from, in
                : "memory");
 }
 
-// Waits until the calling thread's bulk groups are complete, their writes to
-// global memory performed and visible to it (tma_store_wait waits only until
-// they have read their shared memory).
-__device__ __forceinline__ void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Waits until the calling thread's bulk groups but the kPending most recent
+// are complete, their writes to global memory performed and visible to it
+// (tma_store_wait waits only until they have read their shared memory).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_complete() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 
 // Generic-proxy accesses of global memory ordered with the async proxy's
 // (bulk copies and reductions) that follow, and the other way round.
@@ -91,8 +94,10 @@ __device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy
 // A turn counter in global memory orders additions of several CTAs into one
 // place (gpu scope). read_turn: the counter (acquire); wait_turn: spins until
 // it reads `value`. The caller then issues fence_async_global before its bulk
-// additions. pass_turn: after bulk_wait_complete, the calling thread's bulk
-// writes, then the counter set to `value` (release).
+// additions. release_turns: after bulk_wait_complete, the calling thread's
+// bulk writes and its other memory operations before what follows (one
+// release fence); set_turn after it: a counter set to `value`, a release
+// (relaxed stores, so that several counters pass on for one fence).
 __device__ __forceinline__ int read_turn(const int* turn) {
   int seen = 0;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
@@ -102,9 +107,12 @@ __device__ __forceinline__ void wait_turn(const int* turn, int value) {
   while (read_turn(turn) != value) {
   }
 }
-__device__ __forceinline__ void pass_turn(int* turn, int value) {
+__device__ __forceinline__ void release_turns() {
   fence_async_global();
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(turn), "r"(value) : "memory");
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
+__device__ __forceinline__ void set_turn(int* turn, int value) {
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(turn), "r"(value) : "memory");
 }
 
 // The driver's cuTensorMapEncodeTiled (looked up once, not linked), or null
