@@ -220,8 +220,8 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   auto store_key = [&](int s, int key) {
     if (tid < kBlockN) keys_smem[s * kBlockN + tid] = key;
   };
-  auto store_bias = [&](int s, float x) {  // the key-list walk's (the producer stages the others')
-    if (kLists && has_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
+  auto store_bias = [&](int s, float x) {  // the lock-step walks' (the producer stages its walks')
+    if (!kProducer && has_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
   };
 
   typename Config::MmaS mma_s;
@@ -320,16 +320,15 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
   } else if (tid == 0 && cur.n >= tile_first) {  // Q and the first tile's K, its bias
     load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
-    if (cur.key0 >= 0) load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, blk.ks, cur.key0, hk);
+    if (!kLists || cur.key0 >= 0)
+      load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, blk.ks, kLists ? cur.key0 : std::int64_t{cur.n} * kBlockN, hk);
   }
   if (cur.n >= tile_first) {
-    if constexpr (kLists) {
-      if (cur.key0 < 0) {
-        gather(k_rows, p.k.sr, k_smem, 0);
-        cute::cp_async_fence();
-      }
-      store_bias(0, fetch_bias(cur.n, 0));
+    if (kLists && cur.key0 < 0) {
+      gather(k_rows, p.k.sr, k_smem, 0);
+      cute::cp_async_fence();
     }
+    store_bias(0, fetch_bias(cur.n, 0));
     Barrier::wait(q_full, 0);
   }
   // Iteration i over `tile` (n; `following`: the next iteration's, next_n <
@@ -365,17 +364,20 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       // This thread's copies of K_n (and V_{n-1}) landed, made visible to wgmma by the barrier.
       cute::cp_async_wait<0>();
       fence_async_shared();
-      __syncthreads();  // tile n's bias is staged; every thread is done with iteration i - 1
     }
-    // A list's K of next_n and V of n, into the buffers that S_{i-1} and P
-    // V_{i-2} used (its tiles of scattered keys gathered below, after the MMAs are issued).
-    const bool k_next_loads = kLists && next_n >= tile_first && following.key0 >= 0;
-    const bool v_loads = kLists && tile.key0 >= 0;
+    if constexpr (!kProducer) __syncthreads();  // tile n's bias is staged; every thread is done with iteration i - 1
+    // The lock-step walks: K of next_n and V of n, into the buffers that
+    // S_{i-1} and P V_{i-2} used (a list's tiles of scattered keys gathered
+    // below, after the MMAs are issued).
+    const bool k_next_loads = !kProducer && next_n >= tile_first && (!kLists || following.key0 >= 0);
+    const bool v_loads = !kProducer && (!kLists || tile.key0 >= 0);
     if (tid == 0) {
       if (k_next_loads)
-        load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, blk.ks, following.key0,
-             hk);
-      if (v_loads) load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks, tile.key0, hk);
+        load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, blk.ks,
+             kLists ? following.key0 : std::int64_t{next_n} * kBlockN, hk);
+      if (v_loads)
+        load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks,
+             kLists ? tile.key0 : std::int64_t{n} * kBlockN, hk);
     }
     if constexpr (!kLists) Barrier::wait(&k_full[buf], (i >> 1) & 1);
     if (kLists && tile.key0 >= 0) wait_loaded(k_full, k_parity, buf);
@@ -398,7 +400,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       v_loaded = v_loads;
     }
     // While they run: the next tile's bias and the tile after it (a list's: its keys).
-    const float next_bias = kLists && next_n >= tile_first ? fetch_bias(next_n, keys_next) : 0.0f;
+    const float next_bias = !kProducer && next_n >= tile_first ? fetch_bias(next_n, keys_next) : 0.0f;
     const Tile after = next_n >= tile_first ? next_tile(next_n) : Tile{tile_first - 1, false};
     if constexpr (kPipelined)
       warpgroup_wait<1>();
