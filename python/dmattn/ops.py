@@ -219,8 +219,10 @@ def _backward_follows(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-# The tensor types whose calls may skip the dispatcher (`_eager`).
+# The tensor types whose calls may skip the dispatcher (`_eager`), and functorch's test for its wrappers
+# (vmap's and grad's tensors, of type Tensor too).
 _PLAIN = (Tensor, torch.nn.Parameter)
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def _eager(*tensors: Optional[Tensor]) -> bool:
@@ -228,9 +230,9 @@ def _eager(*tensors: Optional[Tensor]) -> bool:
     the dispatcher, which costs about 0.1 ms of host time an op (the custom op's Python autograd wrapper, its
     argument defaults, the dynamo guard around its kernel): a small call's launches then wait on Python. The
     same kernels either way; the ops where anything may see them: under torch.compile, under a dispatch mode
-    (FakeTensorMode, functionalization, tracing), or for tensor subclasses."""
+    (FakeTensorMode, functionalization, tracing), for tensor subclasses, or under torch.func transforms."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and all(t is None or type(t) in _PLAIN for t in tensors))
+            and all(t is None or (type(t) in _PLAIN and not _functorch_wrapped(t)) for t in tensors))
 
 
 def _direct(impl, setup_context, backward, backward_impl):

@@ -182,3 +182,15 @@ def test_eager_calls_skip_the_dispatcher(make, keep):
         results.append((out, *grads))
     for eager, op in zip(*results):
         assert torch.equal(eager, op)
+
+
+@pytest.mark.filterwarnings("ignore:.*batching rule.*")
+def test_vmap_takes_the_ops():
+    """torch.func.vmap over attention (functorch-wrapped tensors) goes through the ops (their batching
+    fallback): the result of a loop over the mapped dim."""
+    q = torch.randn(3, 1, 5, 4, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(1, 2, 1, 6, dtype=torch.float64)
+    out = torch.func.vmap(lambda q: dmattn.attention(q, k, v, bias=bias, causal=True))(q)
+    expected = torch.stack([dmattn.attention(one, k, v, bias=bias, causal=True) for one in q])
+    torch.testing.assert_close(out, expected)
