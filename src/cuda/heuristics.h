@@ -36,14 +36,12 @@ constexpr bool sm90_head_dim(int head_dim) { return head_dim == 64 || head_dim =
 
 // ---- Forward, Hopper kernel ----
 // 128 query rows a CTA (two warpgroups of 64), two K and two V buffers in
-// flight. The warpgroups of a CTA run in lock step (one barrier a key tile),
-// so an SM overlaps the softmax of one CTA with the MMAs of another only where
-// it holds two. D = 128: key tiles of 128 (O and S take 64 registers a thread
-// each, P 32: 255 registers with the walk), one CTA an SM. D = 64: key tiles
-// of 64 in 128 registers (S 32, P 16, O 32), two CTAs an SM. At D = 64 the
-// exponentials cost as much as the MMAs (16 a cycle an SM either way), so the
-// overlap decides: against one CTA of 192 x 128 or 128 x 128 tiles (the same
-// time), 3.37 -> 2.85 ms (B = 1, 32 / 8 heads, S = 16384, causal; H100).
+// flight. D = 128: key tiles of 128 (O and S take 64 registers a thread each, P
+// 32: 240 a consumer thread, 255 in the key-list walk), one CTA an SM. D = 64:
+// key tiles of 64 in 128 registers (S 32, P 16, O 32), two CTAs an SM. At D =
+// 64 the exponentials cost as much as the MMAs (16 a cycle an SM either way),
+// so the overlap decides: against one CTA of 192 x 128 or 128 x 128 tiles (the
+// same time), 3.37 -> 2.85 ms (B = 1, 32 / 8 heads, S = 16384, causal; H100).
 constexpr int kForwardSm90BlockM = 128;
 // Top-k on the Hopper forward (its key-list walk) or on the sm80 gathered
 // walk: at D' = 64 (two CTAs an SM) the Hopper walk is faster (S = 16384,
@@ -54,6 +52,20 @@ constexpr int kForwardSm90BlockM = 128;
 constexpr bool forward_sm90_topk(int head_dim, std::int64_t seqlen_k) { return head_dim <= 64 || seqlen_k < 16384; }
 constexpr int forward_sm90_block_n(int head_dim) { return head_dim <= 64 ? 64 : 128; }
 constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2 : 1; }
+// D = 128: the dense and mask walks are warp-specialized. A producer warpgroup
+// issues every load (TMA of Q, K and V; the key-only bias) into the two K and
+// two V buffers, guarded by full and empty mbarriers, so that the consumer
+// warpgroups never meet at a CTA barrier; it hands its registers to them
+// (setmaxnreg: 24 and 240, 384 threads of one CTA an SM). The consumers take
+// turns at issuing their MMAs (named barriers), so that one's softmax runs
+// under the other's MMAs (ping-pong): 4.14 -> 3.43 ms (0.93x cuDNN's) at B = 1,
+// 32 / 8 heads, S = 16384, 1.34 -> 1.24 at B = 16, S = 2048 (causal; H100). Not
+// at D = 64: two CTAs an SM overlap there already, and a producer warpgroup
+// would leave the consumers 104 registers (a producer warp: 96, the SM's four
+// register files each holding 5 of the 18 warps; both spill). The key-list walk
+// gathers scattered rows from all its threads and keeps the lock step (256
+// threads, one barrier a tile).
+constexpr bool forward_sm90_producer(int head_dim) { return head_dim > 64; }
 
 // ---- Split-KV (forward) ----
 // Key splits for a grid of `ctas` CTAs over `key_blocks` key blocks: as many as
@@ -93,8 +105,11 @@ constexpr int backward_rows(int head_dim) { return head_dim > 128 ? 64 : 128; }
 constexpr int backward_dkv_step(int head_dim) { return head_dim > 64 ? 32 : 64; }
 constexpr int backward_dq_step(int head_dim) { return head_dim > 128 ? 32 : 64; }
 // S and dP in one k-loop (two independent MMA chains): registers for two
-// k-slices; at D = 256 that spills (sm_90a, bf16: 620 / 648 B instead of 196 / 252).
-constexpr bool backward_paired_sdp(int head_dim) { return head_dim <= 192; }
+// k-slices; at D = 256 that spills (sm_90a, bf16: 620 / 648 B instead of 196 / 252),
+// and so does the column split's dk/dv walk at D = 128 (sm_90a: 176 bytes of
+// dK and dV accumulators stored and reloaded every step; apart, only its
+// epilogue spills).
+constexpr bool backward_paired_sdp(int head_dim, bool column_split) { return head_dim <= 192 && !column_split; }
 // dq by float32 atomics from the dk/dv kernel (Problem::deterministic false):
 // its dQ = dS^T K tiles are 16 queries x 16 features on 2 x 4 warps, 64
 // features a pass.

@@ -62,7 +62,16 @@ struct ForwardSm90Config {
   static constexpr int kBlockM = kForwardSm90BlockM;              // query rows a CTA, 64 a warpgroup
   static constexpr int kBlockN = forward_sm90_block_n(kHeadDim);  // keys a tile
   static constexpr int kCtasPerSm = forward_sm90_ctas_per_sm(kHeadDim);  // the register budget's launch bound
-  static constexpr int kThreads = 256;
+  // Two consumer warpgroups (the MMAs and the softmax); the dense and mask
+  // walks add a producer warpgroup where heuristics.h says so, which gives its
+  // registers to the consumers (setmaxnreg): 128 x 24 + 256 x 240 = 384 x 168,
+  // the launch bound's share of one CTA an SM.
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kProducerThreads = forward_sm90_producer(kHeadDim) ? 128 : 0;
+  static constexpr int threads(bool producer) { return kConsumerThreads + (producer ? kProducerThreads : 0); }
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(kProducerThreads == 0 || (kCtasPerSm == 1 && 128 * kProducerRegs + 256 * kConsumerRegs <= 65536),
+                "a producer warpgroup with one CTA an SM");
   static_assert(kBlockM == 128 && sm90_head_dim(kHeadDim), "two warpgroups of 64 rows, a head dim of the Hopper kernels");
 
   using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
@@ -78,13 +87,13 @@ struct ForwardSm90Config {
   using MmaO = WgmmaRS<Element, 64, kHeadDim, kBlockN, TwoWarpgroups, cute::GMMA::Major::MN>;
 
   static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
-  // Q, two buffers of K, two of V, two of the key-only bias (floats), three of
-  // a key list's keys (ints), then the barriers of Q, the K buffers and the V
-  // buffers.
+  // Q, two buffers of K, two of V, two of the key-only bias (floats, a K
+  // buffer's tile), three of a key list's keys (ints), then the barriers: Q,
+  // the K and V buffers full, the K and V buffers empty.
   static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
   static constexpr int kKeysAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
   static constexpr int kBarriersAt = kKeysAt + 3 * kBlockN * int(sizeof(int));
-  static constexpr int kSmemBytes = kBarriersAt + 5 * 8;
+  static constexpr int kSmemBytes = kBarriersAt + 9 * 8;
 };
 
 // The TMA descriptors of Q, K and V: (feature, row, head, batch), boxes of 64

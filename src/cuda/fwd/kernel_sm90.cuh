@@ -30,7 +30,7 @@
 // stay), issued after the MMAs of the iteration before the one that reads
 // them: the copies land, then fence.proxy.async, then that iteration's barrier.
 //
-// One CTA of two warpgroups owns 128 query rows, 64 a warpgroup, and walks key
+// Two consumer warpgroups own a CTA's 128 query rows, 64 each, and walk key
 // tiles of kBlockN (the last first, as forward_kernel): 128 at D = 128; 64 at
 // D = 64, where two CTAs share an SM (heuristics.h). Tile i's S = Q K^T is
 // issued together with the previous tile's O += P V, so that the softmax of
@@ -38,15 +38,24 @@
 //   iteration i:  S_i = Q K_i^T  and  O += P_{i-1} V_{i-1}   (both in flight)
 //                 wait for S_i; logits, online softmax -> P_i (float)
 //                 wait for P V; O *= the correction of tile i; P_i to Element
-// Q, K and V come by TMA (one thread issues them, each buffer has an
-// mbarrier; the key-list walk gathers the tiles of scattered keys); K and V
-// have two buffers each: after iteration i's opening barrier, K_{i+1} and V_i
-// load into the buffers whose last readers (S_{i-1}, P V_{i-2}) finished in
-// iteration i - 1.#pragma once
+// K and V have two buffers each, each with an mbarrier that its load
+// completes. Warp-specialized (D = 128, the dense and mask walks;
+// heuristics.h forward_sm90_producer): a producer warpgroup (one warp of it
+// issuing) loads Q, then tile j's K (its key-only bias first, staged by the
+// warp) and tile j - 1's V, each into a buffer that the consumers released:
+// every consumer warp arrives on the buffer's empty barrier once its S (and
+// the logits that read the bias) or its P V is done. The consumers take turns
+// at issuing the MMAs of an iteration (named barriers, warpgroup 0 first), so
+// that one warpgroup's softmax overlaps the other's MMAs. Otherwise (D = 64,
+// the key-list walk) one thread issues the TMA loads and the CTA meets at one
+// barrier a tile: after iteration i's barrier, K_{i+1} and V_i load into the
+// buffers whose last readers (S_{i-1}, P V_{i-2}) finished in iteration i - 1.
+#pragma once
 
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_conversion.h>
 
 #include <cmath>
@@ -67,20 +76,34 @@ namespace dmattn::cuda {
 // class and bit, the key lists (top-k, with a mask or not).
 enum class ForwardWalk { kDense, kMasked, kKeyLists };
 
+// Whether a walk's loads come from a producer warpgroup (heuristics.h
+// forward_sm90_producer; the key-list walk gathers from every thread).
+template <class Config>
+constexpr bool forward_sm90_warp_specialized(ForwardWalk walk) {
+  return walk != ForwardWalk::kKeyLists && Config::kProducerThreads > 0;
+}
+
 template <class Config, ForwardWalk kWalk>
-__global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
+__global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<Config>(kWalk)), Config::kCtasPerSm)
     forward_kernel_sm90(const __grid_constant__ ForwardParams p, const __grid_constant__ ForwardSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kHeadDim = Config::kHeadDim;
   using Element = typename Config::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using cutlass::arch::NamedBarrier;
   constexpr bool kMasked = kWalk == ForwardWalk::kMasked, kLists = kWalk == ForwardWalk::kKeyLists;
+  constexpr bool kProducer = forward_sm90_warp_specialized<Config>(kWalk);
+  constexpr int kConsumers = Config::kConsumerThreads, kProducers = kProducer ? Config::kProducerThreads : 0;
+  // Named barriers (producer walks): warpgroup w waits at kTurn + w for its
+  // turn to issue MMAs and passes it at the other's.
+  constexpr int kTurn = 0;
 
   const ForwardBlock blk(p, kBlockM, kBlockN);
   if (blk.row0 >= blk.sq) return;
   const int h = blk.h, b = blk.b, hk = h / p.group;
-  const int tid = threadIdx.x, lane = tid % 32;
+  // tid: the consumer thread (the producer's are negative).
+  const int tid = static_cast<int>(threadIdx.x) - kProducers, lane = threadIdx.x % 32, wg = tid / 128;
   const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
   const bool has_bias = p.bias.data != nullptr;
   const int tile_first = blk.tile_first;
@@ -96,6 +119,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   auto* q_full = reinterpret_cast<std::uint64_t*>(smem + Config::kBarriersAt);
   std::uint64_t* k_full = q_full + 1;  // two
   std::uint64_t* v_full = q_full + 3;  // two
+  std::uint64_t* k_empty = q_full + 5;  // two (producer walks)
+  std::uint64_t* v_empty = q_full + 7;  // two (producer walks)
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Config::LayoutQ{});
   auto stage_k = [&](int s) {
     return make_tensor(make_smem_ptr(k_smem + s * Config::kKvElems), typename Config::LayoutKV{});
@@ -124,8 +149,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   // t / kChunks + kRowStep j; zeros past the list and the head dim. The caller
   // commits the group.
   auto gather = [&](const Element* rows, std::int64_t stride, Element* dst, int s) {
-    constexpr int kChunks = kHeadDim / 8, kRowStep = Config::kThreads / kChunks;
-    static_assert(Config::kThreads % kChunks == 0 && kBlockN % kRowStep == 0, "whole rows a pass");
+    constexpr int kChunks = kHeadDim / 8, kRowStep = kConsumers / kChunks;
+    static_assert(kConsumers % kChunks == 0 && kBlockN % kRowStep == 0, "whole rows a pass");
     const int c = tid % kChunks, r0 = tid / kChunks;
     const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst)) + c / 8 * (kBlockN * 128);
     const bool feature = 8 * c < p.head_dim;
@@ -184,19 +209,19 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     }
   };
   const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
-  // The key-only bias: thread t < kBlockN stages key t of a tile (of a list:
-  // the key at its position t, staged in buffer s) in float.
-  auto fetch_bias = [&](int n, int s) {
-    if (!has_bias || tid >= kBlockN) return 0.0f;
-    const std::int64_t key = kLists ? keys_smem[s * kBlockN + tid] : std::int64_t{n} * kBlockN + tid;
+  // The key-only bias of key t < kBlockN of tile n (of a list: the key at its
+  // position t, staged in buffer s) in float; the key-list walk's thread t stages key t.
+  auto bias_of = [&](int n, int s, int t) {
+    const std::int64_t key = kLists ? keys_smem[s * kBlockN + t] : std::int64_t{n} * kBlockN + t;
     if (key < 0 || key >= sk) return 0.0f;
     return load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
   };
+  auto fetch_bias = [&](int n, int s) { return !has_bias || tid >= kBlockN ? 0.0f : bias_of(n, s, tid); };
   auto store_key = [&](int s, int key) {
     if (tid < kBlockN) keys_smem[s * kBlockN + tid] = key;
   };
-  auto store_bias = [&](int s, float x) {
-    if (has_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
+  auto store_bias = [&](int s, float x) {  // the lock-step walks' (the producer stages its walks')
+    if (!kProducer && has_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
   };
 
   typename Config::MmaS mma_s;
@@ -243,17 +268,57 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   };
 
   // Prologue: the walk's tile and the one after it (a list's: their keys),
-  // the barriers, then Q and the first tile's K; its bias.
+  // the barriers. Producer walks: a K buffer's full barrier takes an arrival
+  // from each lane of the producer's warp (after its bias stores), its empty
+  // one from each consumer thread (after its bias reads); a V buffer's empty
+  // barrier one from each consumer warp (wgmma reads V).
   Tile cur = next_tile(blk.tile_end);
   Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
   if constexpr (kLists) store_key(0, cur.key), store_key(1, next.key);
-  if (tid == 0) {
+  if (threadIdx.x == 0) {
     Barrier::init(q_full, 1);
-    for (int s = 0; s < 2; ++s) Barrier::init(&k_full[s], 1), Barrier::init(&v_full[s], 1);
+    for (int s = 0; s < 2; ++s) {
+      Barrier::init(&k_full[s], kProducer ? 32 : 1), Barrier::init(&v_full[s], 1);
+      Barrier::init(&k_empty[s], kConsumers), Barrier::init(&v_empty[s], kConsumers / 32);
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  if (tid == 0 && cur.n >= tile_first) {
+  if constexpr (kProducer) {
+    if (tid < 0) {  // the producer: its first warp issues the loads
+      cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
+      if (threadIdx.x >= 32) return;
+      // Use u >= 1 of buffer j % 2 (tile j = 2 u + j % 2) waits for the
+      // consumers' release of use u - 1 (phase u - 1 of its empty barrier).
+      auto acquire = [&](std::uint64_t* empty, int j) {
+        if (j >= 2) Barrier::wait(&empty[j & 1], ((j >> 1) & 1) ^ 1);
+      };
+      auto load_v = [&](int j, int n) {
+        acquire(v_empty, j);
+        if (lane == 0)
+          load(Int<kBlockN>{}, &maps.v, &v_full[j & 1], v_smem + (j & 1) * Config::kKvElems, blk.ks,
+               std::int64_t{n} * kBlockN, hk);
+      };
+      if (lane == 0 && cur.n >= tile_first) load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
+      // Tile j's K into buffer j % 2 (its bias first, which the buffer's
+      // release frees too), then tile j - 1's V.
+      int j = 0, prev = 0;
+      for (Tile tile = cur; tile.n >= tile_first; prev = tile.n, tile = next_tile(tile.n), ++j) {
+        acquire(k_empty, j);
+        if (has_bias)
+          for (int t = lane; t < kBlockN; t += 32) bias_smem[(j & 1) * kBlockN + t] = bias_of(tile.n, 0, t);
+        if (lane == 0)
+          load(Int<kBlockN>{}, &maps.k, &k_full[j & 1], k_smem + (j & 1) * Config::kKvElems, blk.ks,
+               std::int64_t{tile.n} * kBlockN, hk);
+        else
+          Barrier::arrive(&k_full[j & 1]);
+        if (j > 0) load_v(j - 1, prev);
+      }
+      if (j > 0) load_v(j - 1, prev);
+      return;
+    }
+    cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
+  } else if (tid == 0 && cur.n >= tile_first) {  // Q and the first tile's K, its bias
     load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
     if (!kLists || cur.key0 >= 0)
       load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, blk.ks, kLists ? cur.key0 : std::int64_t{cur.n} * kBlockN, hk);
@@ -300,11 +365,12 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
       cute::cp_async_wait<0>();
       fence_async_shared();
     }
-    __syncthreads();  // tile n's bias is staged; every thread is done with iteration i - 1
-    // K of next_n and V of n, into the buffers that S_{i-1} and P V_{i-2} used
-    // (a list's tiles of scattered keys gathered below, after the MMAs are issued).
-    const bool k_next_loads = next_n >= tile_first && (!kLists || following.key0 >= 0);
-    const bool v_loads = !kLists || tile.key0 >= 0;
+    if constexpr (!kProducer) __syncthreads();  // tile n's bias is staged; every thread is done with iteration i - 1
+    // The lock-step walks: K of next_n and V of n, into the buffers that
+    // S_{i-1} and P V_{i-2} used (a list's tiles of scattered keys gathered
+    // below, after the MMAs are issued).
+    const bool k_next_loads = !kProducer && next_n >= tile_first && (!kLists || following.key0 >= 0);
+    const bool v_loads = !kProducer && (!kLists || tile.key0 >= 0);
     if (tid == 0) {
       if (k_next_loads)
         load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, blk.ks,
@@ -316,10 +382,16 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     if constexpr (!kLists) Barrier::wait(&k_full[buf], (i >> 1) & 1);
     if (kLists && tile.key0 >= 0) wait_loaded(k_full, k_parity, buf);
 
+    // The warpgroups take turns (producer walks): warpgroup 0 issues first,
+    // then each waits for the other's MMAs of the iteration before.
+    if constexpr (kProducer)
+      if (i > 0 || wg == 1) NamedBarrier::sync(kConsumers, kTurn + wg);
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor tSrK = thr_s.partition_fragment_B(stage_k(buf));
     wgmma_batch<true>(mma_s, tSrQ, tSrK, acc_s);
     if constexpr (kPipelined) mma_pv(i - 1);
+    if constexpr (kProducer)
+      if (next_n >= tile_first || wg == 0) NamedBarrier::arrive(kConsumers, kTurn + 1 - wg);
     if constexpr (kLists) {
       if (next_n >= tile_first && !k_next_loads)
         gather(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
@@ -328,7 +400,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
       v_loaded = v_loads;
     }
     // While they run: the next tile's bias and the tile after it (a list's: its keys).
-    const float next_bias = next_n >= tile_first ? fetch_bias(next_n, keys_next) : 0.0f;
+    const float next_bias = !kProducer && next_n >= tile_first ? fetch_bias(next_n, keys_next) : 0.0f;
     const Tile after = next_n >= tile_first ? next_tile(next_n) : Tile{tile_first - 1, false};
     if constexpr (kPipelined)
       warpgroup_wait<1>();
@@ -367,6 +439,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
       for_each([&](int e, int half, int kj) {
         if (((row_bits[half][e / 16] >> (kj % 32)) & 1) == 0) acc_s(e) = -kInf;
       });
+    if constexpr (kProducer) Barrier::arrive(&k_empty[buf]);  // the thread is done with K_n and its bias
 
     // Online softmax (forward_kernel's): lazily moved maxima (move_row_max), the
     // exact exponent for large logits.
@@ -403,6 +476,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     if constexpr (kPipelined) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(rP);
+      if (kProducer && lane == 0) Barrier::arrive(&v_empty[(i - 1) & 1]);  // the warp is done with V_{i-1}
     }
     if (__any_sync(0xffffffff, moved)) {
 #pragma unroll

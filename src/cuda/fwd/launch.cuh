@@ -79,13 +79,17 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
     case ForwardKernel::kSm90:
       if constexpr (sm90_head_dim(kHeadDim)) {
         using Config = ForwardSm90Config<Element, kHeadDim>;
-        auto kernel = plan.mask_tiles  ? forward_kernel_sm90<Config, ForwardWalk::kMasked>
-                      : plan.key_lists ? forward_kernel_sm90<Config, ForwardWalk::kKeyLists>
-                                       : forward_kernel_sm90<Config, ForwardWalk::kDense>;
+        const ForwardWalk walk = plan.mask_tiles  ? ForwardWalk::kMasked
+                                 : plan.key_lists ? ForwardWalk::kKeyLists
+                                                  : ForwardWalk::kDense;
+        auto kernel = walk == ForwardWalk::kMasked     ? forward_kernel_sm90<Config, ForwardWalk::kMasked>
+                      : walk == ForwardWalk::kKeyLists ? forward_kernel_sm90<Config, ForwardWalk::kKeyLists>
+                                                       : forward_kernel_sm90<Config, ForwardWalk::kDense>;
         const cudaError_t err =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
         if (err != cudaSuccess) return err;
-        kernel<<<grid(Config::kBlockM), Config::kThreads, Config::kSmemBytes, stream>>>(p, maps);
+        const int threads = Config::threads(forward_sm90_warp_specialized<Config>(walk));
+        kernel<<<grid(Config::kBlockM), threads, Config::kSmemBytes, stream>>>(p, maps);
         return cudaGetLastError();
       }
       break;
