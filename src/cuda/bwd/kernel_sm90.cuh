@@ -68,6 +68,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/allowed.cuh"
 #include "../common/element.cuh"
 #include "../common/geometry.h"
 #include "../common/sm90.cuh"
@@ -265,7 +266,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // 32-bit addresses (a swizzled CuTe pointer computes 64-bit generic ones).
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   constexpr int kAccS = decltype(size(cS))::value;  // (2 queries, 2 keys, kBlockM / 8 query groups)
-  const int my_key[2] = {get<0>(cS(0)), get<0>(cS(2))};
+  const int my_key[2] = {get<0>(cS(0)), get<0>(cS(2))}, first_query = get<1>(cS(0));
   // The key of the thread's row my_key[half] (-1: none).
   auto thread_key = [&](int half) -> std::int64_t {
     if constexpr (kKeyGroups) return own_keys[my_key[half]];
@@ -388,15 +389,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     const float4* st = stats + buf * kBlockM;
     // P^T and dS^T in place of S^T and dP^T; kTested: each element tested (the
-    // code of whole tiles, most of a causal walk, has no test), against the
-    // mask's bit too on a partial tile (query qi's word: e / 16). kSoftcap:
+    // code of whole tiles, most of a causal walk, has no test) against the
+    // band, or (kBits: the mask and key-group walks, where every tile may be
+    // tested) against its key's allowed queries, the band's (or a key group's
+    // rows [lo, hi)) and the mask's bits on a partial tile, one word a key and
+    // 32 queries (allowed.cuh; query qi's word: e / 16). kSoftcap:
     // l = softcap tanh(scale s / softcap) + bias, and dS^T carries the factor
     // dl / d(scale s) = 1 - tanh^2 (dbias sums dS^T without it). kRowBias:
     // the tile's bias, kChunk elements at a time, each chunk's loads issued
     // together before the arithmetic of the chunk before (a load next to its
     // use, in a loop with branches, left 32 global round trips a step).
     auto gradients = [&](auto tested) {
-      constexpr bool kTested = decltype(tested)::value;
+      constexpr bool kTested = decltype(tested)::value, kBits = kMasked || kKeyGroups;
       constexpr int kChunk = kRowBias ? 8 : kAccS;
       float bias_now[kChunk], bias_next[kChunk];
       const auto load_bias = [&](int c, float(&to)[kChunk]) {
@@ -410,6 +414,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           }
         }
       };
+      std::uint32_t allow[2][kWords];
+      if constexpr (kTested && kBits) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int kj = my_key[half];  // queries [from, to): kj - band.hi <= qi <= kj - band.lo
+          const int from = kKeyGroups ? lo[half] : max(0, kj - band.hi);
+          const int to = kKeyGroups ? hi[half] : (kj < kcols ? min(qrows, kj - band.lo + 1) : 0);
+#pragma unroll
+          for (int w = 0; w < kWords; ++w)
+            allow[half][w] = (span_bits(from, to, w) & (partial ? key_bits[half][w] : ~0u)) >> first_query;
+        }
+      }
       load_bias(0, bias_now);
 #pragma unroll
       for (int c = 0; c < kAccS / kChunk; ++c) {
@@ -428,9 +444,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           } else {
             x = acc_s(e) * scale + (kRowBias ? bias_now[i] : key_bias[half]);
           }
-          if (kTested && (kKeyGroups ? !(qi >= lo[half] && qi < hi[half])
-                                     : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi) ||
-                                           (partial && ((key_bits[half][e / 16] >> (qi % 32)) & 1) == 0)))
+          if (kTested && (kBits ? ((allow[half][e / 16] >> column_bit(e)) & 1u) == 0
+                                : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)))
             x = -kInf;
           // (x - max) first: x and max near the float32 limit would overflow times log2(e).
           const float4 row = st[qi];

@@ -62,6 +62,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/allowed.cuh"
 #include "../common/element.cuh"
 #include "../common/geometry.h"
 #include "../common/sm90.cuh"
@@ -429,16 +430,31 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       const float pre = softcap > 0.0f ? 1.0f : scale;
       for_each([&](int e, int, int kj) { acc_s(e) = fmaf(acc_s(e), pre, bias_cols[kj]); });
     }
-    if (!whole) {
-      for_each([&](int e, int half, int kj) {
-        const int qi = my_row[half];
-        if (!(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) acc_s(e) = -kInf;
+    // A tested tile: the band's test; the mask and list walks (most of whose
+    // tiles are tested): each row's allowed keys, the band's and the bits',
+    // one word a row and 32 keys (allowed.cuh), one bit test an element.
+    if constexpr (!kMasked && !kLists) {
+      if (!whole) {
+        for_each([&](int e, int half, int kj) {
+          const int qi = my_row[half];
+          if (!(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) acc_s(e) = -kInf;
+        });
+      }
+    } else if (const bool bits = kLists || partial; !whole || bits) {
+      std::uint32_t allow[2][kWords];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int qi = my_row[half];  // keys [from, to): qi + band.lo <= kj <= qi + band.hi; a whole tile: all
+        const int from = whole ? 0 : max(0, qi + band.lo);
+        const int to = whole ? kBlockN : (qi < qrows ? min(kcols, qi + band.hi + 1) : 0);
+#pragma unroll
+        for (int w = 0; w < kWords; ++w)
+          allow[half][w] = (span_bits(from, to, w) & (bits ? row_bits[half][w] : ~0u)) >> col_base;
+      }
+      for_each([&](int e, int half, int) {
+        if (((allow[half][e / 16] >> column_bit(e)) & 1u) == 0) acc_s(e) = -kInf;
       });
     }
-    if (kLists || (kMasked && partial))  // key kj's word: e / 16
-      for_each([&](int e, int half, int kj) {
-        if (((row_bits[half][e / 16] >> (kj % 32)) & 1) == 0) acc_s(e) = -kInf;
-      });
     if constexpr (kProducer) Barrier::arrive(&k_empty[buf]);  // the thread is done with K_n and its bias
 
     // Online softmax (forward_kernel's): lazily moved maxima (move_row_max), the
