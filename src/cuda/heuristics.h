@@ -62,9 +62,19 @@ constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2
 // 32 / 8 heads, S = 16384, 1.34 -> 1.24 at B = 16, S = 2048 (causal; H100). Not
 // at D = 64: two CTAs an SM overlap there already, and a producer warpgroup
 // would leave the consumers 104 registers (a producer warp: 96, the SM's four
-// register files each holding 5 of the 18 warps; both spill). The key-list walk
-// gathers scattered rows from all its threads and keeps the lock step (256
-// threads, one barrier a tile).
+// register files each holding 5 of the 18 warps; both spill). With one CTA an
+// SM instead (the registers then fit) it gained nothing on long rows and lost
+// on short CTAs, whose prologue and epilogue the second CTA had overlapped
+// (H100, forward ms, main in the same call, bf16, causal): 128 x 128 tiles with
+// the producer and the ping-pong, B = 1, 32 / 8 heads, S = 16384 2.76-3.01
+// against 2.66-2.87, B = 16, 16 / 4 heads, S = 2048 0.52-0.56 against
+// 0.445-0.450, key bias S = 16384 3.36-3.45 against 3.20; 192 x 128 with three
+// consumer warpgroups (FlashAttention 3's tile; 160 registers a consumer, 260 B
+// spilled) 2.67-2.95, 0.54-0.56, 3.19 (docs/kernels.md). The lock step
+// already keeps the tensor pipe and the exponentials (XU) 42.6% and 45.4%
+// busy, the other two 40.5 / 42.0 and 43.4 / 45.0 (ncu, S = 16384; 16 warps an
+// SM against 9 and 13 active). The key-list walk gathers scattered rows from
+// all its threads and keeps the lock step (256 threads, one barrier a tile).
 constexpr bool forward_sm90_producer(int head_dim) { return head_dim > 64; }
 
 // ---- Split-KV (forward) ----
