@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_gpu  # noqa: E402
+import bench_report  # noqa: E402
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 9), (7, 7), (5, 12), (12, 5)])
@@ -48,8 +49,8 @@ def _results(suite, ours_over_peers):
 
 @pytest.mark.parametrize("factor,met", [(2.0, "no"), (0.5, "yes")])
 def test_peer_targets_follow_the_timings(monkeypatch, tmp_path, factor, met):
-    monkeypatch.setattr(bench_gpu, "plot", lambda suites, out_dir: None)
-    bench_gpu.report({"shapes": _results("shapes", factor), "topk": _results("topk", factor)}, tmp_path)
+    monkeypatch.setattr(bench_report, "plot", lambda suites, out_dir: None)
+    bench_report.report({"shapes": _results("shapes", factor), "topk": _results("topk", factor)}, tmp_path)
     text = (tmp_path / "performance.md").read_text()
     for spec in bench_gpu.SHAPES + [s for s in bench_gpu.TOPK if s.keep is not None]:  # dense: a column of top-k's
         assert f"| {spec.case} |" in text
@@ -68,7 +69,7 @@ def test_topk_fraction_and_ideal():
     for row in suite["rows"]:  # top-k at a quarter of dense
         if "keep" in row["case"]:
             row["ms"] /= 4
-    text = "\n".join(bench_gpu.topk_report(suite))
+    text = "\n".join(bench_report.topk_report(suite))
     line = next(line for line in text.splitlines() if line.startswith("| key bias, keep 1024, S=4096 |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[3] == "0.25" and cells[6] == "0.25"
@@ -84,7 +85,7 @@ def test_portable_ratios():
     for row in suite["rows"]:
         if row["case"].endswith("key bias"):
             row["ms"] *= 1.1
-    text = "\n".join(bench_gpu.portable_report(suite))
+    text = "\n".join(bench_report.portable_report(suite))
     for cap in (99, 163):
         line = next(line for line in text.splitlines() if line.startswith(f"| {cap} KiB | D=64, 32/8 heads, S=16384 |"))
         cells = [c.strip() for c in line.strip("|").split("|")]
