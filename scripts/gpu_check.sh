@@ -44,7 +44,7 @@ passed=$(grep -cE '^[0-9]*: PASS  ' "$logs/check.log"); failed=$(grep -cE '^[0-9
 skipped=$(grep -cE '\[  SKIPPED \] .*\([0-9]+ ms\)' "$logs/check.log")
 echo "$passed passed, $failed failed, $skipped skipped ($shards shards)" | tee -a "$logs/check.log"
 
-ctest --test-dir "$build" -L '^sanitizer$' --output-on-failure >"$logs/sanitizer.log" 2>&1
+ctest --test-dir "$build" -L '^sanitizer$' -j "$shards" --output-on-failure >"$logs/sanitizer.log" 2>&1
 sanitizer_rc=$?
 status="sanitizers (memcheck, racecheck): $([ $sanitizer_rc -eq 0 ] && echo clean || echo "FAILED (rc $sanitizer_rc)"); $(grep -E 'tests passed' "$logs/sanitizer.log" | tail -1)"
 
