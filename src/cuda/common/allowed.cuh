@@ -12,14 +12,16 @@
 
 #include <cstdint>
 
+#include "geometry.h"  // DMATTN_HOST_DEVICE; min and max on the host
+
 namespace dmattn::cuda {
 
 // The bit of element e in its word, after the shift by the thread's first column.
-__host__ __device__ constexpr int column_bit(int e) { return 8 * (e / 4 % 4) + e % 2; }
+DMATTN_HOST_DEVICE constexpr int column_bit(int e) { return 8 * (e / 4 % 4) + e % 2; }
 
 // Columns [from, to) of the tile (any ints; clamped) within word w's columns
 // [32 w, 32 w + 32), as bits.
-__device__ __forceinline__ std::uint32_t span_bits(int from, int to, int w) {
+DMATTN_HOST_DEVICE inline std::uint32_t span_bits(int from, int to, int w) {
   const int a = min(max(from - 32 * w, 0), 32), z = min(max(to - 32 * w, 0), 32);
   return z > a ? (0xffffffffu >> (32 - (z - a))) << a : 0u;
 }
