@@ -351,7 +351,7 @@ def _fwd_backward(ctx, dout, _dlse, bwd=_bwd):
     q, k, v, mask, bias, topk_intervals, out, lse = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[5]
     dq, dk, dv, dbias = bwd(dout, q, k, v, mask, ctx.mask_shape, bias, ctx.bias_shape, topk_intervals, out, lse,
-                             *ctx.options, bias_grad)
+                            *ctx.options, bias_grad)
     dbias = _broadcast_grad(dbias, bias) if bias_grad else None
     return (dq, dk, dv, None, None, dbias, None, None) + (None,) * len(ctx.options)
 
@@ -457,7 +457,7 @@ def _varlen_backward(ctx, dout, _dlse, bwd=_varlen_bwd):
     q, k, v, bias, cu_seqlens_q, cu_seqlens_k, topk_intervals, out, lse = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = bwd(dout, q, k, v, bias, ctx.bias_shape, cu_seqlens_q, cu_seqlens_k,
-                                    *ctx.max_seqlens, topk_intervals, out, lse, *ctx.options, bias_grad)
+                            *ctx.max_seqlens, topk_intervals, out, lse, *ctx.options, bias_grad)
     dbias = _broadcast_grad(dbias, bias) if bias_grad else None
     return (dq, dk, dv, dbias) + (None,) * (6 + len(ctx.options))
 

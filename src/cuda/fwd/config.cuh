@@ -70,8 +70,13 @@ struct ForwardSm90Config {
   static constexpr int kProducerThreads = forward_sm90_producer(kHeadDim) ? 128 : 0;
   static constexpr int threads(bool producer) { return kConsumerThreads + (producer ? kProducerThreads : 0); }
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(kProducerThreads == 0 || (kCtasPerSm == 1 && 128 * kProducerRegs + 256 * kConsumerRegs <= 65536),
-                "a producer warpgroup with one CTA an SM");
+  // setmaxnreg.inc waits until the CTA's own released registers cover it: the
+  // split must fit what the launch gives 384 threads (168 each, of 65536 in
+  // steps of 8).
+  static_assert(kProducerThreads == 0 ||
+                    (kCtasPerSm == 1 && kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <=
+                                            threads(true) * (65536 / threads(true) / 8 * 8)),
+                "a producer warpgroup with one CTA an SM, its registers within the launch's");
   static_assert(kBlockM == 128 && sm90_head_dim(kHeadDim), "two warpgroups of 64 rows, a head dim of the Hopper kernels");
 
   using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});

@@ -43,8 +43,9 @@
 // heuristics.h forward_sm90_producer): a producer warpgroup (one warp of it
 // issuing) loads Q, then tile j's K (its key-only bias first, staged by the
 // warp) and tile j - 1's V, each into a buffer that the consumers released:
-// every consumer warp arrives on the buffer's empty barrier once its S (and
-// the logits that read the bias) or its P V is done. The consumers take turns
+// every consumer thread arrives on a K buffer's empty barrier once its S and
+// the logits that read the bias are done, every consumer warp on a V buffer's
+// once its P V is done. The consumers take turns
 // at issuing the MMAs of an iteration (named barriers, warpgroup 0 first), so
 // that one warpgroup's softmax overlaps the other's MMAs. Otherwise (D = 64,
 // the key-list walk) one thread issues the TMA loads and the CTA meets at one
