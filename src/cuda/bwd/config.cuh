@@ -251,12 +251,15 @@ struct DkvSm90Config {
   static constexpr int kRowBiasSmemBytes = kDbSums ? std::max(kSmemBytes, kDbSumAt + kDbSumBytes) : kSmemBytes;
   // Ordered dq (DkvWalk::kOrdered): a dQ-writer warpgroup behind the two MMA
   // warpgroups (its first warp adds the steps' dQ blocks in order; it hands its
-  // registers to them, setmaxnreg: 128 x 32 + 256 x 240 = 65536, one CTA an
-  // SM), and kOrderedDqBuffers dQ buffers: the second over the key area (the
-  // dense walk does not use it) where that fits (D = 128; not at D = 64).
-  static constexpr int kWriterThreads = 128, kWriterRegs = 32, kMmaRegs = 240;
+  // registers to them, setmaxnreg: 128 x 24 + 256 x 240 = 384 x 168, what the
+  // launch bound gives a CTA, one an SM: setmaxnreg.inc takes only registers
+  // that a setmaxnreg.dec of the CTA released, and waits for them), and
+  // kOrderedDqBuffers dQ buffers: the second over the key area (the dense
+  // walk does not use it) where that fits (D = 128; not at D = 64).
+  static constexpr int kWriterThreads = 128, kWriterRegs = 24, kMmaRegs = 240;
   static constexpr int threads(bool ordered) { return kThreads + (ordered ? kWriterThreads : 0); }
-  static_assert(kWriterThreads * kWriterRegs + kThreads * kMmaRegs <= 65536, "one CTA an SM");
+  static_assert(kWriterThreads * kWriterRegs + kThreads * kMmaRegs <= threads(true) * (65536 / threads(true) / 8 * 8),
+                "the MMA warpgroups' registers come from the writer's");
   static constexpr int kDq2At = kKeysAt;
   static constexpr int kOrderedDqBuffers = kDq2At + kQElems * int(sizeof(float)) <= kSmemSm90 ? 2 : 1;
   static constexpr int kOrderedSmemBytes =
