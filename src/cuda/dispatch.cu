@@ -134,6 +134,7 @@ struct Instance {
   // the query heads of a kv head (bwd/config.cuh DkvSm90Config::kDbSums).
   int dkv_sm90_row_bias_smem = 0;
   bool dkv_sm90_db_sums = false;
+  int dkv_sm90_ordered_smem = 0;  // ... of its walk with ordered dq (deterministic)
 };
 
 template <int kHeadDim>
@@ -160,6 +161,7 @@ Instance make_instance() {
     i.dkv_sm90_smem = DkvSm90Config<half_t, kHeadDim>::kSmemBytes;
     i.dkv_sm90_row_bias_smem = DkvSm90Config<half_t, kHeadDim>::kRowBiasSmemBytes;
     i.dkv_sm90_db_sums = DkvSm90Config<half_t, kHeadDim>::kDbSums;
+    i.dkv_sm90_ordered_smem = DkvSm90Config<half_t, kHeadDim>::kOrderedSmemBytes;
   }
   return i;
 }
@@ -327,6 +329,7 @@ bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceI
     walk = deterministic ? plain && p.softcap == 0.0f && p.cu_seqlens_q == nullptr
                          : dense || plan.selection == DeviceSelection::kIntervals;
     walk = walk && (p.softcap == 0.0f || plain);
+    if (deterministic) smem = i.dkv_sm90_ordered_smem;
   }
   return device.sm90a && i.dkv_sm90_smem > 0 && p.seqlen_q > 0 && walk && p.vector_q && p.vector_k && p.vector_v &&
          p.vector_dout && smem <= device.smem_optin && tma_addressable(p.q, p.query_tokens(plan.batch), p.heads) &&

@@ -195,7 +195,8 @@ std::vector<Case> deterministic_pairs(Make&& make) {
 // additions, D = 64 and 128): several key blocks a query block (not causal,
 // long rows), causal with Sq < Sk and Sq > Sk, windows, GQA and MQA, a
 // key-only bias and its gradient (per kv head, per query head, shared by all
-// heads through slices), odd lengths, one query row over many key blocks.
+// heads through slices), odd lengths, one query row over many key blocks, a
+// walk of one step (no dQ buffer used twice).
 template <class Make>
 std::vector<Case> ordered_dq_cases(Make&& make) {
   std::vector<Case> cases;
@@ -227,6 +228,9 @@ std::vector<Case> ordered_dq_cases(Make&& make) {
     Case row = ordered("one row", 1, 1000, 4, 2);
     row.bias_shape = {row.B, row.Hk, 1, row.Sk};
     cases.push_back(row);
+    Case one = ordered("one step a key block", 64, 700, 4, 4);  // the dQ writer's hand-off without reuse
+    one.bias_shape = {one.B, one.Hk, 1, one.Sk};
+    cases.push_back(one);
   }
   return cases;
 }

@@ -226,9 +226,9 @@ struct DkvSm90Config {
 
   static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
   // K, V, two buffers of Q and dO (a buffer D / 64 TMA boxes of 64 features),
-  // two of dS^T, one of dQ (float32, DqBlocks), two of the step's row
-  // statistics (16 bytes a query), the barriers of the two Q / dO buffers,
-  // then 16 bytes a key: its index, its piece's info (KeyPieces) and its rows
+  // two of dS^T, one of dQ (float32, DqBlocks; ordered dq: kOrderedDqBuffers,
+  // below), two of the step's row statistics (16 bytes a query), the barriers
+  // of the two Q / dO buffers, then 16 bytes a key: its index, its piece's info (KeyPieces) and its rows
   // in the current selection head (key groups). The walk of a bias with rows
   // (DkvWalk::kRowBias) has no key area: its dbias sums over the query heads
   // of a bias head (kDbSumAt, a float a thread's S^T element, kThreads apart)
@@ -249,6 +249,21 @@ struct DkvSm90Config {
   static constexpr int kDbSumAt = kKeysAt, kDbSumBytes = kDsElems * int(sizeof(float));
   static constexpr bool kDbSums = kDbSumAt + kDbSumBytes <= kSmemSm90;
   static constexpr int kRowBiasSmemBytes = kDbSums ? std::max(kSmemBytes, kDbSumAt + kDbSumBytes) : kSmemBytes;
+  // Ordered dq (DkvWalk::kOrdered): a dQ-writer warpgroup behind the two MMA
+  // warpgroups (its first warp adds the steps' dQ blocks in order; it hands its
+  // registers to them, setmaxnreg: 128 x 24 + 256 x 240 = 384 x 168, what the
+  // launch bound gives a CTA, one an SM: setmaxnreg.inc takes only registers
+  // that a setmaxnreg.dec of the CTA released, and waits for them), and
+  // kOrderedDqBuffers dQ buffers: the second over the key area (the dense
+  // walk does not use it) where that fits (D = 128; not at D = 64).
+  static constexpr int kWriterThreads = 128, kWriterRegs = 24, kMmaRegs = 240;
+  static constexpr int threads(bool ordered) { return kThreads + (ordered ? kWriterThreads : 0); }
+  static_assert(kWriterThreads * kWriterRegs + kThreads * kMmaRegs <= threads(true) * (65536 / threads(true) / 8 * 8),
+                "the MMA warpgroups' registers come from the writer's");
+  static constexpr int kDq2At = kKeysAt;
+  static constexpr int kOrderedDqBuffers = kDq2At + kQElems * int(sizeof(float)) <= kSmemSm90 ? 2 : 1;
+  static constexpr int kOrderedSmemBytes =
+      kOrderedDqBuffers == 2 ? std::max(kSmemBytes, kDq2At + kQElems * int(sizeof(float))) : kSmemBytes;
   static_assert(kBlockN == kKeyGroupKeys, "a top-k key group is one CTA");
   static_assert(kBlockM == Dq::kRows, "a step's dQ is one DqBlocks block");
 };

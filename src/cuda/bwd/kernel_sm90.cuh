@@ -47,21 +47,22 @@
 // and while the dV and dK MMAs run, each warp stores its dQ accumulators to
 // shared memory in register order and one of its threads adds them to dq_acc
 // by one bulk reduction (DqBlocks); deterministic (kOrdered,
-// BackwardParams::dq_turns), after the warp of the key block before has added
-// its part to the block: the turn is read, and passed on once the reduction
-// is complete, four steps' turns at a time while a later step's S / dP MMAs
-// run. The
-// key-only dbias sums dS^T over
-// the queries of a bias head in registers, in the walk's order: bitwise
-// reproducible, as dk and dv. (Keeping dQ's accumulators across the next
-// step's S / dP MMAs instead makes ptxas serialize the warpgroup MMAs for want
-// of registers, C7511.)
+// BackwardParams::dq_turns), the warps hand the block to a dQ-writer warp
+// (a third warpgroup's; named barriers, two dQ buffers where they fit), which
+// adds it by one bulk reduction after the key block before has added it and
+// passes the block's turn on once its reduction is complete, so that neither
+// the turn's wait nor its release fence holds up the MMA warps. The key-only
+// dbias sums dS^T over the queries of a bias head in registers, in the
+// walk's order: bitwise reproducible, as dk and dv. (Keeping dQ's
+// accumulators across the next step's S / dP MMAs instead makes ptxas
+// serialize the warpgroup MMAs for want of registers, C7511.)
 #pragma once
 
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_conversion.h>
 
 #include <cmath>
@@ -88,7 +89,7 @@ namespace dmattn::cuda {
 enum class DkvWalk { kDense, kOrdered, kSoftcap, kMasked, kRowBias, kKeyGroups };
 
 template <class Config, DkvWalk kWalk>
-__global__ void __launch_bounds__(Config::kThreads, 1)
+__global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1)
     dkv_kernel_sm90(const __grid_constant__ BackwardParams p, const __grid_constant__ DkvSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   constexpr bool kKeyGroups = kWalk == DkvWalk::kKeyGroups, kMasked = kWalk == DkvWalk::kMasked;
@@ -97,6 +98,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   using namespace cute;
   using Element = typename Config::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using cutlass::arch::NamedBarrier;
   constexpr int kBlockN = Config::kBlockN, kBlockM = Config::kBlockM, kHeadDim = Config::kHeadDim;
 
   // Grid as backward_kernel's dk/dv walk: heads fastest, the longest key blocks
@@ -169,10 +171,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
   };
   const int q_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
-  // Ordered dq (kOrdered, BackwardParams::dq_turns; the dense walk): warp
-  // w adds its part of a step's dQ block after warp w of key block
-  // key_block - 1 of this (b, kv head) has added its part, where that key
-  // block's walk has this query block too. Both ends of a key block's query
+  // Ordered dq (kOrdered, BackwardParams::dq_turns; the dense walk): the
+  // dQ-writer warp adds a step's dQ block after the writer of key block
+  // key_block - 1 of this (b, kv head) has added it, where that key block's
+  // walk has this query block too. Both ends of a key block's query
   // range grow with its keys, so a query block's key blocks are consecutive
   // (that one is the one before in the block's order of additions) and the
   // walk of key_block - 1 has the query blocks from at most `first` to
@@ -182,7 +184,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   // of their linear index (what the hardware does, as FlashAttention 3's
   // deterministic backward also assumes): key block key_block - 1 is CTA
   // linear - gridDim.y of the same batch entry, started before this one, and
-  // it waits only on CTAs before itself.
+  // it waits only on CTAs before itself (its MMA warps wait on its writer
+  // only for a dQ buffer, which the writer frees without waiting on them).
   const QueryRange before = kOrdered && key_block > 0 ? dense_queries(row0 - kBlockN) : QueryRange{0, 0};
   const int before_end = before.end > before.first ? static_cast<int>((before.end + kBlockM - 1) / kBlockM) : 0;
 
@@ -193,6 +196,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   Element* do_smem = q_smem + 2 * Config::kQElems;  // two buffers
   Element* ds_smem = do_smem + 2 * Config::kQElems;  // Config::kDsAt, two buffers
   auto* dq_smem = reinterpret_cast<float*>(smem + Config::kDqAt);
+  // dQ buffer i (ordered: step t's is t % kDqBuffers; else one).
+  constexpr int kDqBuffers = kOrdered ? Config::kOrderedDqBuffers : 1;
+  const auto dq_buffer = [&](int i) { return i == 0 ? dq_smem : reinterpret_cast<float*>(smem + Config::kDq2At); };
   auto* stats = reinterpret_cast<float4*>(smem + Config::kStatsAt);      // two buffers of (max, inv, delta, 0)
   auto* own_keys = reinterpret_cast<std::int32_t*>(smem + Config::kKeysAt);
   int* piece_info = own_keys + kBlockN;
@@ -211,6 +217,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const auto* k = static_cast<const Element*>(p.k.data) + b * p.k.sb + kvh * p.k.sh + seq.ks * p.k.sr;
   const auto* v = static_cast<const Element*>(p.v.data) + b * p.v.sb + kvh * p.v.sh + seq.ks * p.v.sr;
   const int d = p.head_dim, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const bool mma_thread = !kOrdered || tid < Config::kThreads;  // ordered: not the writer warpgroup's
   if constexpr (kKeyGroups) {  // the CTA's keys gathered from key_order
     const std::int64_t key = group_key(p, entry0, row0, sk, tile_row<Config, kBlockN>());
     load_tile<Config>(sK, k, p.k.sr, key, d, true);
@@ -221,7 +228,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       own_keys[tid] = static_cast<std::int32_t>(key);
       if (pieces) piece_info[tid] = KeyPieces<kHeadDim, kBlockN>::info_of(p, entry0 + tid, kv_slice, key);
     }
-  } else {
+  } else if (mma_thread) {
     load_rows<Config>(sK, k + row0 * p.k.sr, p.k.sr, sk - row0, d, true);
     load_rows<Config>(sV, v + row0 * p.v.sr, p.v.sr, sk - row0, d, true);
   }
@@ -284,29 +291,52 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
   int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
   const float scale = p.scale, softcap = p.softcap, inner = kSoftcap ? scale / softcap : 0.0f;
-  // The turn counter of the warp's part of the dQ block of head h, query block blk.
-  const auto turn = [&](int h, int blk) {
-    return p.dq_turns + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::Dq::kWarps + warp;
+  // The dQ block of head h, query block blk in dq_acc (DqBlocks), and its turn counter.
+  const auto dq_block = [&](int h, int blk) {
+    return p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems;
   };
-  // Ordered, lane 0: the blocks of steps [from, to) pass to the next key
-  // block, their reductions complete (the ordered walk skips no step): one
-  // release fence, then relaxed stores. A step passes its block on with
-  // those of kPassSteps - 1 steps after it: each release fence stalls the warp
-  // on its outstanding memory operations (ncu, H100, S = 16384, D = 128: a
-  // release store a step and warp made memory-barrier stalls the ordered
-  // walk's largest extra cost; four steps a fence took the kernel from 14.9
-  // to 13.8 ms, the walk by atomics 9.3).
-  constexpr int kPassSteps = 4;
-  const auto pass = [&](int from, int to) {
-    release_turns();
-    for (int s = from; s < to; ++s) set_turn(turn(step_head(s), step_block(s)), key_block + 1);
-  };
-  bool my_turn = true;  // ordered, lane 0: the step's turn was read before its reduction
-  int passed = 0;       // ordered, lane 0: the steps whose blocks have passed on
+  const auto turn = [&](int h, int blk) { return p.dq_turns + (std::int64_t{b} * p.heads + h) * q_blocks + blk; };
+  // Ordered: named barriers (the writer warpgroup is in none of the CTA's
+  // __syncthreads after the walk starts): the MMA warps' step barrier, and
+  // for dQ buffer i, kDqFull + i (the MMA warps have stored their parts of a
+  // step's block) and kDqEmpty + i (the writer's reduction has read it), each
+  // the MMA threads' and the writer warp's.
+  constexpr int kStepBarrier = 0, kDqFull = 1, kDqEmpty = 3, kHandOff = Config::kThreads + 32;
 
   cp_async_wait<0>();
   fence_async_shared();
   __syncthreads();  // K, V, the zeroed statistics and the barriers
+  if constexpr (kOrdered) {
+    if (!mma_thread) {
+      cutlass::arch::warpgroup_reg_dealloc<Config::kWriterRegs>();
+      if (warp > Config::Dq::kWarps) return;
+      // The writer warp: step s's dQ block (the ordered walk skips no step),
+      // once key block key_block - 1 has added it, by one bulk reduction from
+      // its buffer; the buffer freed once read, the turn passed on once the
+      // reduction is complete (release). Neither wait holds up the MMA warps
+      // unless the buffer is needed again.
+      for (int s = 0; s < total; ++s) {
+        const int buf = s % kDqBuffers, h = step_head(s), blk = step_block(s);
+        int* const block_turn = turn(h, blk);
+        NamedBarrier::sync(kHandOff, kDqFull + buf);
+        if (lane == 0) {
+          if (blk < before_end) wait_turn(block_turn, key_block);
+          fence_async_global();
+          bulk_reduce_add(dq_block(h, blk), dq_buffer(buf), Config::kQElems * int(sizeof(float)));
+          tma_store_arrive();
+          tma_store_wait<0>();
+        }
+        __syncwarp();
+        if (s + kDqBuffers < total) NamedBarrier::arrive(kHandOff, kDqEmpty + buf);
+        if (lane == 0) {
+          bulk_wait_complete<0>();
+          pass_turn(block_turn, key_block + 1);
+        }
+      }
+      return;
+    }
+    cutlass::arch::warpgroup_reg_alloc<Config::kMmaRegs>();
+  }
   Step cur = next_step(-1);
   if (tid == 0 && cur.s < total) issue(step_head(cur.s), step_block(cur.s), 0);
   // The walk's step t: head h, query block blk; (h_next, blk_next) the next step's.
@@ -353,9 +383,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     Tensor tSrDo = thr_sdp.partition_fragment_B(rows_tile(do_smem, buf));
     wgmma_batch<true>(mma_sdp, tSrK, tSrQ, acc_s);
     wgmma_batch<true>(mma_sdp, tSrV, tSrDo, acc_dp);
-    // While they run: the next step; ordered, every kPassSteps steps the
-    // turns of the steps before the last pass on, and this step's is read (no
-    // wait on either in the step where it is ready).
+    // While they run: the next step.
     const Step next = next_step(cur.s);
     const bool more = next.s < total;
     const int h_next = step_head(next.s), blk_next = step_block(next.s);
@@ -364,14 +392,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const std::int64_t bias_at =
         kRowBias ? b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + (seq.ks + row0) * p.bias.sc : 0;
     const bool db_close = !more || blk_next != blk || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb);
-    if (kOrdered && lane == 0) {
-      if (cur.s - 1 - passed >= kPassSteps) {  // all but the last step's reductions complete
-        bulk_wait_complete<1>();
-        pass(passed, cur.s - 1);
-        passed = cur.s - 1;
-      }
-      my_turn = blk >= before_end || read_turn(turn(h, blk)) == key_block;
-    }
     warpgroup_wait<0>();
 
     // A tile wholly inside the sequences, the causal band and the window tests
@@ -508,7 +528,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // The walk's one barrier a step: both warpgroups' dS^T are in shared
     // memory, and both are done with step t - 1 (Q, dO and statistics buffer
     // buf ^ 1, which the next step's copies then fill, and dS^T buffer buf ^ 1).
-    __syncthreads();
+    if constexpr (kOrdered)
+      NamedBarrier::sync(Config::kThreads, kStepBarrier);
+    else
+      __syncthreads();
     if (tid == 0 && more) issue(h_next, blk_next, buf ^ 1);
     Tensor tQrDs = thr_dq.partition_fragment_A(
         make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), typename Config::LayoutDsT{}));
@@ -524,26 +547,31 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     warpgroup_fence_operand(acc_dq);
 
     // The warp's part of the DqBlocks block: registers in order, then one bulk
-    // reduction into dq_acc by lane 0.
+    // reduction into dq_acc by lane 0 (ordered: handed to the writer warp,
+    // once its reduction of the buffer's step before has read it).
     constexpr int kWarpFloats = Config::Dq::kWarpFloats;
-    float* dq_warp = dq_smem + warp * kWarpFloats;
+    const int dq_buf = t % kDqBuffers;
+    float* dq_warp = dq_buffer(dq_buf) + warp * kWarpFloats;
     static_assert(decltype(size(acc_dq))::value * 32 == kWarpFloats, "a thread's dQ is words of 4 floats");
-    if (lane == 0) tma_store_wait<0>();  // the previous step's reduction has read the buffer
-    __syncwarp();
+    if constexpr (kOrdered) {
+      if (t >= kDqBuffers) NamedBarrier::sync(kHandOff, kDqEmpty + dq_buf);
+    } else {
+      if (lane == 0) tma_store_wait<0>();  // the previous step's reduction has read the buffer
+      __syncwarp();
+    }
 #pragma unroll
     for (int j = 0; j < kWarpFloats / 128; ++j)
       *reinterpret_cast<float4*>(dq_warp + 128 * j + 4 * lane) =
           make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
     fence_async_shared();
-    __syncwarp();
-    if (lane == 0) {
-      if constexpr (kOrdered) {
-        if (!my_turn) wait_turn(turn(h, blk), key_block);
-        fence_async_global();
+    if constexpr (kOrdered) {
+      NamedBarrier::arrive(kHandOff, kDqFull + dq_buf);
+    } else {
+      __syncwarp();
+      if (lane == 0) {
+        bulk_reduce_add(dq_block(h, blk) + warp * kWarpFloats, dq_warp, kWarpFloats * int(sizeof(float)));
+        tma_store_arrive();
       }
-      bulk_reduce_add(p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems + warp * kWarpFloats,
-                      dq_warp, kWarpFloats * int(sizeof(float)));
-      tma_store_arrive();
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(rP);
@@ -563,10 +591,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     cur = next;
   }
   if (lane == 0) tma_store_wait<0>();
-  if (kOrdered && lane == 0) {
-    bulk_wait_complete<0>();
-    pass(passed, total);
-  }
 
   // dk = scale * acc_dk, dv = acc_dv by key, the pieces of a key added up first.
   if (kKeyGroups) __syncthreads();  // own_keys, where the walk had no step

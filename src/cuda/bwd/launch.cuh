@@ -66,10 +66,11 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
                   : plan.ordered_dq                   ? dkv_kernel_sm90<Config, DkvWalk::kOrdered>
                   : p.softcap > 0.0f                  ? dkv_kernel_sm90<Config, DkvWalk::kSoftcap>
                                                       : dkv_kernel_sm90<Config, DkvWalk::kDense>;
-    const int smem = row_bias ? Config::kRowBiasSmemBytes : Config::kSmemBytes;
+    const bool ordered = kernel == dkv_kernel_sm90<Config, DkvWalk::kOrdered>;
+    const int smem = row_bias ? Config::kRowBiasSmemBytes : ordered ? Config::kOrderedSmemBytes : Config::kSmemBytes;
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, Config::kThreads, smem, stream>>>(p, maps);
+    kernel<<<grid, Config::threads(ordered), smem, stream>>>(p, maps);
     return cudaGetLastError();
   }
   throw std::logic_error("dmattn: the Hopper dk/dv kernel planned for head dim " + std::to_string(kHeadDim));
@@ -92,11 +93,11 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   std::uint8_t* dkv_tiles = nullptr;
   cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&p.query_stats), static_cast<std::size_t>(4 * rows + 1) * 4, stream);
   // dq_acc: room for either layout (finish_dq), rows of (b, h) padded to DqBlocks' rows;
-  // ordered, the turn counters of its blocks' warp parts behind it (zeroed with it).
+  // ordered, the turn counters of its blocks behind it (zeroed with it).
   constexpr std::int64_t kDqRows = DqBlocks<kHeadDim>::kRows;
   const std::int64_t dq_blocks = std::int64_t{batch} * p.heads * ((p.seqlen_q + kDqRows - 1) / kDqRows);
   const std::int64_t dq_elements = dq_blocks * kDqRows * kHeadDim;
-  const std::int64_t dq_words = dq_elements + (plan.ordered_dq ? dq_blocks * (DqBlocks<kHeadDim>::kWarps) : 0);
+  const std::int64_t dq_words = dq_elements + (plan.ordered_dq ? dq_blocks : 0);
   if (err == cudaSuccess && p.atomic_dq) {
     err = cudaMallocAsync(reinterpret_cast<void**>(&p.dq_acc), static_cast<std::size_t>(dq_words) * 4, stream);
     if (err == cudaSuccess) err = cudaMemsetAsync(p.dq_acc, 0, static_cast<std::size_t>(dq_words) * 4, stream);

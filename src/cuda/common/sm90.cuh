@@ -92,26 +92,20 @@ __device__ __forceinline__ void bulk_wait_complete() {
 __device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 
 // A turn counter in global memory orders additions of several CTAs into one
-// place (gpu scope). read_turn: the counter (acquire); wait_turn: spins until
-// it reads `value`. The caller then issues fence_async_global before its bulk
-// additions. release_turns: after bulk_wait_complete, the calling thread's
-// bulk writes and its other memory operations before what follows (one
-// release fence); set_turn after it: a counter set to `value`, a release
-// (relaxed stores, so that several counters pass on for one fence).
-__device__ __forceinline__ int read_turn(const int* turn) {
-  int seen = 0;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
-  return seen;
-}
+// place (gpu scope). wait_turn: spins until the counter reads `value`
+// (acquire); the caller then issues fence_async_global before its bulk
+// additions. pass_turn: after bulk_wait_complete, the calling thread's bulk
+// writes and its other memory operations before the counter's new `value`
+// (the proxy fence, then a release: fence and relaxed store).
 __device__ __forceinline__ void wait_turn(const int* turn, int value) {
-  while (read_turn(turn) != value) {
-  }
+  int seen = 0;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(turn) : "memory");
+  } while (seen != value);
 }
-__device__ __forceinline__ void release_turns() {
+__device__ __forceinline__ void pass_turn(int* turn, int value) {
   fence_async_global();
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-}
-__device__ __forceinline__ void set_turn(int* turn, int value) {
   asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(turn), "r"(value) : "memory");
 }
 
