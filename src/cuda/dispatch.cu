@@ -4,7 +4,8 @@
 //
 //   forward        Hopper kSm90       sm_90a device, D' = 64 or 128 compiled (D <= D'), batched or varlen,
 //                                     no bias or a key-only one, one split, TMA-addressable q, k, v (varlen:
-//                                     the packed rows); top-k (intervals or thresholds, with a mask or not)
+//                                     the packed rows); a full bias of q's dtype, TMA-addressable, without a
+//                                     mask or top-k: loaded by tiles with K (kRowBias); top-k (intervals or thresholds, with a mask or not)
 //                                     at D' = 64, or below 16384 keys (heuristics.h forward_sm90_topk): the
 //                                     key lists of 128-row blocks (kKeyLists: runs of consecutive keys by
 //                                     TMA, the rest gathered); a mask alone: packed with its tile classes
@@ -130,6 +131,7 @@ struct Instance {
   // Of a CTA of the Hopper forward and dk/dv kernels; 0: none at this head
   // dim (sm90_head_dim).
   int forward_sm90_smem = 0, dkv_sm90_smem = 0;
+  int forward_sm90_tile_smem = 0;  // ... of the Hopper forward's walk of full-bias tiles
   // ... of its walk of a bias with rows, and whether that walk sums dbias over
   // the query heads of a kv head (bwd/config.cuh DkvSm90Config::kDbSums).
   int dkv_sm90_row_bias_smem = 0;
@@ -158,6 +160,7 @@ Instance make_instance() {
   }
   if constexpr (sm90_head_dim(kHeadDim)) {
     i.forward_sm90_smem = ForwardSm90Config<half_t, kHeadDim>::kSmemBytes;
+    i.forward_sm90_tile_smem = ForwardSm90Config<half_t, kHeadDim>::kTileSmemBytes;
     i.dkv_sm90_smem = DkvSm90Config<half_t, kHeadDim>::kSmemBytes;
     i.dkv_sm90_row_bias_smem = DkvSm90Config<half_t, kHeadDim>::kRowBiasSmemBytes;
     i.dkv_sm90_db_sums = DkvSm90Config<half_t, kHeadDim>::kDbSums;
@@ -287,18 +290,30 @@ void plan_selection(const Problem& p, Plan& plan) {
 
 // ---- The Hopper kernels' conditions ---------------------------------------
 
+// A full bias by the Hopper forward's tiles (ForwardWalk::kRowBias): of q's
+// dtype, batched, without a mask or top-k (their walks take none), contiguous
+// keys and TMA-addressable as bias_tile_extent says.
+bool forward_bias_tiles(const ForwardPlan& plan) {
+  const ForwardParams& p = plan.params;
+  if (p.bias_kind() != BiasKind::kFull || p.bias_float32 || p.cu_seqlens_q != nullptr || plan.key_lists) return false;
+  const BiasTileExtent extent = bias_tile_extent(p);
+  return tma_addressable(p.bias, extent.tokens, extent.heads);
+}
+
 // The Hopper forward: written for the training shapes at D' = 64 and 128 (TMA
 // fills the features past a smaller head dim with zeros), a top-k selection
-// walked over the key lists, a mask alone by tile class and bit; the 128-row
-// sm80 walk otherwise.
+// walked over the key lists, a mask alone by tile class and bit, a full bias
+// by tiles; the 128-row sm80 walk otherwise.
 bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device) {
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
+  const bool tiles = forward_bias_tiles(plan);
   return device.sm90a && i.forward_sm90_smem > 0 && plan.kernel == ForwardKernel::kSm80 &&
          plan.block_m == kForwardSm90BlockM && p.num_splits == 1 &&
          (plan.selection == DeviceSelection::kNone || forward_sm90_topk(i.head_dim, p.seqlen_k)) &&
-         p.vector_q && p.vector_k && p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly) &&
-         i.forward_sm90_smem <= device.smem_optin && tma_addressable(p.q, p.query_tokens(p.batch), p.heads) &&
+         p.vector_q && p.vector_k && p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly || tiles) &&
+         (tiles ? i.forward_sm90_tile_smem : i.forward_sm90_smem) <= device.smem_optin &&
+         tma_addressable(p.q, p.query_tokens(p.batch), p.heads) &&
          tma_addressable(p.k, p.key_tokens(p.batch), p.heads / p.group) &&
          tma_addressable(p.v, p.key_tokens(p.batch), p.heads / p.group);
 }
@@ -396,6 +411,7 @@ ForwardPlan plan_forward(const Problem& p) {
   if (forward_sm90_applies(plan, instance, device)) {
     plan.kernel = ForwardKernel::kSm90;
     plan.mask_tiles = plan.key_lists && plan.selection == DeviceSelection::kNone;
+    plan.bias_tiles = forward_bias_tiles(plan);
     if (plan.mask_tiles) plan.key_lists = false;
   }
   plan.run = instance.forward[dtype];

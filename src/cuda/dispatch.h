@@ -55,6 +55,7 @@ struct ForwardPlan {
   int block_m = 0;          // query rows a CTA of the kernel
   bool key_lists = false;   // the key-list passes run first (a mask and/or top-k)
   bool mask_tiles = false;  // the Hopper forward's mask pass runs first (its tile classes and bits)
+  bool bias_tiles = false;  // the Hopper forward loads a full bias by tiles (ForwardWalk::kRowBias)
   ForwardRun run = nullptr;  // the instantiation's launcher
 };
 

@@ -136,6 +136,12 @@ std::vector<Case> forward_matrix(bool small) {
         m.name = name(m, "small " + m.name);
         cases.push_back(m);
       }
+      Case f = base(200, 264, DType::kBFloat16);  // a full bias by tiles (Sk % 8 == 0: TMA rows)
+      f.B = 2, f.H = 4, f.Hk = 2, f.D = d;
+      f.options.causal = d != 64;
+      f.bias_shape = {f.B, f.Hk, f.Sq, f.Sk};
+      f.name = name(f, "small Hopper full bias tiles");
+      cases.push_back(f);
       Case t = base(0, 0, d == 96 ? DType::kFloat16 : DType::kBFloat16);
       t.H = 4;
       t = hopper_topk_case(t, d, d == 128 ? 0 : d == 64 ? 1 : d == 96 ? 3 : 4, 260, 300);
@@ -220,6 +226,25 @@ std::vector<Case> forward_matrix(bool small) {
     cases.push_back(c);
   }
   for (Case& c : bias_magnitude_sweep("")) cases.push_back(c);
+  // The Hopper forward's full-bias tiles (a bias of q's dtype whose rows TMA
+  // addresses: Sk % 8 == 0): each head and batch broadcast, partial query
+  // blocks and key tiles, causal or not, a window, softcap, -inf rows and the
+  // dtype's lowest; a sliced (misaligned) one takes the sm80 kernel.
+  for (std::int64_t d : {128, 64})
+    for (int variant = 0; variant < 8; ++variant) {
+      Case c = base(variant % 2 ? 300 : 129, variant % 3 ? 264 : 520, variant % 2 ? DType::kFloat16 : DType::kBFloat16);
+      c.B = 2, c.H = 4, c.Hk = 2, c.D = d;
+      const Shape forms[] = {{c.B, c.H, c.Sq, c.Sk}, {1, c.Hk, c.Sq, c.Sk}, {c.B, 1, c.Sq, c.Sk}, {1, 1, c.Sq, c.Sk}};
+      c.bias_shape = forms[variant % 4];
+      c.options.causal = variant % 4 != 1;
+      if (variant == 3) c.options.sliding_window = {100, 0};
+      if (variant == 4) c.options.softcap = 30.0, c.options.scale = 0.3;
+      if (variant == 5) c.bias_mix = {-kInf, std::numeric_limits<double>::quiet_NaN()}, c.excluded_rows = true;
+      if (variant == 6) c.bias_mix = {dmattn_test::lowest(c.bias_dtype)};
+      if (variant == 7) c.bias_layout.sliced = true;
+      c.name = name(c, "Hopper full bias tiles #" + std::to_string(variant));
+      cases.push_back(c);
+    }
   // Options: sliding windows, softcap, scale, with Sq != Sk both ways.
   const std::int64_t windows[][2] = {{16, 0}, {0, 16}, {30, -1}, {-1, 5}, {100, 100}, {0, 0}};
   int w = 0;

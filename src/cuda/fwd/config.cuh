@@ -13,6 +13,7 @@
 
 #include "../common/sm90.cuh"
 #include "../heuristics.h"
+#include "../params.h"
 
 namespace dmattn::cuda {
 
@@ -99,13 +100,36 @@ struct ForwardSm90Config {
   static constexpr int kKeysAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
   static constexpr int kBarriersAt = kKeysAt + 3 * kBlockN * int(sizeof(int));
   static constexpr int kSmemBytes = kBarriersAt + 9 * 8;
+  // The walk of a bias with rows (ForwardWalk::kRowBias) has two buffers of
+  // its kBlockM x kBlockN tiles (Element, boxes of 64 keys laid out as Q's
+  // atoms) where the others keep the key-only bias and the list's keys.
+  static constexpr int kBiasTileElems = kBlockM * kBlockN;
+  static constexpr int kTileBarriersAt = kBiasAt + 2 * kBiasTileElems * int(sizeof(Element));
+  static constexpr int kTileSmemBytes = kTileBarriersAt + 9 * 8;
+  static_assert(kBiasAt % 1024 == 0 && kTileSmemBytes * kCtasPerSm <= kSmemSm90,
+                "bias tiles at a swizzle atom's alignment, within the shared memory of an SM");
+  static constexpr int barriers_at(bool tiles) { return tiles ? kTileBarriersAt : kBarriersAt; }
+  static constexpr int smem_bytes(bool tiles) { return tiles ? kTileSmemBytes : kSmemBytes; }
 };
+
+// A full bias as TMA addresses the Hopper forward's bias tiles: (key, row,
+// head, batch) of seqlen_k x seqlen_q x its heads x its batch entries, one
+// head or batch entry where it broadcasts (stride 0; the kernel's coordinate
+// then 0).
+struct BiasTileExtent {
+  TokenExtent tokens;
+  std::int64_t heads;
+};
+inline BiasTileExtent bias_tile_extent(const ForwardParams& p) {
+  return {{p.bias.sb == 0 ? 1 : p.batch, p.seqlen_q}, p.bias.sh == 0 ? 1 : p.heads / p.bias_group};
+}
 
 // The TMA descriptors of Q, K and V: (feature, row, head, batch), boxes of 64
 // features x kBlockM (Q) or kBlockN (K, V) rows, 128-byte swizzled as the
-// tiles' atoms.
+// tiles' atoms; and of a bias with rows, where its walk runs.
 struct ForwardSm90Maps {
   CUtensorMap q, k, v;
+  CUtensorMap bias;  // (key, row, bias head, batch), boxes of 64 keys x kBlockM rows
 };
 
 }  // namespace dmattn::cuda

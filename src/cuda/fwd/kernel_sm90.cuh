@@ -1,10 +1,11 @@
 // The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the query blocks of
 // head dims up to 64 and 128 (zero-padded) without split-KV, batched or
-// varlen, with no bias or a key-only one, softcap, the user's mask and top-k.
-// The dispatch plans it where it applies (dispatch.cu forward_sm90_applies: an
-// sm_90a device, TMA can address Q, K and V); everything else (decode tiles,
-// split-KV, per-row biases, head dims above 128) runs forward_kernel
-// (fwd/kernel_sm80.cuh).
+// varlen, with no bias or a key-only one, softcap, the user's mask and top-k;
+// or batched with a full bias (rows and keys) and no mask or top-k. The
+// dispatch plans it where it applies (dispatch.cu forward_sm90_applies: an
+// sm_90a device, TMA can address Q, K, V and a full bias); everything else
+// (decode tiles, split-KV, per-row or float32 full biases, a full bias with a
+// mask or top-k, head dims above 128) runs forward_kernel (fwd/kernel_sm80.cuh).
 //
 // Varlen: the TMA maps span the packed rows (TokenExtent), a sequence's tiles
 // start at its first row; a tile's rows or keys past the sequence (the next
@@ -12,7 +13,10 @@
 // batched length and never stored.
 //
 // The walks (ForwardWalk), a kernel each, so that the dense walk keeps its
-// registers. kMasked (a mask without top-k; batched: a mask and varlen exclude
+// registers. kRowBias: the dense walk with a full bias, whose kBlockM x
+// kBlockN tile of a key tile loads by TMA with its K (on the same barrier,
+// into a buffer the K buffer's release frees), 128-byte swizzled as Q, so that
+// a warp's reads of its rows' key pairs hit 32 distinct banks. kMasked (a mask without top-k; batched: a mask and varlen exclude
 // each other): the mask comes packed (ForwardParams::packed, bits by query
 // row) with the classes of its 128-row x kBlockN-key tiles
 // (ForwardParams::tiles). The walk skips empty tiles, loads
@@ -76,7 +80,7 @@ namespace dmattn::cuda {
 
 // The forward's walks: every key tile of the band, the user's mask by tile
 // class and bit, the key lists (top-k, with a mask or not).
-enum class ForwardWalk { kDense, kMasked, kKeyLists };
+enum class ForwardWalk { kDense, kMasked, kKeyLists, kRowBias };
 
 // Whether a walk's loads come from a producer warpgroup (heuristics.h
 // forward_sm90_producer; the key-list walk gathers from every thread).
@@ -95,6 +99,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   using cutlass::arch::NamedBarrier;
   constexpr bool kMasked = kWalk == ForwardWalk::kMasked, kLists = kWalk == ForwardWalk::kKeyLists;
+  constexpr bool kRowBias = kWalk == ForwardWalk::kRowBias;
   constexpr bool kProducer = forward_sm90_warp_specialized<Config>(kWalk);
   constexpr int kConsumers = Config::kConsumerThreads, kProducers = kProducer ? Config::kProducerThreads : 0;
   // Named barriers (producer walks): warpgroup w waits at kTurn + w for its
@@ -107,7 +112,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   // tid: the consumer thread (the producer's are negative).
   const int tid = static_cast<int>(threadIdx.x) - kProducers, lane = threadIdx.x % 32, wg = tid / 128;
   const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
-  const bool has_bias = p.bias.data != nullptr;
+  const bool has_bias = p.bias.data != nullptr, key_bias = !kRowBias && has_bias;
   const int tile_first = blk.tile_first;
 
   extern __shared__ __align__(1024) char smem[];
@@ -115,10 +120,11 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   Element* k_smem = q_smem + Config::kQElems;  // two buffers
   Element* v_smem = k_smem + 2 * Config::kKvElems;  // two buffers
   auto* bias_smem = reinterpret_cast<float*>(smem + Config::kBiasAt);  // two buffers
+  auto* bias_tiles = reinterpret_cast<const char*>(smem + Config::kBiasAt);  // kRowBias: two buffers
   // The list's keys of iteration j's tile in buffer j % 3 (-1 past the list),
   // staged one iteration ahead of their gathers.
   auto* keys_smem = reinterpret_cast<int*>(smem + Config::kKeysAt);
-  auto* q_full = reinterpret_cast<std::uint64_t*>(smem + Config::kBarriersAt);
+  auto* q_full = reinterpret_cast<std::uint64_t*>(smem + Config::barriers_at(kRowBias));
   std::uint64_t* k_full = q_full + 1;  // two
   std::uint64_t* v_full = q_full + 3;  // two
   std::uint64_t* k_empty = q_full + 5;  // two (producer walks)
@@ -139,6 +145,20 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     constexpr int kRows = decltype(rows)::value;
     Barrier::arrive_and_expect_tx(bar, kRows * kHeadDim * int(sizeof(Element)));
     tma_load_rows<kRows, kHeadDim>(bar, static_cast<int>(start + row), head, tma_b, std::pair{map, dst});
+  };
+  // K of the keys from key0 into buffer s (kRowBias: with the bias tile of
+  // the block's rows and those keys, completing on the same barrier).
+  const int bias_head = p.bias.sh == 0 ? 0 : h / p.bias_group, bias_batch = p.bias.sb == 0 ? 0 : b;
+  auto load_k = [&](int s, std::int64_t key0) {
+    if constexpr (kRowBias) {
+      auto* dst = reinterpret_cast<Element*>(smem + Config::kBiasAt) + s * Config::kBiasTileElems;
+      Barrier::expect_transaction(&k_full[s], Config::kBiasTileElems * int(sizeof(Element)));
+#pragma unroll
+      for (int box = 0; box < kBlockN / 64; ++box)
+        SM90_TMA_LOAD_4D::copy(&maps.bias, &k_full[s], 0, dst + box * kBlockM * 64, static_cast<int>(key0) + 64 * box,
+                               static_cast<int>(row0), bias_head, bias_batch);
+    }
+    load(Int<kBlockN>{}, &maps.k, &k_full[s], k_smem + s * Config::kKvElems, blk.ks, key0, hk);
   };
   // The key list (kLists): its keys, their count, the bits of the block's first row.
   const std::int32_t* list = blk.mask_keys;
@@ -218,12 +238,12 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     if (key < 0 || key >= sk) return 0.0f;
     return load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
   };
-  auto fetch_bias = [&](int n, int s) { return !has_bias || tid >= kBlockN ? 0.0f : bias_of(n, s, tid); };
+  auto fetch_bias = [&](int n, int s) { return !key_bias || tid >= kBlockN ? 0.0f : bias_of(n, s, tid); };
   auto store_key = [&](int s, int key) {
     if (tid < kBlockN) keys_smem[s * kBlockN + tid] = key;
   };
   auto store_bias = [&](int s, float x) {  // the lock-step walks' (the producer stages its walks')
-    if (!kProducer && has_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
+    if (!kProducer && key_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
   };
 
   typename Config::MmaS mma_s;
@@ -307,11 +327,10 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       int j = 0, prev = 0;
       for (Tile tile = cur; tile.n >= tile_first; prev = tile.n, tile = next_tile(tile.n), ++j) {
         acquire(k_empty, j);
-        if (has_bias)
+        if (key_bias)
           for (int t = lane; t < kBlockN; t += 32) bias_smem[(j & 1) * kBlockN + t] = bias_of(tile.n, 0, t);
         if (lane == 0)
-          load(Int<kBlockN>{}, &maps.k, &k_full[j & 1], k_smem + (j & 1) * Config::kKvElems, blk.ks,
-               std::int64_t{tile.n} * kBlockN, hk);
+          load_k(j & 1, std::int64_t{tile.n} * kBlockN);
         else
           Barrier::arrive(&k_full[j & 1]);
         if (j > 0) load_v(j - 1, prev);
@@ -322,8 +341,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
   } else if (tid == 0 && cur.n >= tile_first) {  // Q and the first tile's K, its bias
     load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
-    if (!kLists || cur.key0 >= 0)
-      load(Int<kBlockN>{}, &maps.k, &k_full[0], k_smem, blk.ks, kLists ? cur.key0 : std::int64_t{cur.n} * kBlockN, hk);
+    if (!kLists || cur.key0 >= 0) load_k(0, kLists ? cur.key0 : std::int64_t{cur.n} * kBlockN);
   }
   if (cur.n >= tile_first) {
     if (kLists && cur.key0 < 0) {
@@ -374,9 +392,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     const bool k_next_loads = !kProducer && next_n >= tile_first && (!kLists || following.key0 >= 0);
     const bool v_loads = !kProducer && (!kLists || tile.key0 >= 0);
     if (tid == 0) {
-      if (k_next_loads)
-        load(Int<kBlockN>{}, &maps.k, &k_full[buf ^ 1], k_smem + (buf ^ 1) * Config::kKvElems, blk.ks,
-             kLists ? following.key0 : std::int64_t{next_n} * kBlockN, hk);
+      if (k_next_loads) load_k(buf ^ 1, kLists ? following.key0 : std::int64_t{next_n} * kBlockN);
       if (v_loads)
         load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks,
              kLists ? tile.key0 : std::int64_t{n} * kBlockN, hk);
@@ -429,7 +445,19 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     }
     if (has_bias) {
       const float pre = softcap > 0.0f ? 1.0f : scale;
-      for_each([&](int e, int, int kj) { acc_s(e) = fmaf(acc_s(e), pre, bias_cols[kj]); });
+      if constexpr (kRowBias) {  // the pair (kj, kj + 1) of a row: one 4-byte read
+        const char* tile = bias_tiles + buf * Config::kBiasTileElems * int(sizeof(Element));
+#pragma unroll
+        for (int e = 0; e < kAccS; e += 2) {
+          const int kj = col_base + 8 * (e / 4);
+          const auto two = *reinterpret_cast<const cutlass::Array<Element, 2>*>(
+              tile + kj / 64 * (kBlockM * 128) + sw128_offset(my_row[e / 2 % 2], kj % 64));
+          acc_s(e) = fmaf(acc_s(e), pre, float(two[0]));
+          acc_s(e + 1) = fmaf(acc_s(e + 1), pre, float(two[1]));
+        }
+      } else {
+        for_each([&](int e, int, int kj) { acc_s(e) = fmaf(acc_s(e), pre, bias_cols[kj]); });
+      }
     }
     // A tested tile: the band's test; the mask and list walks (most of whose
     // tiles are tested): each row's allowed keys, the band's and the bits',

@@ -51,18 +51,26 @@ int ForwardInstance<Element, kHeadDim>::ctas_per_sm(ForwardKernel kernel) {
 }
 
 // The TMA descriptors of the Hopper forward (the plan checked that TMA can
-// address Q, K and V); the instantiations of other head dims have none.
+// address Q, K, V and, for its bias tiles, the bias); the instantiations of
+// other head dims have none.
 template <class Element, int kHeadDim>
-ForwardSm90Maps forward_sm90_maps(const ForwardParams& p) {
+ForwardSm90Maps forward_sm90_maps(const ForwardParams& p, bool bias_tiles) {
   if constexpr (!sm90_head_dim(kHeadDim)) {
     throw std::logic_error("dmattn: the Hopper forward planned for head dim " + std::to_string(kHeadDim));
   } else {
     using Config = ForwardSm90Config<Element, kHeadDim>;
     const int kv_heads = p.heads / p.group;
     const TokenExtent queries = p.query_tokens(p.batch), keys = p.key_tokens(p.batch);
-    return {encode_token_map<Element, kHeadDim>(p.q, p.head_dim, queries, p.heads, Config::kBlockM, "q"),
-            encode_token_map<Element, kHeadDim>(p.k, p.head_dim, keys, kv_heads, Config::kBlockN, "k"),
-            encode_token_map<Element, kHeadDim>(p.v, p.head_dim, keys, kv_heads, Config::kBlockN, "v")};
+    ForwardSm90Maps maps{encode_token_map<Element, kHeadDim>(p.q, p.head_dim, queries, p.heads, Config::kBlockM, "q"),
+                         encode_token_map<Element, kHeadDim>(p.k, p.head_dim, keys, kv_heads, Config::kBlockN, "k"),
+                         encode_token_map<Element, kHeadDim>(p.v, p.head_dim, keys, kv_heads, Config::kBlockN, "v"),
+                         {}};
+    if (bias_tiles) {
+      const BiasTileExtent extent = bias_tile_extent(p);
+      maps.bias = encode_token_map<Element, 64>(p.bias, static_cast<int>(p.seqlen_k), extent.tokens,
+                                                static_cast<int>(extent.heads), Config::kBlockM, "bias");
+    }
+    return maps;
   }
 }
 
@@ -79,17 +87,19 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
     case ForwardKernel::kSm90:
       if constexpr (sm90_head_dim(kHeadDim)) {
         using Config = ForwardSm90Config<Element, kHeadDim>;
-        const ForwardWalk walk = plan.mask_tiles  ? ForwardWalk::kMasked
-                                 : plan.key_lists ? ForwardWalk::kKeyLists
-                                                  : ForwardWalk::kDense;
+        const ForwardWalk walk = plan.mask_tiles   ? ForwardWalk::kMasked
+                                 : plan.key_lists  ? ForwardWalk::kKeyLists
+                                 : plan.bias_tiles ? ForwardWalk::kRowBias
+                                                   : ForwardWalk::kDense;
         auto kernel = walk == ForwardWalk::kMasked     ? forward_kernel_sm90<Config, ForwardWalk::kMasked>
                       : walk == ForwardWalk::kKeyLists ? forward_kernel_sm90<Config, ForwardWalk::kKeyLists>
+                      : walk == ForwardWalk::kRowBias  ? forward_kernel_sm90<Config, ForwardWalk::kRowBias>
                                                        : forward_kernel_sm90<Config, ForwardWalk::kDense>;
-        const cudaError_t err =
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+        const int smem = Config::smem_bytes(plan.bias_tiles);
+        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (err != cudaSuccess) return err;
         const int threads = Config::threads(forward_sm90_warp_specialized<Config>(walk));
-        kernel<<<grid(Config::kBlockM), threads, Config::kSmemBytes, stream>>>(p, maps);
+        kernel<<<grid(Config::kBlockM), threads, smem, stream>>>(p, maps);
         return cudaGetLastError();
       }
       break;
@@ -111,7 +121,8 @@ template <class Element, int kHeadDim>
 void ForwardInstance<Element, kHeadDim>::run(const ForwardPlan& plan, cudaStream_t stream) {
   ForwardParams params = plan.params;
   const ForwardSm90Maps maps =
-      plan.kernel == ForwardKernel::kSm90 ? forward_sm90_maps<Element, kHeadDim>(params) : ForwardSm90Maps{};
+      plan.kernel == ForwardKernel::kSm90 ? forward_sm90_maps<Element, kHeadDim>(params, plan.bias_tiles)
+                                          : ForwardSm90Maps{};
   if (plan.key_lists) {
     const DType dtype = std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBFloat16 : DType::kFloat16;
     build_key_lists(params, dtype, plan.block_m, params.batch, params.heads, stream);
