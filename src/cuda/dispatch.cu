@@ -27,7 +27,8 @@
 //                                     or full) or a dbias per element, no mask, top-k, softcap or
 //                                     deterministic; dbias summed over a bias head's query heads in the
 //                                     CTA (D' = 128; at D' = 64 only where no two query heads of a kv head
-//                                     share a bias head), float32 slices only across batch entries or kv heads
+//                                     share a bias head), float32 slices only across batch entries or kv heads;
+//                                     a full bias of q's dtype TMA can address: by tiles (kBiasTiles)
 //                  sm80 kSm80         everything else
 //   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
 //                  intervals (Problem::topk_by_intervals) or per-row thresholds
@@ -290,15 +291,9 @@ void plan_selection(const Problem& p, Plan& plan) {
 
 // ---- The Hopper kernels' conditions ---------------------------------------
 
-// A full bias by the Hopper forward's tiles (ForwardWalk::kRowBias): of q's
-// dtype, batched, without a mask or top-k (their walks take none), contiguous
-// keys and TMA-addressable as bias_tile_extent says.
-bool forward_bias_tiles(const ForwardPlan& plan) {
-  const ForwardParams& p = plan.params;
-  if (p.bias_kind() != BiasKind::kFull || p.bias_float32 || p.cu_seqlens_q != nullptr || plan.key_lists) return false;
-  const BiasTileExtent extent = bias_tile_extent(p);
-  return tma_addressable(p.bias, extent.tokens, extent.heads);
-}
+// A full bias by the Hopper forward's tiles (ForwardWalk::kRowBias): without a
+// mask or top-k (their walks take none), where TMA can load it (sm90.cuh).
+bool forward_bias_tiles(const ForwardPlan& plan) { return !plan.key_lists && bias_tiles_apply(plan.params, plan.params.batch); }
 
 // The Hopper forward: written for the training shapes at D' = 64 and 128 (TMA
 // fills the features past a smaller head dim with zeros), a top-k selection
@@ -481,6 +476,7 @@ BackwardPlan plan_backward(const Problem& p) {
     // slices only where a bias element spans batch entries or kv heads.
     if (plan.dkv == DkvKernel::kSm90RowBias && params.bias_grad == BiasGrad::kPerElement)
       plan.dbias_slices = params.contrib_b * params.contrib_h > 1 ? params.contrib_b * params.contrib_h : 0;
+    plan.bias_tiles = plan.dkv == DkvKernel::kSm90RowBias && bias_tiles_apply(params, plan.batch);
   }
   params.dq_blocks = plan.dkv != DkvKernel::kSm80;
   plan.run = instance.backward[dtype];

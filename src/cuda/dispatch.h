@@ -85,6 +85,7 @@ struct BackwardPlan {
   bool small_dq = false, small_dkv = false;
   int dbias_slices = 0;      // float32 slices of dbias that reduce_bias_grad sums (0: written directly)
   bool ordered_dq = false;   // dq summed in order (deterministic): the Hopper dk/dv kernel's turn counters
+  bool bias_tiles = false;   // the Hopper row-bias walk loads a full bias by tiles (DkvWalk::kBiasTiles)
   bool key_lists = false;    // the dq walk follows key lists (a mask and/or top-k)
   bool mask_tiles = false;   // the dk/dv walk skips empty mask tiles (a mask without top-k intervals;
                              // the Hopper one with the mask's bits)

@@ -337,7 +337,8 @@ std::vector<Case> wide_head_cases(Make&& make, bool small) {
 // (B, 1, Sq, Sk): one slice a kv head; (B, Hk, Sq, 1): a per-row bias, no
 // dbias), GQA, MHA or MQA, causal, non-causal or a window, B = 2 (a bias
 // broadcast over batches: a slice a batch entry), lengths off the 128-key and
-// 64 / 128-query tiles, float32 and permuted biases.
+// 64 / 128-query tiles, float32 and permuted biases (a full bias of q's dtype
+// with keys a multiple of 8: by tiles, DkvWalk::kBiasTiles).
 constexpr int kRowBiasVariants = 8;
 template <class Make>
 Case row_bias_case(Make&& make, std::int64_t d, int v, std::int64_t sq, std::int64_t sk) {

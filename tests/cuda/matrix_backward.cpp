@@ -320,10 +320,11 @@ std::vector<Case> backward_matrix(bool small) {
       hopper_varlen(v, i);
       cases.push_back(finish(v));
     }
-  for (std::int64_t dim : {128, 64})
+  for (std::int64_t dim : {128, 64})  // keys of rows TMA cannot address, then of 16-byte rows (a full bias by tiles)
     for (int v = 0; v < kRowBiasVariants; ++v) {
-      const std::int64_t sizes[2][2] = {{300, 257}, {600, 700}};
-      cases.push_back(finish(row_bias_case(make, dim, v, sizes[v % 2][0], sizes[v % 2][1])));
+      const std::int64_t sizes[4][2] = {{300, 257}, {600, 700}, {300, 264}, {600, 520}};
+      for (int tiles = 0; tiles < 2; ++tiles)
+        cases.push_back(finish(row_bias_case(make, dim, v, sizes[2 * tiles + v % 2][0], sizes[2 * tiles + v % 2][1])));
     }
   Case groups = hopper("top-k 256 key groups", 2048, 2048, 4, 2);
   groups.B = 1, groups.options.causal = true, groups.options.keep_window_size = 256;

@@ -223,6 +223,10 @@ struct DkvSm90Config {
   using MmaSdp = WgmmaSS<Element, 64, kBlockM, kHeadDim, OverRows>;
   using MmaDkv = WgmmaRS<Element, 64, kHeadDim, kBlockM, OverRows, cute::GMMA::Major::MN>;
   using MmaDq = WgmmaSS<Element, 64, Dq::kGroupCols, kBlockN, DqGroups, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
+  // The walk of bias tiles (DkvWalk::kBiasTiles) keeps dS as the bias tile
+  // lies in its buffer, (query, key) in rows of keys: the K-major A of dQ.
+  using LayoutDsRows = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  using MmaDqRows = WgmmaSS<Element, 64, Dq::kGroupCols, kBlockN, DqGroups, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
 
   static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
   // K, V, two buffers of Q and dO (a buffer D / 64 TMA boxes of 64 features),
@@ -272,6 +276,7 @@ struct DkvSm90Config {
 // features x kBlockM rows, 128-byte swizzled as the tiles' atoms.
 struct DkvSm90Maps {
   CUtensorMap q, dout;
+  CUtensorMap bias;  // DkvWalk::kBiasTiles: (key, row, bias head, batch), boxes of 64 keys x kBlockM rows
 };
 
 }  // namespace dmattn::cuda

@@ -85,8 +85,9 @@ namespace dmattn::cuda {
 // dense with dq added in key-block order (deterministic), dense with softcap,
 // dense with the user's mask (a mask with top-k intervals is folded into the
 // key groups), dense with a bias that has rows (its tile loaded a step, dbias
-// a tile at a time), top-k key groups.
-enum class DkvWalk { kDense, kOrdered, kSoftcap, kMasked, kRowBias, kKeyGroups };
+// a tile at a time; kBiasTiles: a full bias whose tiles TMA loads), top-k key
+// groups.
+enum class DkvWalk { kDense, kOrdered, kSoftcap, kMasked, kRowBias, kBiasTiles, kKeyGroups };
 
 template <class Config, DkvWalk kWalk>
 __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1)
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   constexpr bool kKeyGroups = kWalk == DkvWalk::kKeyGroups, kMasked = kWalk == DkvWalk::kMasked;
   constexpr bool kSoftcap = kWalk == DkvWalk::kSoftcap, kOrdered = kWalk == DkvWalk::kOrdered;
-  constexpr bool kRowBias = kWalk == DkvWalk::kRowBias;
+  constexpr bool kBiasTiles = kWalk == DkvWalk::kBiasTiles, kRowBias = kWalk == DkvWalk::kRowBias || kBiasTiles;
   using namespace cute;
   using Element = typename Config::Element;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
@@ -245,19 +246,26 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
   // buffer buf (thread 0): TMA tiles, and one bulk copy of the statistics'
   // rows before sq.
   const int tma_b = p.token_batch(b);
+  // kBiasTiles: and the step's bias tile into its dS buffer (which the
+  // step's dS then overwrites element by element, kBiasTiles below).
   auto issue = [&](int h, int blk, int buf) {
     const int q0 = blk * kBlockM, rows = static_cast<int>(min(std::int64_t{kBlockM}, sq - q0));
-    Barrier::arrive_and_expect_tx(&loaded[buf], Config::kTxBytes + 16 * rows);
+    constexpr int kBiasBytes = kBiasTiles ? Config::kDsElems * int(sizeof(Element)) : 0;
+    Barrier::arrive_and_expect_tx(&loaded[buf], Config::kTxBytes + 16 * rows + kBiasBytes);
     tma_load_rows<kBlockM, kHeadDim>(&loaded[buf], static_cast<int>(seq.qs + q0), h, tma_b,
                                      std::pair{&maps.q, q_smem + buf * Config::kQElems},
                                      std::pair{&maps.dout, do_smem + buf * Config::kQElems});
+    if constexpr (kBiasTiles)
+      tma_load_bias<kBlockM, kBlockN>(&maps.bias, &loaded[buf], ds_smem + buf * Config::kDsElems,
+                                      static_cast<int>(seq.qs + q0), static_cast<int>(seq.ks + row0),
+                                      bias_tile_coords(p, h, b));
     SM90_BULK_COPY_G2S::copy(p.query_stats + 4 * ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0), &loaded[buf],
                              stats + buf * kBlockM, 16 * rows);
   };
 
   typename Config::MmaSdp mma_sdp;
   typename Config::MmaDkv mma_dkv;
-  typename Config::MmaDq mma_dq;
+  std::conditional_t<kBiasTiles, typename Config::MmaDqRows, typename Config::MmaDq> mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
@@ -274,6 +282,19 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   constexpr int kAccS = decltype(size(cS))::value;  // (2 queries, 2 keys, kBlockM / 8 query groups)
   const int my_key[2] = {get<0>(cS(0)), get<0>(cS(2))}, first_query = get<1>(cS(0));
+  // kBiasTiles: the thread's elements of the dS buffer (the bias tile as
+  // loaded, rows of keys) as transposed 8 x 8 matrices, 8 elements (e = 8 c ..
+  // 8 c + 7: query groups 2 c and 2 c + 1, both keys) a chunk c: the address
+  // of the lane's row of matrix lane / 8 of chunk 0 (query group lane / 16,
+  // keys 8 (lane / 8 % 2) on from the warp's first); chunk c is 16 query rows on.
+  const int tile_key = my_key[0] - lane / 4 + 8 * (lane / 8 % 2);
+  const unsigned tile_lane = static_cast<unsigned>(tile_key / 64 * (kBlockM * 128)) +
+                             sw128_offset(8 * (lane / 16) + lane % 8, tile_key % 64);
+  constexpr unsigned kTileChunkBytes = 16 * 128;
+  const auto tile_at = [&](int buf, int c) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(ds_smem + buf * Config::kDsElems)) + tile_lane +
+           c * kTileChunkBytes;
+  };
   // The key of the thread's row my_key[half] (-1: none).
   auto thread_key = [&](int half) -> std::int64_t {
     if constexpr (kKeyGroups) return own_keys[my_key[half]];
@@ -424,7 +445,15 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
       constexpr int kChunk = kRowBias ? 8 : kAccS;
       float bias_now[kChunk], bias_next[kChunk];
       const auto load_bias = [&](int c, float(&to)[kChunk]) {
-        if constexpr (kRowBias) {
+        if constexpr (kBiasTiles) {
+          std::uint32_t pairs[4];
+          ldsm_x4_trans(tile_at(buf, c), pairs);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const auto two = reinterpret_cast<const cutlass::Array<Element, 2>&>(pairs[i]);
+            to[2 * i] = float(two[0]), to[2 * i + 1] = float(two[1]);
+          }
+        } else if constexpr (kRowBias) {
 #pragma unroll
           for (int i = 0; i < kChunk; ++i) {
             const int kj = get<0>(cS(c * kChunk + i)), qi = get<1>(cS(c * kChunk + i));
@@ -517,11 +546,17 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rDs.data())) =
         Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_dp.data())));
     const auto* ds_pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rDs.data()));
+    if constexpr (kBiasTiles) {  // over the thread's bias elements, as they were read
 #pragma unroll
-    for (int e = 0; e < kAccS; e += 2)
-      *reinterpret_cast<std::uint32_t*>(smem + Config::kDsAt + buf * Config::kDsElems * int(sizeof(Element)) +
-                                        e / 32 * Config::kDsAtomBytes +
-                                        sw128_offset(get<0>(cS(e)), get<1>(cS(e)) - e / 32 * 64)) = ds_pairs[e / 2];
+      for (int c = 0; c < kAccS / 8; ++c)
+        stsm_x4_trans(tile_at(buf, c), {ds_pairs[4 * c], ds_pairs[4 * c + 1], ds_pairs[4 * c + 2], ds_pairs[4 * c + 3]});
+    } else {
+#pragma unroll
+      for (int e = 0; e < kAccS; e += 2)
+        *reinterpret_cast<std::uint32_t*>(smem + Config::kDsAt + buf * Config::kDsElems * int(sizeof(Element)) +
+                                          e / 32 * Config::kDsAtomBytes +
+                                          sw128_offset(get<0>(cS(e)), get<1>(cS(e)) - e / 32 * 64)) = ds_pairs[e / 2];
+    }
 
     // dQ first: its store and reduction then overlap the dK and dV MMAs.
     fence_async_shared();
@@ -533,8 +568,8 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     else
       __syncthreads();
     if (tid == 0 && more) issue(h_next, blk_next, buf ^ 1);
-    Tensor tQrDs = thr_dq.partition_fragment_A(
-        make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), typename Config::LayoutDsT{}));
+    using LayoutDs = std::conditional_t<kBiasTiles, typename Config::LayoutDsRows, typename Config::LayoutDsT>;
+    Tensor tQrDs = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), LayoutDs{}));
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
     Tensor tVrDo = thr_dkv.partition_fragment_B(rows_tile_t(do_smem, buf));

@@ -24,16 +24,18 @@
 namespace dmattn::cuda {
 
 // The TMA descriptors of the Hopper dk/dv kernel (the plan checked that TMA
-// can address Q and dO); the instantiations of other head dims have none.
+// can address Q, dO and, for its bias tiles, the bias); the instantiations of
+// other head dims have none.
 template <class Element, int kHeadDim>
-DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch) {
+DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch, bool bias_tiles) {
   if constexpr (!sm90_head_dim(kHeadDim)) {
     throw std::logic_error("dmattn: the Hopper dk/dv kernel planned for head dim " + std::to_string(kHeadDim));
   } else {
     using Config = DkvSm90Config<Element, kHeadDim>;
     const TokenExtent queries = p.query_tokens(batch);
     return {encode_token_map<Element, kHeadDim>(p.q, p.head_dim, queries, p.heads, Config::kBlockM, "q"),
-            encode_token_map<Element, kHeadDim>(p.dout, p.head_dim, queries, p.heads, Config::kBlockM, "dout")};
+            encode_token_map<Element, kHeadDim>(p.dout, p.head_dim, queries, p.heads, Config::kBlockM, "dout"),
+            bias_tiles ? encode_bias_map<Element>(p, batch, Config::kBlockM) : CUtensorMap{}};
   }
 }
 
@@ -61,6 +63,7 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
     using Config = DkvSm90Config<Element, kHeadDim>;
     const bool row_bias = plan.dkv == DkvKernel::kSm90RowBias;
     auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, DkvWalk::kKeyGroups>
+                  : row_bias && plan.bias_tiles       ? dkv_kernel_sm90<Config, DkvWalk::kBiasTiles>
                   : row_bias                          ? dkv_kernel_sm90<Config, DkvWalk::kRowBias>
                   : plan.mask_tiles                   ? dkv_kernel_sm90<Config, DkvWalk::kMasked>
                   : plan.ordered_dq                   ? dkv_kernel_sm90<Config, DkvWalk::kOrdered>
@@ -84,7 +87,8 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   const int dkv_rows = dkv_tile.rows;
   BackwardParams p = plan.params;
   const int batch = plan.batch, kv_heads = p.heads / p.group;
-  const DkvSm90Maps maps = plan.dkv == DkvKernel::kSm80 ? DkvSm90Maps{} : dkv_sm90_maps<Element, kHeadDim>(p, batch);
+  const DkvSm90Maps maps =
+      plan.dkv == DkvKernel::kSm80 ? DkvSm90Maps{} : dkv_sm90_maps<Element, kHeadDim>(p, batch, plan.bias_tiles);
   const std::int64_t rows = std::int64_t{batch} * p.heads * p.seqlen_q;
   const std::int64_t key_blocks = (p.seqlen_k + dkv_rows - 1) / dkv_rows;
   const std::int64_t query_blocks = (p.seqlen_q + dq_rows - 1) / dq_rows;

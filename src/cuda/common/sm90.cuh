@@ -1,7 +1,7 @@
 // Helpers of the Hopper (sm_90a) kernels: a batch of warpgroup MMAs, the
 // proxy fence between generic shared-memory writes and wgmma (or TMA) reads,
-// the bulk float32 reduction, and the TMA descriptor of a token operand (with
-// the dispatch's test that TMA can address it).
+// the bulk float32 reduction, and the TMA descriptors of a token operand and
+// of a full bias (with the dispatch's tests that TMA can address them).
 #pragma once
 
 #include <cuda.h>
@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "../../problem.h"
+#include "../params.h"
 #include "geometry.h"
 
 namespace dmattn::cuda {
@@ -170,6 +171,64 @@ CUtensorMap encode_token_map(const Operand& t, int features, TokenExtent tokens,
     throw std::runtime_error(std::string("dmattn: CUDA: cuTensorMapEncodeTiled (") + name + "): error " +
                              std::to_string(static_cast<int>(result)));
   return map;
+}
+
+// ldmatrix / stmatrix of four 8 x 8 matrices of 16-bit elements, transposed:
+// lanes 8 i .. 8 i + 7 give the shared-memory addresses of matrix i's rows,
+// register i holds the thread's two elements of matrix i's columns (thread t:
+// column t / 4, rows 2 (t % 4) and + 1, the first in the low half).
+__device__ __forceinline__ void ldsm_x4_trans(unsigned addr, std::uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void stsm_x4_trans(unsigned addr, const std::uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// A full bias as TMA addresses the Hopper kernels' bias tiles: (key, row,
+// head, batch) of seqlen_k x seqlen_q x its heads x its batch entries of
+// `batch`, one head or batch entry where it broadcasts (stride 0: the
+// kernels' coordinate 0, bias_tile_coords).
+struct BiasTileExtent {
+  TokenExtent tokens;
+  std::int64_t heads;
+};
+template <class Params>
+BiasTileExtent bias_tile_extent(const Params& p, std::int64_t batch) {
+  return {{p.bias.sb == 0 ? 1 : batch, p.seqlen_q}, p.bias.sh == 0 ? 1 : p.heads / p.bias_group};
+}
+// Whether the Hopper kernels can load the bias by tiles: a full bias of q's
+// dtype, batched, contiguous keys, rows TMA can address.
+template <class Params>
+bool bias_tiles_apply(const Params& p, std::int64_t batch) {
+  if (p.bias_kind() != BiasKind::kFull || p.bias_float32 || p.cu_seqlens_q != nullptr) return false;
+  const BiasTileExtent extent = bias_tile_extent(p, batch);
+  return tma_addressable(p.bias, extent.tokens, extent.heads);
+}
+// The bias's TMA descriptor where bias_tiles_apply holds: boxes of 64 keys x
+// box_rows rows, swizzled as a token operand's.
+template <class Element, class Params>
+CUtensorMap encode_bias_map(const Params& p, std::int64_t batch, int box_rows) {
+  const BiasTileExtent extent = bias_tile_extent(p, batch);
+  return encode_token_map<Element, 64>(p.bias, static_cast<int>(p.seqlen_k), extent.tokens,
+                                       static_cast<int>(extent.heads), box_rows, "bias");
+}
+// The bias map's (head, batch) of query head h of batch entry b.
+__device__ __forceinline__ int2 bias_tile_coords(const AttentionParams& p, int h, int b) {
+  return make_int2(p.bias.sh == 0 ? 0 : h / p.bias_group, p.bias.sb == 0 ? 0 : b);
+}
+// Issues the TMA copies of the bias tile of rows [row, row + kRows) and keys
+// [key, key + kKeys) at `at` (bias_tile_coords) into dst (boxes of 64 keys
+// one after another), completing on bar (which the caller told the bytes).
+template <int kRows, int kKeys, class Element>
+__device__ __forceinline__ void tma_load_bias(const CUtensorMap* map, std::uint64_t* bar, Element* dst, int row,
+                                              int key, int2 at) {
+#pragma unroll
+  for (int box = 0; box < kKeys / 64; ++box)
+    cute::SM90_TMA_LOAD_4D::copy(map, bar, 0, dst + box * kRows * 64, key + 64 * box, row, at.x, at.y);
 }
 
 // Issues the TMA copies of rows [row, row + kRows) of head `head` and batch

@@ -13,7 +13,6 @@
 
 #include "../common/sm90.cuh"
 #include "../heuristics.h"
-#include "../params.h"
 
 namespace dmattn::cuda {
 
@@ -111,18 +110,6 @@ struct ForwardSm90Config {
   static constexpr int barriers_at(bool tiles) { return tiles ? kTileBarriersAt : kBarriersAt; }
   static constexpr int smem_bytes(bool tiles) { return tiles ? kTileSmemBytes : kSmemBytes; }
 };
-
-// A full bias as TMA addresses the Hopper forward's bias tiles: (key, row,
-// head, batch) of seqlen_k x seqlen_q x its heads x its batch entries, one
-// head or batch entry where it broadcasts (stride 0; the kernel's coordinate
-// then 0).
-struct BiasTileExtent {
-  TokenExtent tokens;
-  std::int64_t heads;
-};
-inline BiasTileExtent bias_tile_extent(const ForwardParams& p) {
-  return {{p.bias.sb == 0 ? 1 : p.batch, p.seqlen_q}, p.bias.sh == 0 ? 1 : p.heads / p.bias_group};
-}
 
 // The TMA descriptors of Q, K and V: (feature, row, head, batch), boxes of 64
 // features x kBlockM (Q) or kBlockN (K, V) rows, 128-byte swizzled as the

@@ -148,15 +148,13 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   };
   // K of the keys from key0 into buffer s (kRowBias: with the bias tile of
   // the block's rows and those keys, completing on the same barrier).
-  const int bias_head = p.bias.sh == 0 ? 0 : h / p.bias_group, bias_batch = p.bias.sb == 0 ? 0 : b;
+  const int2 bias_at = bias_tile_coords(p, h, b);
   auto load_k = [&](int s, std::int64_t key0) {
     if constexpr (kRowBias) {
-      auto* dst = reinterpret_cast<Element*>(smem + Config::kBiasAt) + s * Config::kBiasTileElems;
       Barrier::expect_transaction(&k_full[s], Config::kBiasTileElems * int(sizeof(Element)));
-#pragma unroll
-      for (int box = 0; box < kBlockN / 64; ++box)
-        SM90_TMA_LOAD_4D::copy(&maps.bias, &k_full[s], 0, dst + box * kBlockM * 64, static_cast<int>(key0) + 64 * box,
-                               static_cast<int>(row0), bias_head, bias_batch);
+      tma_load_bias<kBlockM, kBlockN>(&maps.bias, &k_full[s],
+                                      reinterpret_cast<Element*>(smem + Config::kBiasAt) + s * Config::kBiasTileElems,
+                                      static_cast<int>(row0), static_cast<int>(key0), bias_at);
     }
     load(Int<kBlockN>{}, &maps.k, &k_full[s], k_smem + s * Config::kKvElems, blk.ks, key0, hk);
   };

@@ -65,11 +65,7 @@ ForwardSm90Maps forward_sm90_maps(const ForwardParams& p, bool bias_tiles) {
                          encode_token_map<Element, kHeadDim>(p.k, p.head_dim, keys, kv_heads, Config::kBlockN, "k"),
                          encode_token_map<Element, kHeadDim>(p.v, p.head_dim, keys, kv_heads, Config::kBlockN, "v"),
                          {}};
-    if (bias_tiles) {
-      const BiasTileExtent extent = bias_tile_extent(p);
-      maps.bias = encode_token_map<Element, 64>(p.bias, static_cast<int>(p.seqlen_k), extent.tokens,
-                                                static_cast<int>(extent.heads), Config::kBlockM, "bias");
-    }
+    if (bias_tiles) maps.bias = encode_bias_map<Element>(p, p.batch, Config::kBlockM);
     return maps;
   }
 }
