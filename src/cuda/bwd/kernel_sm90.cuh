@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
       const auto load_bias = [&](int c, float(&to)[kChunk]) {
         if constexpr (kBiasTiles) {
           std::uint32_t pairs[4];
-          ldsm_x4_trans(tile_at(buf, c), pairs);
+          ldsm_x4<true>(tile_at(buf, c), pairs);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const auto two = reinterpret_cast<const cutlass::Array<Element, 2>&>(pairs[i]);

@@ -173,14 +173,22 @@ CUtensorMap encode_token_map(const Operand& t, int features, TokenExtent tokens,
   return map;
 }
 
-// ldmatrix / stmatrix of four 8 x 8 matrices of 16-bit elements, transposed:
+// ldmatrix of four 8 x 8 matrices of 16-bit elements (stmatrix: transposed):
 // lanes 8 i .. 8 i + 7 give the shared-memory addresses of matrix i's rows,
-// register i holds the thread's two elements of matrix i's columns (thread t:
-// column t / 4, rows 2 (t % 4) and + 1, the first in the low half).
-__device__ __forceinline__ void ldsm_x4_trans(unsigned addr, std::uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+// register i holds the thread's two elements of matrix i: thread t's of row t
+// / 4, columns 2 (t % 4) and + 1; kTrans: of column t / 4, rows 2 (t % 4) and
+// + 1 (the accumulator's layout of the matrix or of its transpose); the first
+// in the low half.
+template <bool kTrans>
+__device__ __forceinline__ void ldsm_x4(unsigned addr, std::uint32_t (&r)[4]) {
+  if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
 }
 __device__ __forceinline__ void stsm_x4_trans(unsigned addr, const std::uint32_t (&r)[4]) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),

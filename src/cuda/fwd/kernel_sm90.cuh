@@ -16,7 +16,8 @@
 // registers. kRowBias: the dense walk with a full bias, whose kBlockM x
 // kBlockN tile of a key tile loads by TMA with its K (on the same barrier,
 // into a buffer the K buffer's release frees), 128-byte swizzled as Q, so that
-// a warp's reads of its rows' key pairs hit 32 distinct banks. kMasked (a mask without top-k; batched: a mask and varlen exclude
+// each ldmatrix of a thread's elements (8 rows of 8 keys a matrix) is
+// conflict-free. kMasked (a mask without top-k; batched: a mask and varlen exclude
 // each other): the mask comes packed (ForwardParams::packed, bits by query
 // row) with the classes of its 128-row x kBlockN-key tiles
 // (ForwardParams::tiles). The walk skips empty tiles, loads
@@ -443,15 +444,21 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     }
     if (has_bias) {
       const float pre = softcap > 0.0f ? 1.0f : scale;
-      if constexpr (kRowBias) {  // the pair (kj, kj + 1) of a row: one 4-byte read
-        const char* tile = bias_tiles + buf * Config::kBiasTileElems * int(sizeof(Element));
+      if constexpr (kRowBias) {  // 8 elements (e = 8 c ..: key groups 2 c and 2 c + 1, both rows) an ldmatrix
+        const unsigned tile = static_cast<unsigned>(__cvta_generic_to_shared(bias_tiles)) +
+                              buf * Config::kBiasTileElems * int(sizeof(Element));
+        const int row = my_row[0] - lane / 4 + 8 * (lane / 8 % 2) + lane % 8;  // the lane's of matrix lane / 8
 #pragma unroll
-        for (int e = 0; e < kAccS; e += 2) {
-          const int kj = col_base + 8 * (e / 4);
-          const auto two = *reinterpret_cast<const cutlass::Array<Element, 2>*>(
-              tile + kj / 64 * (kBlockM * 128) + sw128_offset(my_row[e / 2 % 2], kj % 64));
-          acc_s(e) = fmaf(acc_s(e), pre, float(two[0]));
-          acc_s(e + 1) = fmaf(acc_s(e + 1), pre, float(two[1]));
+        for (int c = 0; c < kAccS / 8; ++c) {
+          const int kj = 8 * (2 * c + lane / 16);
+          std::uint32_t pairs[4];
+          ldsm_x4<false>(tile + kj / 64 * (kBlockM * 128) + sw128_offset(row, kj % 64), pairs);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const auto two = reinterpret_cast<const cutlass::Array<Element, 2>&>(pairs[i]);
+            acc_s(8 * c + 2 * i) = fmaf(acc_s(8 * c + 2 * i), pre, float(two[0]));
+            acc_s(8 * c + 2 * i + 1) = fmaf(acc_s(8 * c + 2 * i + 1), pre, float(two[1]));
+          }
         }
       } else {
         for_each([&](int e, int, int kj) { acc_s(e) = fmaf(acc_s(e), pre, bias_cols[kj]); });

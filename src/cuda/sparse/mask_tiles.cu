@@ -22,15 +22,19 @@ enum class Packing { kNone, kByRow, kByKey };
 // Bit t of the result: byte t of w is not zero (t < 4).
 __device__ inline std::uint32_t byte_bits(std::uint32_t w) { return ((__vcmpne4(w, 0) & 0x01010101u) * 0x01020408u) >> 24; }
 
-// Block (n, m, z) classifies the mask tile of key block n and query block m
-// (m = 0 when the mask is broadcast over rows) of mask batch and head z as
+// Block (n, m, z) (by key: (m, n, z)) classifies the mask tile of key block n
+// and query block m (m = 0 when the mask is broadcast over rows) of mask batch
+// and head z as
 // empty (no key allowed), full (every in-range key allowed) or partial, and
 // writes its bits: first the tile's words by row in shared memory (32 keys a
 // thread, two 16-byte loads where the mask's keys are consecutive and
 // aligned), then those words (by row) or their 32 x 32 transposes (by key, a
 // warp's ballots). Bits past the sequences are 0; a dimension the mask
 // broadcasts over has one word of 32 equal bits (the inner one) or one
-// index (the outer one).
+// index (the outer one). By key, the query blocks of a key block are
+// consecutive CTAs: a key's words of neighbouring query blocks share 32-byte
+// sectors, which L2 then fills from CTAs that run together (with key blocks
+// fastest, each sector took its words at different times).
 template <int kTileM, int kTileN, Packing kPacking>
 __global__ void __launch_bounds__(kClassifyThreads)
     mask_tile_pass(const AttentionParams p, MaskTiles tiles, MaskBits bits, std::uint32_t* words, int mask_heads) {
@@ -38,7 +42,9 @@ __global__ void __launch_bounds__(kClassifyThreads)
   __shared__ std::uint32_t tile_bits[kTileM][kWordsN];
   const bool row_broadcast = p.mask.sr == 0, key_broadcast = p.mask.sc == 0;
   const std::int64_t rows = row_broadcast ? 1 : p.seqlen_q, cols = p.seqlen_k;
-  const std::int64_t row0 = std::int64_t{blockIdx.y} * kTileM, col0 = std::int64_t{blockIdx.x} * kTileN;
+  constexpr bool kByKey = kPacking == Packing::kByKey;
+  const int tile_m = kByKey ? blockIdx.x : blockIdx.y, tile_n = kByKey ? blockIdx.y : blockIdx.x;
+  const std::int64_t row0 = std::int64_t{tile_m} * kTileM, col0 = std::int64_t{tile_n} * kTileN;
   const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
   const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh;
   const int tile_rows = row_broadcast ? 1 : kTileM;
@@ -65,7 +71,7 @@ __global__ void __launch_bounds__(kClassifyThreads)
   }
   any = __syncthreads_or(any), all = __syncthreads_and(all);  // tile_bits complete
   if (threadIdx.x == 0)
-    tiles.data[mb * tiles.sb + mh * tiles.sh + blockIdx.y * tiles.sm + blockIdx.x] =
+    tiles.data[mb * tiles.sb + mh * tiles.sh + tile_m * tiles.sm + tile_n] =
         !any ? kTileEmpty : (all ? kTileFull : kTilePartial);
   std::uint32_t* slice = words + mb * bits.sb + mh * bits.sh;
   if constexpr (kPacking == Packing::kByRow) {
@@ -127,7 +133,8 @@ MaskTiles classify(const AttentionParams& p, int batch, int heads, cudaStream_t 
              "cudaMallocAsync (mask tile classes)");
   tiles.data = *memory;
   auto* words = reinterpret_cast<std::uint32_t*>(*memory + class_bytes);
-  const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m), static_cast<unsigned>(slices));
+  const auto n = static_cast<unsigned>(tiles_n), m = static_cast<unsigned>(tiles_m);
+  const dim3 grid(kPacking == Packing::kByKey ? m : n, kPacking == Packing::kByKey ? n : m, static_cast<unsigned>(slices));
   mask_tile_pass<kTileM, kTileN, kPacking><<<grid, kClassifyThreads, 0, stream>>>(p, tiles, packed, words, mask_heads);
   if (bits != nullptr) *bits = packed, bits->words = words;
   return tiles;
