@@ -28,7 +28,8 @@
 //                                     deterministic; dbias summed over a bias head's query heads in the
 //                                     CTA (D' = 128; at D' = 64 only where no two query heads of a kv head
 //                                     share a bias head), float32 slices only across batch entries or kv heads;
-//                                     a full bias of q's dtype TMA can address: by tiles (kBiasTiles)
+//                                     a full bias of q's dtype TMA can address, with no dbias or one
+//                                     written directly that TMA can address: by tiles (kBiasTiles)
 //                  sm80 kSm80         everything else
 //   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
 //                  intervals (Problem::topk_by_intervals) or per-row thresholds
@@ -476,7 +477,11 @@ BackwardPlan plan_backward(const Problem& p) {
     // slices only where a bias element spans batch entries or kv heads.
     if (plan.dkv == DkvKernel::kSm90RowBias && params.bias_grad == BiasGrad::kPerElement)
       plan.dbias_slices = params.contrib_b * params.contrib_h > 1 ? params.contrib_b * params.contrib_h : 0;
-    plan.bias_tiles = plan.dkv == DkvKernel::kSm90RowBias && bias_tiles_apply(params, plan.batch);
+    // By tiles: dbias too (stored by TMA), written directly.
+    const BiasTileExtent db_tiles = dbias_tile_extent(params);
+    plan.bias_tiles = plan.dkv == DkvKernel::kSm90RowBias && bias_tiles_apply(params, plan.batch) &&
+                      (params.bias_grad == BiasGrad::kNone ||
+                       (plan.dbias_slices == 0 && tma_addressable(params.dbias, db_tiles.tokens, db_tiles.heads)));
   }
   params.dq_blocks = plan.dkv != DkvKernel::kSm80;
   plan.run = instance.backward[dtype];

@@ -138,6 +138,10 @@ std::vector<Case> backward_matrix(bool small) {
         r.name = "bwd small row bias";
         cases.push_back(finish(r));
       }
+    Case t = make("small Hopper dbias tiles", 150, 200, 8, 2);  // the sums of 4 query heads stored by TMA
+    t.B = 2, t.bias_shape = {t.B, t.Hk, t.Sq, t.Sk};
+    t.options.causal = true;
+    cases.push_back(finish(t));
     return cases;
   }
   // Sizes, GQA and MQA, causal or not.
@@ -326,6 +330,18 @@ std::vector<Case> backward_matrix(bool small) {
       for (int tiles = 0; tiles < 2; ++tiles)
         cases.push_back(finish(row_bias_case(make, dim, v, sizes[2 * tiles + v % 2][0], sizes[2 * tiles + v % 2][1])));
     }
+  // dbias by TMA tiles from the dS buffer (kBiasTiles, dbias written directly): the sums of the query heads
+  // of a bias head (GQA and MQA), a window, D = 64 without sums.
+  for (int v = 0; v < 4; ++v) {
+    const std::int64_t sizes[4][2] = {{300, 264}, {257, 136}, {129, 520}, {200, 136}};
+    Case c = make("Hopper dbias tiles", sizes[v][0], sizes[v][1], 8, v == 1 ? 1 : 2);
+    c.D = v == 3 ? 64 : 128;
+    c.B = v == 1 ? 1 : 2;
+    c.bias_shape = v == 3 ? Shape{c.B, c.H, c.Sq, c.Sk} : Shape{c.B, c.Hk, c.Sq, c.Sk};
+    c.options.causal = v != 1;
+    if (v == 2) c.options.sliding_window = {70, 30};
+    cases.push_back(finish(c));
+  }
   Case groups = hopper("top-k 256 key groups", 2048, 2048, 4, 2);
   groups.B = 1, groups.options.causal = true, groups.options.keep_window_size = 256;
   groups.bias_shape = {1, groups.Hk, 1, groups.Sk};

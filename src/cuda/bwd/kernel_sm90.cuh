@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
                                      std::pair{&maps.q, q_smem + buf * Config::kQElems},
                                      std::pair{&maps.dout, do_smem + buf * Config::kQElems});
     if constexpr (kBiasTiles)
-      tma_load_bias<kBlockM, kBlockN>(&maps.bias, &loaded[buf], ds_smem + buf * Config::kDsElems,
+      tma_bias_tile<kBlockM, kBlockN>(&maps.bias, &loaded[buf], ds_smem + buf * Config::kDsElems,
                                       static_cast<int>(seq.qs + q0), static_cast<int>(seq.ks + row0),
                                       bias_tile_coords(p, h, b));
     SM90_BULK_COPY_G2S::copy(p.query_stats + 4 * ((std::int64_t{b} * p.heads + h) * p.seqlen_q + q0), &loaded[buf],
@@ -513,15 +513,18 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     else
       gradients(std::false_type{});
     // A bias with rows: dS^T (acc_dp) into the open dbias tile, or at its last
-    // step, out (the thread's elements inside the sequences).
+    // step, out (the thread's elements inside the sequences). kBiasTiles: the
+    // tile goes out by TMA from the step's dS buffer once the dQ MMA has read
+    // it (below): dS itself, or the sums, which go to db_sum here first.
+    const bool db_store = kBiasTiles && tile_grads && db_close, db_summed = db_store && db_open;
     if (tile_grads) {
-      if (!db_close) {
+      if (!db_close || db_summed) {
         if constexpr (Config::kDbSums) {
 #pragma unroll
           for (int e = 0; e < kAccS; ++e)
             db_sum[e * Config::kThreads] = acc_dp(e) + (db_open ? db_sum[e * Config::kThreads] : 0.0f);
         }
-      } else {
+      } else if constexpr (!kBiasTiles) {
 #pragma unroll
         for (int e = 0; e < kAccS; ++e) {
           const int kj = get<0>(cS(e)), qi = get<1>(cS(e));
@@ -567,7 +570,10 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
       NamedBarrier::sync(Config::kThreads, kStepBarrier);
     else
       __syncthreads();
-    if (tid == 0 && more) issue(h_next, blk_next, buf ^ 1);
+    if (tid == 0 && more) {
+      if (kBiasTiles && tile_grads) tma_store_wait<0>();  // a dbias tile stored from buffer buf ^ 1 has been read
+      issue(h_next, blk_next, buf ^ 1);
+    }
     using LayoutDs = std::conditional_t<kBiasTiles, typename Config::LayoutDsRows, typename Config::LayoutDsT>;
     Tensor tQrDs = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), LayoutDs{}));
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -611,6 +617,34 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     warpgroup_wait<0>();
     warpgroup_fence_operand(rP);
     warpgroup_fence_operand(rDs);
+    if (db_store) {  // the dbias tile out of dS buffer buf (db_close is the CTA's)
+      if constexpr (Config::kDbSums) {
+        if (db_summed) {  // the sums over dS, once both warpgroups' dQ MMAs have read it, as dS was written
+          __syncthreads();
+          using Pair = cutlass::NumericArrayConverter<Element, float, 2>;
+#pragma unroll
+          for (int c = 0; c < kAccS / 8; ++c) {
+            std::uint32_t pairs[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              cutlass::Array<float, 2> two;
+              two[0] = db_sum[(8 * c + 2 * i) * Config::kThreads], two[1] = db_sum[(8 * c + 2 * i + 1) * Config::kThreads];
+              const cutlass::Array<Element, 2> rounded = Pair{}(two);
+              pairs[i] = reinterpret_cast<const std::uint32_t&>(rounded);
+            }
+            stsm_x4_trans(tile_at(buf, c), pairs);
+          }
+        }
+      }
+      fence_async_shared();
+      __syncthreads();
+      if (tid == 0) {
+        tma_bias_tile<kBlockM, kBlockN, true>(&maps.dbias, nullptr, ds_smem + buf * Config::kDsElems,
+                                              static_cast<int>(seq.qs + q0), static_cast<int>(seq.ks + row0),
+                                              make_int2(hb, b));
+        tma_store_arrive();
+      }
+    }
 
     // Key-only dbias: a bias head's sums are complete when the next step has
     // another (pieces of keys: in the epilogue, one bias head).

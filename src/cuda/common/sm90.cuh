@@ -199,7 +199,7 @@ __device__ __forceinline__ void stsm_x4_trans(unsigned addr, const std::uint32_t
 // A full bias as TMA addresses the Hopper kernels' bias tiles: (key, row,
 // head, batch) of seqlen_k x seqlen_q x its heads x its batch entries of
 // `batch`, one head or batch entry where it broadcasts (stride 0: the
-// kernels' coordinate 0, bias_tile_coords).
+// kernels' coordinate 0, bias_tile_coords). (dbias: bwd/config.cuh.)
 struct BiasTileExtent {
   TokenExtent tokens;
   std::int64_t heads;
@@ -212,31 +212,37 @@ BiasTileExtent bias_tile_extent(const Params& p, std::int64_t batch) {
 // dtype, batched, contiguous keys, rows TMA can address.
 template <class Params>
 bool bias_tiles_apply(const Params& p, std::int64_t batch) {
-  if (p.bias_kind() != BiasKind::kFull || p.bias_float32 || p.cu_seqlens_q != nullptr) return false;
   const BiasTileExtent extent = bias_tile_extent(p, batch);
-  return tma_addressable(p.bias, extent.tokens, extent.heads);
+  return p.bias_kind() == BiasKind::kFull && !p.bias_float32 && p.cu_seqlens_q == nullptr &&
+         tma_addressable(p.bias, extent.tokens, extent.heads);
 }
-// The bias's TMA descriptor where bias_tiles_apply holds: boxes of 64 keys x
-// box_rows rows, swizzled as a token operand's.
-template <class Element, class Params>
-CUtensorMap encode_bias_map(const Params& p, std::int64_t batch, int box_rows) {
-  const BiasTileExtent extent = bias_tile_extent(p, batch);
-  return encode_token_map<Element, 64>(p.bias, static_cast<int>(p.seqlen_k), extent.tokens,
-                                       static_cast<int>(extent.heads), box_rows, "bias");
+// The TMA descriptor of t (the bias, or dbias) of `keys` keys and `extent`
+// as bias tiles: boxes of 64 keys x box_rows rows, swizzled as a token
+// operand's.
+template <class Element>
+CUtensorMap encode_bias_map(const Operand& t, std::int64_t keys, const BiasTileExtent& extent, int box_rows,
+                            const char* name) {
+  return encode_token_map<Element, 64>(t, static_cast<int>(keys), extent.tokens, static_cast<int>(extent.heads),
+                                       box_rows, name);
 }
 // The bias map's (head, batch) of query head h of batch entry b.
 __device__ __forceinline__ int2 bias_tile_coords(const AttentionParams& p, int h, int b) {
   return make_int2(p.bias.sh == 0 ? 0 : h / p.bias_group, p.bias.sb == 0 ? 0 : b);
 }
 // Issues the TMA copies of the bias tile of rows [row, row + kRows) and keys
-// [key, key + kKeys) at `at` (bias_tile_coords) into dst (boxes of 64 keys
-// one after another), completing on bar (which the caller told the bytes).
-template <int kRows, int kKeys, class Element>
-__device__ __forceinline__ void tma_load_bias(const CUtensorMap* map, std::uint64_t* bar, Element* dst, int row,
+// [key, key + kKeys) at `at` (bias_tile_coords) into `tile` (boxes of 64 keys
+// one after another), completing on bar (which the caller told the bytes);
+// kStore: from `tile` into dbias's map, in the calling thread's bulk group.
+template <int kRows, int kKeys, bool kStore = false, class Element>
+__device__ __forceinline__ void tma_bias_tile(const CUtensorMap* map, std::uint64_t* bar, Element* tile, int row,
                                               int key, int2 at) {
 #pragma unroll
-  for (int box = 0; box < kKeys / 64; ++box)
-    cute::SM90_TMA_LOAD_4D::copy(map, bar, 0, dst + box * kRows * 64, key + 64 * box, row, at.x, at.y);
+  for (int box = 0; box < kKeys / 64; ++box) {
+    if constexpr (kStore)
+      cute::SM90_TMA_STORE_4D::copy(map, tile + box * kRows * 64, key + 64 * box, row, at.x, at.y);
+    else
+      cute::SM90_TMA_LOAD_4D::copy(map, bar, 0, tile + box * kRows * 64, key + 64 * box, row, at.x, at.y);
+  }
 }
 
 // Issues the TMA copies of rows [row, row + kRows) of head `head` and batch

@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   auto load_k = [&](int s, std::int64_t key0) {
     if constexpr (kRowBias) {
       Barrier::expect_transaction(&k_full[s], Config::kBiasTileElems * int(sizeof(Element)));
-      tma_load_bias<kBlockM, kBlockN>(&maps.bias, &k_full[s],
+      tma_bias_tile<kBlockM, kBlockN>(&maps.bias, &k_full[s],
                                       reinterpret_cast<Element*>(smem + Config::kBiasAt) + s * Config::kBiasTileElems,
                                       static_cast<int>(row0), static_cast<int>(key0), bias_at);
     }
