@@ -27,7 +27,12 @@
 // (BackwardParams::dkv_packed) with the classes of its kBlockM x 128 tiles
 // (dkv_tiles); empty steps are skipped, loads included, full ones test
 // nothing, partial ones each element against its bit (the thread's two keys'
-// words of the step load while the S and dP MMAs run). Each walk (DkvWalk) is
+// words of the step load while the S and dP MMAs run). A bias with rows
+// (kRowBias): its elements by global loads; a full bias TMA can load
+// (kBiasTiles): its tile into the step's dS buffer with Q and dO, read and
+// overwritten with dS in place (transposed ldmatrix / stmatrix), dQ taking
+// dS K-major from there, and dbias tiles stored by TMA from that buffer.
+// Each walk (DkvWalk) is
 // a kernel of its own, so that the dense one keeps its registers: key groups
 // and the dense walk in one kernel spilled 160 bytes instead of 80 and 88 at
 // 1335552 and the dense backward took 10% longer; softcap as a branch of the
