@@ -5,9 +5,9 @@
 //   forward        Hopper kSm90       sm_90a device, D' = 64 or 128 compiled (D <= D'), batched or varlen,
 //                                     no bias or a key-only one, one split, TMA-addressable q, k, v (varlen:
 //                                     the packed rows); a full bias of q's dtype, TMA-addressable, without a
-//                                     mask or top-k: loaded by tiles with K (kRowBias); top-k (intervals or thresholds, with a mask or not)
-//                                     at D' = 64, or below 16384 keys (heuristics.h forward_sm90_topk): the
-//                                     key lists of 128-row blocks (kKeyLists: runs of consecutive keys by
+//                                     mask or top-k: loaded by tiles with K (kRowBias); top-k (intervals or
+//                                     thresholds, with a mask or not) at D' = 64, or below 16384 keys
+//                                     (heuristics.h forward_sm90_topk): the key lists of 128-row blocks (kKeyLists: runs of consecutive keys by
 //                                     TMA, the rest gathered); a mask alone: packed with its tile classes
 //                                     (kMasked), no key lists
 //                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
@@ -292,18 +292,14 @@ void plan_selection(const Problem& p, Plan& plan) {
 
 // ---- The Hopper kernels' conditions ---------------------------------------
 
-// A full bias by the Hopper forward's tiles (ForwardWalk::kRowBias): without a
-// mask or top-k (their walks take none), where TMA can load it (sm90.cuh).
-bool forward_bias_tiles(const ForwardPlan& plan) { return !plan.key_lists && bias_tiles_apply(plan.params, plan.params.batch); }
-
 // The Hopper forward: written for the training shapes at D' = 64 and 128 (TMA
 // fills the features past a smaller head dim with zeros), a top-k selection
 // walked over the key lists, a mask alone by tile class and bit, a full bias
-// by tiles; the 128-row sm80 walk otherwise.
-bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device) {
+// by tiles (`tiles`: ForwardWalk::kRowBias, without a mask or top-k, whose
+// walks take none, where TMA can load it); the 128-row sm80 walk otherwise.
+bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device, bool tiles) {
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
-  const bool tiles = forward_bias_tiles(plan);
   return device.sm90a && i.forward_sm90_smem > 0 && plan.kernel == ForwardKernel::kSm80 &&
          plan.block_m == kForwardSm90BlockM && p.num_splits == 1 &&
          (plan.selection == DeviceSelection::kNone || forward_sm90_topk(i.head_dim, p.seqlen_k)) &&
@@ -404,10 +400,11 @@ ForwardPlan plan_forward(const Problem& p) {
   // 2.75 over key lists); on a sparse one the lists' shorter walk wins (a
   // top-1024 mask: 6.17 against 4.02). Nothing the plan sees tells them apart
   // (docs/kernels.md).
-  if (forward_sm90_applies(plan, instance, device)) {
+  const bool bias_tiles = !plan.key_lists && bias_tiles_apply(params, params.batch);
+  if (forward_sm90_applies(plan, instance, device, bias_tiles)) {
     plan.kernel = ForwardKernel::kSm90;
     plan.mask_tiles = plan.key_lists && plan.selection == DeviceSelection::kNone;
-    plan.bias_tiles = forward_bias_tiles(plan);
+    plan.bias_tiles = bias_tiles;
     if (plan.mask_tiles) plan.key_lists = false;
   }
   plan.run = instance.forward[dtype];

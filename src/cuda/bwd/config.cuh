@@ -226,7 +226,8 @@ struct DkvSm90Config {
   // The walk of bias tiles (DkvWalk::kBiasTiles) keeps dS as the bias tile
   // lies in its buffer, (query, key) in rows of keys: the K-major A of dQ.
   using LayoutDsRows = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
-  using MmaDqRows = WgmmaSS<Element, 64, Dq::kGroupCols, kBlockN, DqGroups, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
+  using MmaDqRows =
+      WgmmaSS<Element, 64, Dq::kGroupCols, kBlockN, DqGroups, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
 
   static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kDsElems = kBlockN * kBlockM;
   // K, V, two buffers of Q and dO (a buffer D / 64 TMA boxes of 64 features),

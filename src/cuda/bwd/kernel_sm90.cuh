@@ -557,7 +557,8 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     if constexpr (kBiasTiles) {  // over the thread's bias elements, as they were read
 #pragma unroll
       for (int c = 0; c < kAccS / 8; ++c)
-        stsm_x4_trans(tile_at(buf, c), {ds_pairs[4 * c], ds_pairs[4 * c + 1], ds_pairs[4 * c + 2], ds_pairs[4 * c + 3]});
+        stsm_x4_trans(tile_at(buf, c),
+                      {ds_pairs[4 * c], ds_pairs[4 * c + 1], ds_pairs[4 * c + 2], ds_pairs[4 * c + 3]});
     } else {
 #pragma unroll
       for (int e = 0; e < kAccS; e += 2)
@@ -580,7 +581,8 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
       issue(h_next, blk_next, buf ^ 1);
     }
     using LayoutDs = std::conditional_t<kBiasTiles, typename Config::LayoutDsRows, typename Config::LayoutDsT>;
-    Tensor tQrDs = thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), LayoutDs{}));
+    Tensor tQrDs =
+        thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), LayoutDs{}));
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
     Tensor tVrDo = thr_dkv.partition_fragment_B(rows_tile_t(do_smem, buf));
@@ -633,7 +635,8 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               cutlass::Array<float, 2> two;
-              two[0] = db_sum[(8 * c + 2 * i) * Config::kThreads], two[1] = db_sum[(8 * c + 2 * i + 1) * Config::kThreads];
+              two[0] = db_sum[(8 * c + 2 * i) * Config::kThreads];
+              two[1] = db_sum[(8 * c + 2 * i + 1) * Config::kThreads];
               const cutlass::Array<Element, 2> rounded = Pair{}(two);
               pairs[i] = reinterpret_cast<const std::uint32_t&>(rounded);
             }

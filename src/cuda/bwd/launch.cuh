@@ -35,8 +35,9 @@ DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch, bool bias_tiles) {
     const TokenExtent queries = p.query_tokens(batch);
     return {encode_token_map<Element, kHeadDim>(p.q, p.head_dim, queries, p.heads, Config::kBlockM, "q"),
             encode_token_map<Element, kHeadDim>(p.dout, p.head_dim, queries, p.heads, Config::kBlockM, "dout"),
-            bias_tiles ? encode_bias_map<Element>(p.bias, p.seqlen_k, bias_tile_extent(p, batch), Config::kBlockM, "bias")
-                       : CUtensorMap{},
+            bias_tiles
+                ? encode_bias_map<Element>(p.bias, p.seqlen_k, bias_tile_extent(p, batch), Config::kBlockM, "bias")
+                : CUtensorMap{},
             bias_tiles && p.dbias.data != nullptr
                 ? encode_bias_map<Element>(p.dbias, p.seqlen_k, dbias_tile_extent(p), Config::kBlockM, "dbias")
                 : CUtensorMap{}};

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   Element* k_smem = q_smem + Config::kQElems;  // two buffers
   Element* v_smem = k_smem + 2 * Config::kKvElems;  // two buffers
   auto* bias_smem = reinterpret_cast<float*>(smem + Config::kBiasAt);  // two buffers
-  auto* bias_tiles = reinterpret_cast<const char*>(smem + Config::kBiasAt);  // kRowBias: two buffers
+  auto* bias_tiles = reinterpret_cast<Element*>(smem + Config::kBiasAt);  // kRowBias: two buffers
   // The list's keys of iteration j's tile in buffer j % 3 (-1 past the list),
   // staged one iteration ahead of their gathers.
   auto* keys_smem = reinterpret_cast<int*>(smem + Config::kKeysAt);
@@ -153,8 +153,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   auto load_k = [&](int s, std::int64_t key0) {
     if constexpr (kRowBias) {
       Barrier::expect_transaction(&k_full[s], Config::kBiasTileElems * int(sizeof(Element)));
-      tma_bias_tile<kBlockM, kBlockN>(&maps.bias, &k_full[s],
-                                      reinterpret_cast<Element*>(smem + Config::kBiasAt) + s * Config::kBiasTileElems,
+      tma_bias_tile<kBlockM, kBlockN>(&maps.bias, &k_full[s], bias_tiles + s * Config::kBiasTileElems,
                                       static_cast<int>(row0), static_cast<int>(key0), bias_at);
     }
     load(Int<kBlockN>{}, &maps.k, &k_full[s], k_smem + s * Config::kKvElems, blk.ks, key0, hk);
@@ -445,8 +444,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     if (has_bias) {
       const float pre = softcap > 0.0f ? 1.0f : scale;
       if constexpr (kRowBias) {  // 8 elements (e = 8 c ..: key groups 2 c and 2 c + 1, both rows) an ldmatrix
-        const unsigned tile = static_cast<unsigned>(__cvta_generic_to_shared(bias_tiles)) +
-                              buf * Config::kBiasTileElems * int(sizeof(Element));
+        const auto tile = static_cast<unsigned>(__cvta_generic_to_shared(bias_tiles + buf * Config::kBiasTileElems));
         const int row = my_row[0] - lane / 4 + 8 * (lane / 8 % 2) + lane % 8;  // the lane's of matrix lane / 8
 #pragma unroll
         for (int c = 0; c < kAccS / 8; ++c) {

@@ -65,7 +65,8 @@ ForwardSm90Maps forward_sm90_maps(const ForwardParams& p, bool bias_tiles) {
                          encode_token_map<Element, kHeadDim>(p.k, p.head_dim, keys, kv_heads, Config::kBlockN, "k"),
                          encode_token_map<Element, kHeadDim>(p.v, p.head_dim, keys, kv_heads, Config::kBlockN, "v"),
                          {}};
-    if (bias_tiles) maps.bias = encode_bias_map<Element>(p.bias, p.seqlen_k, bias_tile_extent(p, p.batch), Config::kBlockM, "bias");
+    if (bias_tiles)
+      maps.bias = encode_bias_map<Element>(p.bias, p.seqlen_k, bias_tile_extent(p, p.batch), Config::kBlockM, "bias");
     return maps;
   }
 }

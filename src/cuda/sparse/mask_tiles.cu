@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kClassifyThreads)
       const std::uint32_t word = tile_bits[r][w];
       slice[(row0 + r) * bits.so + (col0 / 32 + w) * bits.si] = key_broadcast ? 0u - (word & 1) : word;
     }
-  } else if constexpr (kPacking == Packing::kByKey) {  // a warp a 32 x 32 square: lane l row 32 bm + l, then key
+  } else if constexpr (kByKey) {  // a warp a 32 x 32 square: lane l row 32 bm + l, then key
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int squares = (row_broadcast ? 1 : kTileM / 32) * kWordsN;
     for (int square = warp; square < squares; square += kClassifyThreads / 32) {
@@ -134,7 +134,8 @@ MaskTiles classify(const AttentionParams& p, int batch, int heads, cudaStream_t 
   tiles.data = *memory;
   auto* words = reinterpret_cast<std::uint32_t*>(*memory + class_bytes);
   const auto n = static_cast<unsigned>(tiles_n), m = static_cast<unsigned>(tiles_m);
-  const dim3 grid(kPacking == Packing::kByKey ? m : n, kPacking == Packing::kByKey ? n : m, static_cast<unsigned>(slices));
+  constexpr bool kByKey = kPacking == Packing::kByKey;  // query blocks fastest (mask_tile_pass)
+  const dim3 grid(kByKey ? m : n, kByKey ? n : m, static_cast<unsigned>(slices));
   mask_tile_pass<kTileM, kTileN, kPacking><<<grid, kClassifyThreads, 0, stream>>>(p, tiles, packed, words, mask_heads);
   if (bits != nullptr) *bits = packed, bits->words = words;
   return tiles;
