@@ -13,13 +13,37 @@ PINS=(torch==2.11.0 transformers==5.17.0 numpy==2.4.6 pytest==9.0.2 nanobind==2.
 VENV=${DMATTN_VENV:-.venv}
 export DMATTN_CUDA=${DMATTN_CUDA:-OFF}
 export CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-2}
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_NO_CACHE_DIR=1
 
 step() { echo "python: $1: $(( $(date +%s) - $2 )) s"; }
 
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q "${PINS[@]}"
+# Staged: pip keeps every wheel it downloads until its install ends, so one
+# `pip install` of the pins peaks at ~7.6 GB (the ~2.6 GB of wheels beside the
+# ~5 GB they install: torch's nvidia-* libraries); CI once ran out of disk there.
+# The resolver's plan (metadata only) is installed as it resolved it, each
+# binary wheel on its own and the pure-Python ones together: the peak is the
+# installed ~5 GB (+40 s on a fresh environment).
+echo "python: free disk before the dependencies: $(df -h --output=avail . | tail -1 | tr -d ' ')"
+plan=$(mktemp)
+"$VENV/bin/python" -m pip install -q --dry-run --report "$plan" "${PINS[@]}"
+mapfile -t batches < <("$VENV/bin/python" - "$plan" <<'PY'
+import json, sys
+pure, binary = [], []
+for item in json.load(open(sys.argv[1]))["install"]:
+    pin = f'{item["metadata"]["name"]}=={item["metadata"]["version"]}'
+    (pure if item["download_info"]["url"].endswith("-none-any.whl") else binary).append(pin)
+for batch in [" ".join(pure)] + binary:
+    if batch:
+        print(batch)
+PY
+)
+rm -f "$plan"
+for batch in "${batches[@]}"; do
+  read -ra pins <<<"$batch"
+  "$VENV/bin/python" -m pip install -q --no-deps "${pins[@]}"
+done
 step "dependencies" "$start"
 
 start=$(date +%s)
