@@ -360,11 +360,10 @@ DeviceInfo device_info(int device) {
   return emulate(*hardware);
 }
 
-ForwardPlan plan_forward(const Problem& p) {
+ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device) {
   ForwardPlan plan;
   plan.empty = p.batch == 0 || p.seqlen_q == 0;
   if (plan.empty) return plan;
-  const DeviceInfo device = device_info(p.device.index);
   check_arch(device, p);
   const Instance& instance = instance_for(p.head_dim);
   plan.head_dim = instance.head_dim;
@@ -388,11 +387,10 @@ ForwardPlan plan_forward(const Problem& p) {
              decode ? "64-row forward kernel" : "forward kernel");
   // Split-KV where the grid leaves SMs idle.
   const int dtype = dtype_index(p);
-  const int per_sm = instance.ctas_per_sm[dtype](plan.kernel);
   const std::int64_t blocks_m = (params.seqlen_q + plan.block_m - 1) / plan.block_m;
   const int block_n = forward_block_n(instance.head_dim, plan.block_m);
   params.num_splits = choose_splits(blocks_m * params.heads * params.batch, (params.seqlen_k + block_n - 1) / block_n,
-                                    device.sms, device.sms * per_sm);
+                                    device.sms, [&] { return device.sms * instance.ctas_per_sm[dtype](plan.kernel); });
   // The Hopper forward: top-k (with a mask or not) over the key lists (built
   // for its 128-row blocks); a mask alone by its tile classes and bits. The
   // mask's one pass costs less than the lists' two, and on a dense mask its
@@ -411,11 +409,10 @@ ForwardPlan plan_forward(const Problem& p) {
   return plan;
 }
 
-BackwardPlan plan_backward(const Problem& p) {
+BackwardPlan plan_backward(const Problem& p, const DeviceInfo& device) {
   BackwardPlan plan;
   plan.empty = p.batch == 0;
   if (plan.empty) return plan;
-  const DeviceInfo device = device_info(p.device.index);
   check_arch(device, p);
   const Instance& instance = instance_for(p.head_dim);
   const int dtype = dtype_index(p);

@@ -94,10 +94,14 @@ struct BackwardPlan {
   BackwardRun run = nullptr;
 };
 
-// The plans of a call, or Error::kUnsupported naming what this build or device
-// lacks. The current device must be p.device.
-ForwardPlan plan_forward(const Problem& p);
-BackwardPlan plan_backward(const Problem& p);
+// The plans of a call on `device` (device_info(p.device.index)), or
+// Error::kUnsupported naming what this build or device lacks. Nothing but the
+// sm80-class forward's occupancy, queried where its grid leaves SMs idle (the
+// split-KV count), reads the GPU: the rest of the table is a function of p and
+// `device`, which tests/test_dispatch.cpp checks on emulated devices without
+// one. The current device must be p.device.
+ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device);
+BackwardPlan plan_backward(const Problem& p, const DeviceInfo& device);
 // select_topk (the intervals alone, sparse/selection.h write_intervals): refused
 // as every call is below compute capability 8.0; nothing else to choose.
 void plan_select(const Problem& p);

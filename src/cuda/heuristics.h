@@ -81,10 +81,12 @@ constexpr bool forward_sm90_producer(int head_dim) { return head_dim > 64; }
 // Key splits for a grid of `ctas` CTAs over `key_blocks` key blocks: as many as
 // fill the `slots` CTAs the GPU holds at once (one wave: a second, partial wave
 // would double the time), at least 4 key blocks a split so that the partials
-// stay cheap next to the work, and at most 32.
-inline int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms, int slots) {
+// stay cheap next to the work, and at most 32. slots() (a CUDA occupancy
+// query) is asked only where the grid leaves SMs idle.
+template <class Slots>
+int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms, Slots slots) {
   if (ctas >= sms || key_blocks < 8) return 1;
-  const std::int64_t want = std::max<std::int64_t>(1, slots / ctas);
+  const std::int64_t want = std::max<std::int64_t>(1, slots() / ctas);
   return static_cast<int>(std::max<std::int64_t>(1, std::min({want, key_blocks / 4, std::int64_t{32}})));
 }
 

@@ -1,0 +1,371 @@
+// The dispatch table (src/cuda/dispatch.cu plan_forward, plan_backward) on
+// emulated devices, without a GPU: for the calls each fast path is built for,
+// the kernel and walk of every step, and the refusals. A change that sends such
+// a call to a slower kernel (a condition that silently stops holding, as when
+// dbias's broadcast strides kept B = 1 off the Hopper bias tiles) fails here,
+// where the GPU checks, which compare values only, would still pass.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdint>
+#include <iterator>
+#include <optional>
+
+#include "cuda/dispatch.h"
+#include "validate.h"
+
+namespace {
+
+using namespace dmattn;
+using cuda::BackwardPlan;
+using cuda::DeviceInfo;
+using cuda::DkvKernel;
+using cuda::ForwardKernel;
+using cuda::ForwardPlan;
+
+// The devices of the table: attributes as the CUDA runtime reports them.
+constexpr DeviceInfo kH100{90, 132, 227 * 1024, false, true};
+constexpr DeviceInfo kH100Portable{90, 132, 227 * 1024, false, false};  // DMATTN_PORTABLE=1
+constexpr DeviceInfo kA100{80, 108, 163 * 1024, false, false};
+constexpr DeviceInfo kRtx4090{89, 128, 99 * 1024, false, false};
+
+using Shape = std::array<std::int64_t, 4>;
+
+// One call, by default the benchmarks' training shape: (1, 8192, 32 / 8 heads,
+// 128) bf16, causal. Tensors are contiguous at distinct, 16-byte aligned
+// addresses that nothing reads (the plan reads metadata only).
+struct Call {
+  std::int64_t batch = 1, heads = 32, kv_heads = 8, seqlen_q = 8192, seqlen_k = 8192, head_dim = 128;
+  DType dtype = DType::kBFloat16;
+  bool causal = true;
+  std::optional<Shape> mask;
+  std::optional<Shape> bias;        // varlen: {0, Hb, 0, 0}, a (total_k, Hb) key-only bias
+  std::optional<DType> bias_dtype;  // q's unless set
+  bool dbias = false;
+  std::optional<std::int64_t> keep;
+  bool deterministic = false;
+  double softcap = 0.0;
+  bool varlen = false;  // the batch packed: cu_seqlens of batch + 1 entries, max lengths seqlen_q / seqlen_k
+
+  Inputs inputs() const {
+    Inputs in;
+    in.q = token(1, seqlen_q, heads), in.k = token(2, seqlen_k, kv_heads), in.v = token(3, seqlen_k, kv_heads);
+    if (mask) in.mask = view(4, DType::kBool, *mask);
+    if (bias) in.bias = bias_view(5);
+    return in;
+  }
+  Options options() const {
+    Options o;
+    o.causal = causal, o.keep_window_size = keep, o.deterministic = deterministic, o.softcap = softcap;
+    return o;
+  }
+  std::optional<VarlenLayout> layout() const {
+    if (!varlen) return std::nullopt;
+    return VarlenLayout{TensorView::contiguous(address(6), DType::kInt32, {batch + 1}, kCuda),
+                        TensorView::contiguous(address(7), DType::kInt32, {batch + 1}, kCuda), seqlen_q, seqlen_k};
+  }
+  TensorView out() const { return token(8, seqlen_q, heads); }
+  TensorView lse() const {
+    return varlen ? TensorView::contiguous(address(9), DType::kFloat32, {heads, batch * seqlen_q}, kCuda)
+                  : TensorView::contiguous(address(9), DType::kFloat32, {batch, heads, seqlen_q}, kCuda);
+  }
+
+  ForwardPlan forward(const DeviceInfo& device) const {
+    const std::optional<VarlenLayout> l = layout();
+    return cuda::plan_forward(make_forward_problem(inputs(), l ? &*l : nullptr, out(), lse(), options(), Reads::kMetadata),
+                              device);
+  }
+  BackwardPlan backward(const DeviceInfo& device) const {
+    const std::optional<VarlenLayout> l = layout();
+    Gradients grads{token(10, seqlen_q, heads), token(11, seqlen_k, kv_heads), token(12, seqlen_k, kv_heads),
+                    std::nullopt};
+    if (dbias) grads.dbias = bias_view(13);
+    return cuda::plan_backward(make_backward_problem(inputs(), l ? &*l : nullptr, out(), token(14, seqlen_q, heads),
+                                                     lse(), grads, options(), Reads::kMetadata),
+                               device);
+  }
+
+ private:
+  static constexpr Device kCuda{DeviceType::kCUDA, 0};
+  // Tensor i's address: 2^36 bytes apart, so that none overlaps another.
+  static void* address(int i) { return reinterpret_cast<void*>(std::uintptr_t(i) << 36); }
+  TensorView token(int i, std::int64_t seqlen, std::int64_t h) const {
+    return varlen ? TensorView::contiguous(address(i), dtype, {batch * seqlen, h, head_dim}, kCuda)
+                  : TensorView::contiguous(address(i), dtype, {batch, seqlen, h, head_dim}, kCuda);
+  }
+  static TensorView view(int i, DType dtype, const Shape& s) {
+    return TensorView::contiguous(address(i), dtype, {s[0], s[1], s[2], s[3]}, kCuda);
+  }
+  TensorView bias_view(int i) const {
+    const DType t = bias_dtype.value_or(dtype);
+    return varlen ? TensorView::contiguous(address(i), t, {batch * seqlen_k, (*bias)[1]}, kCuda) : view(i, t, *bias);
+  }
+};
+
+// The head dims this build compiles (DMATTN_HEAD_DIMS, ascending).
+constexpr int kHeadDims[] = {
+#define DMATTN_CUDA_HEAD_DIM(D) D,
+#include "head_dims.inc"
+#undef DMATTN_CUDA_HEAD_DIM
+};
+bool compiled(int d) {
+  for (int h : kHeadDims)
+    if (h == d) return true;
+  return false;
+}
+
+// The cases below are written for the default head dims, 64 and 128.
+class Dispatch : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!compiled(64) || !compiled(128)) GTEST_SKIP() << "head dims 64 and 128 not both compiled";
+  }
+};
+
+// The Hopper forward, as `plan` names it.
+void expect_sm90_forward(const ForwardPlan& plan, bool key_lists, bool mask_tiles, bool bias_tiles) {
+  EXPECT_EQ(plan.kernel, ForwardKernel::kSm90);
+  EXPECT_EQ(plan.key_lists, key_lists);
+  EXPECT_EQ(plan.mask_tiles, mask_tiles);
+  EXPECT_EQ(plan.bias_tiles, bias_tiles);
+  EXPECT_EQ(plan.params.num_splits, 1);
+}
+
+// ---- Hopper (H100): the fast paths ----
+
+TEST_F(Dispatch, H100DenseRunsHopperBothWaysAtEachHeadDim) {
+  for (std::int64_t d : {128, 64, 96, 40}) {
+    Call c;
+    c.head_dim = d;
+    const ForwardPlan f = c.forward(kH100);
+    expect_sm90_forward(f, false, false, false);
+    EXPECT_EQ(f.head_dim, d <= 64 ? 64 : 128) << "D " << d;
+    const BackwardPlan b = c.backward(kH100);
+    EXPECT_EQ(b.dkv, DkvKernel::kSm90) << "D " << d;
+    EXPECT_TRUE(b.params.atomic_dq && b.params.dq_blocks && !b.ordered_dq) << "D " << d;
+  }
+}
+
+TEST_F(Dispatch, H100ShortSequencesInLargeBatchesAndFp16) {
+  Call c;
+  c.batch = 16, c.heads = 16, c.kv_heads = 4, c.seqlen_q = c.seqlen_k = 2048, c.dtype = DType::kFloat16;
+  expect_sm90_forward(c.forward(kH100), false, false, false);
+  EXPECT_EQ(c.backward(kH100).dkv, DkvKernel::kSm90);
+}
+
+TEST_F(Dispatch, H100VarlenRunsHopper) {
+  Call c;
+  c.varlen = true, c.batch = 4, c.seqlen_q = c.seqlen_k = 4096;
+  expect_sm90_forward(c.forward(kH100), false, false, false);
+  EXPECT_EQ(c.backward(kH100).dkv, DkvKernel::kSm90);
+  c.bias = Shape{0, 8, 0, 0}, c.dbias = true;  // a key-only varlen bias (total_k, Hk)
+  expect_sm90_forward(c.forward(kH100), false, false, false);
+  EXPECT_EQ(c.backward(kH100).dkv, DkvKernel::kSm90);
+}
+
+TEST_F(Dispatch, H100SoftcapRunsHopper) {
+  Call c;
+  c.softcap = 30.0;
+  expect_sm90_forward(c.forward(kH100), false, false, false);
+  EXPECT_EQ(c.backward(kH100).dkv, DkvKernel::kSm90);
+}
+
+TEST_F(Dispatch, H100KeyBiasWithItsGradientRunsHopper) {
+  for (const Shape& s : {Shape{1, 8, 1, 8192}, Shape{1, 1, 1, 8192}, Shape{1, 32, 1, 8192}}) {
+    Call c;
+    c.bias = s, c.dbias = true;
+    expect_sm90_forward(c.forward(kH100), false, false, false);
+    const BackwardPlan b = c.backward(kH100);
+    EXPECT_EQ(b.dkv, DkvKernel::kSm90) << "bias heads " << s[1];
+    EXPECT_EQ(b.params.bias_grad, cuda::BiasGrad::kPerKey);
+  }
+}
+
+// A full bias of q's dtype goes by TMA tiles both ways, dbias stored by tiles
+// too: at B = 1 (dbias's batch stride 0) and B = 2, bias heads Hk or H.
+TEST_F(Dispatch, H100FullBiasByTilesWithDbias) {
+  for (std::int64_t batch : {1, 2})
+    for (std::int64_t bias_heads : {8, 32}) {
+      Call c;
+      c.batch = batch, c.seqlen_q = c.seqlen_k = 4096, c.bias = Shape{batch, bias_heads, 4096, 4096}, c.dbias = true;
+      expect_sm90_forward(c.forward(kH100), false, false, true);
+      const BackwardPlan b = c.backward(kH100);
+      EXPECT_EQ(b.dkv, DkvKernel::kSm90RowBias) << "B " << batch << ", bias heads " << bias_heads;
+      EXPECT_TRUE(b.bias_tiles) << "B " << batch << ", bias heads " << bias_heads;
+      EXPECT_EQ(b.dbias_slices, 0) << "B " << batch << ", bias heads " << bias_heads;
+    }
+  Call c;  // no dbias: one bias head too
+  for (std::int64_t bias_heads : {8, 1}) {
+    c.bias = Shape{1, bias_heads, 8192, 8192};
+    expect_sm90_forward(c.forward(kH100), false, false, true);
+    EXPECT_TRUE(c.backward(kH100).bias_tiles) << "bias heads " << bias_heads;
+  }
+}
+
+// A full bias the tiles cannot take: the sm80 forward and the Hopper row-bias
+// walk reading it element by element (float32; keys not a multiple of 8; a
+// bias shared across batch entries or kv heads, whose dbias sums float32
+// slices).
+TEST_F(Dispatch, H100FullBiasOffTheTiles) {
+  Call f32;
+  f32.bias = Shape{1, 8, 8192, 8192}, f32.bias_dtype = DType::kFloat32, f32.dbias = true;
+  Call odd;
+  odd.seqlen_q = odd.seqlen_k = 4100, odd.bias = Shape{1, 8, 4100, 4100}, odd.dbias = true;
+  for (const Call& c : {f32, odd}) {
+    EXPECT_EQ(c.forward(kH100).kernel, ForwardKernel::kSm80);
+    const BackwardPlan b = c.backward(kH100);
+    EXPECT_EQ(b.dkv, DkvKernel::kSm90RowBias);
+    EXPECT_FALSE(b.bias_tiles);
+  }
+  for (const Shape& s : {Shape{1, 8, 4096, 4096}, Shape{2, 1, 4096, 4096}}) {
+    Call shared;
+    shared.batch = 2, shared.seqlen_q = shared.seqlen_k = 4096, shared.bias = s, shared.dbias = true;
+    expect_sm90_forward(shared.forward(kH100), false, false, true);
+    const BackwardPlan b = shared.backward(kH100);
+    EXPECT_EQ(b.dkv, DkvKernel::kSm90RowBias);
+    EXPECT_EQ(b.dbias_slices, s[0] == 1 ? 2 : 8) << "bias batch " << s[0];
+    EXPECT_FALSE(b.bias_tiles);
+  }
+}
+
+TEST_F(Dispatch, H100PerRowBiasTakesTheRowBiasWalk) {
+  Call c;
+  c.bias = Shape{1, 8, 8192, 1}, c.dbias = true;
+  EXPECT_EQ(c.forward(kH100).kernel, ForwardKernel::kSm80);
+  const BackwardPlan b = c.backward(kH100);
+  EXPECT_EQ(b.dkv, DkvKernel::kSm90RowBias);
+  EXPECT_FALSE(b.bias_tiles);
+}
+
+// A mask alone: the forward by its tile classes and bits (no key lists), the
+// dk/dv walk skipping its empty tiles, dq over key lists.
+TEST_F(Dispatch, H100MaskByTileClasses) {
+  for (const Shape& s : {Shape{1, 1, 8192, 8192}, Shape{1, 8, 8192, 8192}}) {
+    Call c;
+    c.mask = s;
+    expect_sm90_forward(c.forward(kH100), false, true, false);
+    const BackwardPlan b = c.backward(kH100);
+    EXPECT_EQ(b.dkv, DkvKernel::kSm90);
+    EXPECT_TRUE(b.mask_tiles && b.key_lists);
+  }
+}
+
+// Top-k over a key bias: intervals selected, the forward over key lists (Hopper
+// below 16384 keys at D' = 128, always at D' = 64), dk/dv over key groups.
+TEST_F(Dispatch, H100TopkOverIntervals) {
+  for (std::int64_t d : {128, 64})
+    for (std::int64_t s : {4096, 8192, 16384}) {
+      Call c;
+      c.head_dim = d, c.seqlen_q = c.seqlen_k = s, c.bias = Shape{1, 8, 1, s}, c.dbias = true, c.keep = 1024;
+      const ForwardPlan f = c.forward(kH100);
+      EXPECT_EQ(f.selection, cuda::DeviceSelection::kIntervals);
+      EXPECT_TRUE(f.key_lists);
+      EXPECT_EQ(f.kernel, d == 64 || s < 16384 ? ForwardKernel::kSm90 : ForwardKernel::kSm80) << "D " << d << ", S " << s;
+      const BackwardPlan b = c.backward(kH100);
+      EXPECT_EQ(b.selection, cuda::DeviceSelection::kIntervals);
+      EXPECT_EQ(b.dkv, DkvKernel::kSm90Groups) << "D " << d << ", S " << s;
+    }
+}
+
+// Top-k that intervals cannot express (a full bias: per-row thresholds).
+TEST_F(Dispatch, H100TopkByThresholds) {
+  Call c;
+  c.seqlen_q = c.seqlen_k = 2048, c.bias = Shape{1, 8, 2048, 2048}, c.keep = 256;
+  const ForwardPlan f = c.forward(kH100);
+  EXPECT_EQ(f.selection, cuda::DeviceSelection::kThresholds);
+  EXPECT_EQ(f.kernel, ForwardKernel::kSm80);
+  EXPECT_TRUE(f.key_lists);
+  EXPECT_FALSE(f.bias_tiles);
+  EXPECT_EQ(c.backward(kH100).dkv, DkvKernel::kSm80);
+}
+
+// deterministic: dq summed in order by the Hopper dense walk; with a mask the
+// sm80 dk/dv kernel and dq by the dq kernel, no atomics.
+TEST_F(Dispatch, H100Deterministic) {
+  for (std::int64_t d : {128, 64}) {
+    Call c;
+    c.head_dim = d, c.deterministic = true;
+    const BackwardPlan b = c.backward(kH100);
+    EXPECT_EQ(b.dkv, DkvKernel::kSm90) << "D " << d;
+    EXPECT_TRUE(b.ordered_dq) << "D " << d;
+  }
+  Call masked;
+  masked.deterministic = true, masked.mask = Shape{1, 1, 8192, 8192};
+  const BackwardPlan b = masked.backward(kH100);
+  EXPECT_EQ(b.dkv, DkvKernel::kSm80);
+  EXPECT_FALSE(b.ordered_dq || b.params.atomic_dq || b.params.dq_blocks);
+}
+
+// Decode with grouped kv heads: the query heads folded into the 64-row tile.
+TEST_F(Dispatch, H100DecodeFoldsQueryHeads) {
+  Call c;
+  c.batch = 64, c.seqlen_q = 1, c.causal = false;
+  const ForwardPlan f = c.forward(kH100);
+  EXPECT_EQ(f.kernel, ForwardKernel::kSm80Decode);
+  EXPECT_EQ(f.params.heads, 8);
+  EXPECT_EQ(f.params.seqlen_q, 4);
+}
+
+// ---- The sm80-class devices: their tiles ----
+
+TEST_F(Dispatch, Sm80PortableHopperRunsTheSm80Kernels) {
+  Call c;
+  c.bias = Shape{1, 8, 8192, 8192}, c.dbias = true;
+  EXPECT_EQ(c.forward(kH100Portable).kernel, ForwardKernel::kSm80);
+  const BackwardPlan b = c.backward(kH100Portable);
+  EXPECT_EQ(b.dkv, DkvKernel::kSm80);
+  EXPECT_FALSE(b.bias_tiles || b.small_dq || b.small_dkv);
+}
+
+// The sm80-class backward's tiles by shared memory a block: an A100's 163 KiB
+// takes the large dk/dv tile and the small dq tile at D = 128 (166 KiB), an
+// RTX 4090's 99 KiB the small ones at D = 64 and 128; an H100 the large ones.
+TEST_F(Dispatch, Sm80BackwardTilesBySharedMemory) {
+  struct Row {
+    DeviceInfo device;
+    std::int64_t head_dim;
+    bool small_dq, small_dkv;
+  };
+  for (const Row& r : {Row{kA100, 128, true, false}, Row{kA100, 64, false, false}, Row{kRtx4090, 128, true, true},
+                       Row{kRtx4090, 64, true, true}, Row{kH100Portable, 128, false, false}}) {
+    Call c;
+    c.head_dim = r.head_dim;
+    EXPECT_EQ(c.forward(r.device).kernel, ForwardKernel::kSm80);
+    const BackwardPlan b = c.backward(r.device);
+    EXPECT_EQ(b.dkv, DkvKernel::kSm80);
+    EXPECT_EQ(b.small_dq, r.small_dq) << r.device.smem_optin << " bytes, D " << r.head_dim;
+    EXPECT_EQ(b.small_dkv, r.small_dkv) << r.device.smem_optin << " bytes, D " << r.head_dim;
+  }
+}
+
+// ---- Refusals: before anything is enqueued, naming the argument ----
+
+template <class Plan>
+void expect_unsupported(const Plan& plan, const char* argument) {
+  try {
+    plan();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), Error::Kind::kUnsupported) << e.what();
+    EXPECT_EQ(e.argument(), argument) << e.what();
+  }
+}
+
+TEST_F(Dispatch, RefusalsOlderGpuHeadDimAndSharedMemory) {
+  Call c;
+  constexpr DeviceInfo kTuring{75, 40, 64 * 1024, false, false};
+  expect_unsupported([&] { c.forward(kTuring); }, "q.device");
+  expect_unsupported([&] { c.backward(kTuring); }, "q.device");
+  const int largest = kHeadDims[std::size(kHeadDims) - 1];
+  if (largest < 256) {  // a head dim CUDA takes (<= 256) above the largest compiled one
+    Call wide;
+    wide.head_dim = largest + 8;
+    expect_unsupported([&] { wide.forward(kH100); }, "q.shape[-1]");
+    expect_unsupported([&] { wide.backward(kH100); }, "q.shape[-1]");
+  }
+  constexpr DeviceInfo kSmall{80, 108, 48 * 1024, true, false};  // DMATTN_SMEM_LIMIT=48
+  expect_unsupported([&] { c.forward(kSmall); }, "q.shape[-1]");
+  expect_unsupported([&] { c.backward(kSmall); }, "q.shape[-1]");
+}
+
+}  // namespace
