@@ -202,16 +202,18 @@ TEST_F(Dispatch, H100FullBiasByTilesWithDbias) {
   }
 }
 
-// A full bias the tiles cannot take: the sm80 forward and the Hopper row-bias
-// walk reading it element by element (float32; keys not a multiple of 8; a
-// bias shared across batch entries or kv heads, whose dbias sums float32
-// slices).
-TEST_F(Dispatch, H100FullBiasOffTheTiles) {
+// A bias the tiles cannot take: the sm80 forward and the Hopper row-bias walk
+// reading it element by element (a full float32 one; keys not a multiple of 8;
+// a per-row bias; a full bias shared across batch entries or kv heads, whose
+// dbias sums float32 slices).
+TEST_F(Dispatch, H100BiasOffTheTiles) {
   Call f32;
   f32.bias = Shape{1, 8, 8192, 8192}, f32.bias_dtype = DType::kFloat32, f32.dbias = true;
   Call odd;
   odd.seqlen_q = odd.seqlen_k = 4100, odd.bias = Shape{1, 8, 4100, 4100}, odd.dbias = true;
-  for (const Call& c : {f32, odd}) {
+  Call per_row;
+  per_row.bias = Shape{1, 8, 8192, 1}, per_row.dbias = true;
+  for (const Call& c : {f32, odd, per_row}) {
     EXPECT_EQ(c.forward(kH100).kernel, ForwardKernel::kSm80);
     const BackwardPlan b = c.backward(kH100);
     EXPECT_EQ(b.dkv, DkvKernel::kSm90RowBias);
@@ -226,15 +228,6 @@ TEST_F(Dispatch, H100FullBiasOffTheTiles) {
     EXPECT_EQ(b.dbias_slices, s[0] == 1 ? 2 : 8) << "bias batch " << s[0];
     EXPECT_FALSE(b.bias_tiles);
   }
-}
-
-TEST_F(Dispatch, H100PerRowBiasTakesTheRowBiasWalk) {
-  Call c;
-  c.bias = Shape{1, 8, 8192, 1}, c.dbias = true;
-  EXPECT_EQ(c.forward(kH100).kernel, ForwardKernel::kSm80);
-  const BackwardPlan b = c.backward(kH100);
-  EXPECT_EQ(b.dkv, DkvKernel::kSm90RowBias);
-  EXPECT_FALSE(b.bias_tiles);
 }
 
 // A mask alone: the forward by its tile classes and bits (no key lists), the
