@@ -10,8 +10,11 @@
 #include <cstdint>
 #include <iterator>
 #include <optional>
+#include <string>
+#include <utility>
 
 #include "cuda/dispatch.h"
+#include "harness.h"
 #include "validate.h"
 
 namespace {
@@ -121,6 +124,18 @@ class Dispatch : public ::testing::Test {
     if (!compiled(64) || !compiled(128)) GTEST_SKIP() << "head dims 64 and 128 not both compiled";
   }
 };
+
+// call() throws Error of `kind` naming `argument`.
+template <class Call>
+void expect_refused(const Call& call, Error::Kind kind, const char* argument) {
+  try {
+    call();
+    ADD_FAILURE() << "no error, expected one naming " << argument;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    EXPECT_EQ(e.argument(), argument) << e.what();
+  }
+}
 
 // The Hopper forward, as `plan` names it.
 void expect_sm90_forward(const ForwardPlan& plan, bool key_lists, bool mask_tiles, bool bias_tiles) {
@@ -331,34 +346,113 @@ TEST_F(Dispatch, Sm80BackwardTilesBySharedMemory) {
   }
 }
 
-// ---- Refusals: before anything is enqueued, naming the argument ----
+// ---- Why not the Hopper kernel, and the plan in words ----
 
+bool has(const std::string& text, const char* words) { return text.find(words) != std::string::npos; }
+
+// The plan names `words` as the reason its step is not on the Hopper kernel, and so does its description.
 template <class Plan>
-void expect_unsupported(const Plan& plan, const char* argument) {
-  try {
-    plan();
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), Error::Kind::kUnsupported) << e.what();
-    EXPECT_EQ(e.argument(), argument) << e.what();
-  }
+void expect_reason(const Plan& plan, const char* words) {
+  ASSERT_NE(plan.why_not_sm90, nullptr) << words;
+  EXPECT_TRUE(has(plan.why_not_sm90, words)) << plan.why_not_sm90;
+  EXPECT_TRUE(has(cuda::describe(plan), words)) << cuda::describe(plan);
 }
+
+// The plan names the condition that keeps a call off the Hopper kernel.
+TEST_F(Dispatch, WhyNotTheHopperKernel) {
+  Call f32;
+  f32.bias = Shape{1, 8, 8192, 8192}, f32.bias_dtype = DType::kFloat32;
+  Call masked_bias = f32;
+  masked_bias.bias_dtype.reset(), masked_bias.mask = Shape{1, 1, 8192, 8192};
+  Call per_row;
+  per_row.bias = Shape{1, 8, 8192, 1};
+  Call decode;
+  decode.batch = 64, decode.seqlen_q = 1, decode.causal = false;
+  Call long_topk;
+  long_topk.seqlen_q = long_topk.seqlen_k = 16384, long_topk.bias = Shape{1, 8, 1, 16384}, long_topk.keep = 1024;
+  const std::pair<Call, const char*> forward[] = {{f32, "float32 full bias"},
+                                                  {masked_bias, "full bias with a mask or top-k"},
+                                                  {per_row, "per-row bias"},
+                                                  {decode, "decode tile"},
+                                                  {long_topk, "forward_sm90_topk"}};
+  for (const auto& [c, words] : forward) expect_reason(c.forward(kH100), words);
+  EXPECT_TRUE(has(Call{}.forward(kH100Portable).why_not_sm90, "sm_90a"));
+  EXPECT_EQ(Call{}.forward(kH100).why_not_sm90, nullptr);
+
+  Call deterministic_mask;
+  deterministic_mask.deterministic = true, deterministic_mask.mask = Shape{1, 1, 8192, 8192};
+  Call deterministic_varlen;
+  deterministic_varlen.deterministic = true, deterministic_varlen.varlen = true, deterministic_varlen.batch = 2;
+  Call thresholds;  // a mask with rows and top-k: per-row thresholds
+  thresholds.mask = Shape{1, 1, 8192, 8192}, thresholds.bias = Shape{1, 8, 1, 8192}, thresholds.keep = 1024;
+  Call softcap_mask;
+  softcap_mask.softcap = 30.0, softcap_mask.mask = Shape{1, 1, 8192, 8192};
+  Call shared_dbias_64;  // 4 query heads of a kv head share a bias head's dbias, D' = 64
+  shared_dbias_64.head_dim = 64, shared_dbias_64.bias = Shape{1, 8, 8192, 8192}, shared_dbias_64.dbias = true;
+  const std::pair<Call, const char*> backward[] = {{deterministic_mask, "deterministic=True with a mask or top-k"},
+                                                   {deterministic_varlen, "deterministic=True with varlen"},
+                                                   {thresholds, "per-row thresholds"},
+                                                   {softcap_mask, "softcap with a mask or top-k"},
+                                                   {shared_dbias_64, "at D' = 64"}};
+  for (const auto& [c, words] : backward) {
+    EXPECT_EQ(c.backward(kH100).dkv, DkvKernel::kSm80) << words;
+    expect_reason(c.backward(kH100), words);
+  }
+  EXPECT_EQ(Call{}.backward(kH100).why_not_sm90, nullptr);
+}
+
+TEST_F(Dispatch, PlansInWords) {
+  Call c;
+  c.bias = Shape{1, 8, 8192, 8192}, c.dbias = true;
+  EXPECT_EQ(cuda::describe(c.forward(kH100)), "forward, D' = 128: Hopper kernel, bias-tile walk");
+  EXPECT_EQ(cuda::describe(c.backward(kH100)),
+            "backward, D' = 128: dk/dv Hopper kernel, bias-tile walk; dq added by atomics in the dk/dv kernel; "
+            "dbias written directly");
+  Call decode;
+  decode.batch = 64, decode.seqlen_q = 1, decode.causal = false;
+  EXPECT_TRUE(has(cuda::describe(decode.forward(kH100)), "sm80 kernel, 64 rows a CTA, 4 query heads folded into rows"));
+  Call topk;
+  topk.bias = Shape{1, 8, 1, 8192}, topk.keep = 1024, topk.deterministic = true;
+  const std::string b = cuda::describe(topk.backward(kH100));
+  EXPECT_TRUE(has(b, "dk/dv sm80 kernel, large tile, key groups; dq by the sm80 dq kernel, large tile, key lists"))
+      << b;
+  EXPECT_TRUE(has(b, "top-k: intervals selected; not the Hopper kernel: deterministic=True with a mask or top-k")) << b;
+}
+
+// DMATTN_LOG_PLAN=1 prints a plan's description once; another value is refused naming it.
+TEST_F(Dispatch, LogPlanPrintsEachPlanOnce) {
+  Call c;
+  c.seqlen_q = c.seqlen_k = 3072;  // a plan no other test reports
+  const ForwardPlan plan = c.forward(kH100);
+  {
+    const dmattn_test::ScopedEnv on("DMATTN_LOG_PLAN", "1");
+    testing::internal::CaptureStderr();
+    cuda::report(plan);
+    cuda::report(plan);
+    const std::string printed = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(printed, "dmattn: " + cuda::describe(plan) + "\n");
+  }
+  const dmattn_test::ScopedEnv bad("DMATTN_LOG_PLAN", "yes");
+  expect_refused([&] { cuda::report(plan); }, Error::Kind::kValue, "DMATTN_LOG_PLAN");
+}
+
+// ---- Refusals: before anything is enqueued, naming the argument ----
 
 TEST_F(Dispatch, RefusalsOlderGpuHeadDimAndSharedMemory) {
   Call c;
   constexpr DeviceInfo kTuring{75, 40, 64 * 1024, false, false};
-  expect_unsupported([&] { c.forward(kTuring); }, "q.device");
-  expect_unsupported([&] { c.backward(kTuring); }, "q.device");
+  expect_refused([&] { c.forward(kTuring); }, Error::Kind::kUnsupported, "q.device");
+  expect_refused([&] { c.backward(kTuring); }, Error::Kind::kUnsupported, "q.device");
   const int largest = kHeadDims[std::size(kHeadDims) - 1];
   if (largest < 256) {  // a head dim CUDA takes (<= 256) above the largest compiled one
     Call wide;
     wide.head_dim = largest + 8;
-    expect_unsupported([&] { wide.forward(kH100); }, "q.shape[-1]");
-    expect_unsupported([&] { wide.backward(kH100); }, "q.shape[-1]");
+    expect_refused([&] { wide.forward(kH100); }, Error::Kind::kUnsupported, "q.shape[-1]");
+    expect_refused([&] { wide.backward(kH100); }, Error::Kind::kUnsupported, "q.shape[-1]");
   }
   constexpr DeviceInfo kSmall{80, 108, 48 * 1024, true, false};  // DMATTN_SMEM_LIMIT=48
-  expect_unsupported([&] { c.forward(kSmall); }, "q.shape[-1]");
-  expect_unsupported([&] { c.backward(kSmall); }, "q.shape[-1]");
+  expect_refused([&] { c.forward(kSmall); }, Error::Kind::kUnsupported, "q.shape[-1]");
+  expect_refused([&] { c.backward(kSmall); }, Error::Kind::kUnsupported, "q.shape[-1]");
 }
 
 }  // namespace

@@ -126,6 +126,7 @@ cuda::DeviceSelection select(const Problem& p, const Plan& plan, cudaStream_t st
 void run_forward(const Problem& p) {
   const DeviceGuard guard(p.device.index);
   cuda::ForwardPlan plan = cuda::plan_forward(p, cuda::device_info(p.device.index));
+  cuda::report(plan);
   if (plan.empty) return;  // nothing to write
   const auto stream = static_cast<cudaStream_t>(p.stream);
   cuda::DeviceSelection sel;
@@ -145,6 +146,7 @@ void run_forward(const Problem& p) {
 void run_backward(const Problem& p) {
   const DeviceGuard guard(p.device.index);
   cuda::BackwardPlan plan = cuda::plan_backward(p, cuda::device_info(p.device.index));
+  cuda::report(plan);
   if (plan.empty) return;
   cuda::BackwardParams& params = plan.params;
   const auto stream = static_cast<cudaStream_t>(p.stream);

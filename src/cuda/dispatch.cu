@@ -45,9 +45,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -95,6 +97,15 @@ const char* setting(const char* name) {
   return value != nullptr && *value != '\0' ? value : nullptr;
 }
 
+// A setting that is 0 or 1 (unset or empty: 0), else Error::kValue naming it.
+bool switched_on(const char* name, const char* expected) {
+  const char* value = setting(name);
+  if (value == nullptr) return false;
+  const std::string v = value;
+  if (v != "0" && v != "1") throw Error(Error::Kind::kValue, name, expected, "'" + v + "'");
+  return v == "1";
+}
+
 // A device's attributes under the emulation settings.
 DeviceInfo emulate(DeviceInfo info) {
   if (const char* limit = setting("DMATTN_SMEM_LIMIT")) {
@@ -109,12 +120,7 @@ DeviceInfo emulate(DeviceInfo info) {
     info.smem_capped = bytes < info.smem_optin;
     info.smem_optin = std::min(info.smem_optin, bytes);
   }
-  if (const char* portable = setting("DMATTN_PORTABLE")) {
-    const std::string value = portable;
-    if (value != "0" && value != "1")
-      throw Error(Error::Kind::kValue, "DMATTN_PORTABLE", "0 or 1 (1: the sm80-class kernels only)", "'" + value + "'");
-    if (value == "1") info.sm90a = false;
-  }
+  if (switched_on("DMATTN_PORTABLE", "0 or 1 (1: the sm80-class kernels only)")) info.sm90a = false;
   return info;
 }
 
@@ -291,23 +297,40 @@ void plan_selection(const Problem& p, Plan& plan) {
 }
 
 // ---- The Hopper kernels' conditions ---------------------------------------
+// Each is a refusal: why the Hopper kernel does not take the call (the plan's
+// why_not_sm90, shown by DMATTN_LOG_PLAN), or nullptr where it does.
+
+constexpr const char* kNoSm90a = "not an sm_90a device and build (or DMATTN_PORTABLE=1)";
+constexpr const char* kNoSm90HeadDim = "no Hopper kernel at this head dim (D' = 64 and 128 have one)";
+constexpr const char* kSm90Smem = "its CTA needs more shared memory than the device gives (DMATTN_SMEM_LIMIT?)";
 
 // The Hopper forward: written for the training shapes at D' = 64 and 128 (TMA
 // fills the features past a smaller head dim with zeros), a top-k selection
 // walked over the key lists, a mask alone by tile class and bit, a full bias
 // by tiles (`tiles`: ForwardWalk::kRowBias, without a mask or top-k, whose
 // walks take none, where TMA can load it); the 128-row sm80 walk otherwise.
-bool forward_sm90_applies(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device, bool tiles) {
+const char* forward_sm90_refusal(const ForwardPlan& plan, const Instance& i, const DeviceInfo& device, bool tiles) {
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
-  return device.sm90a && i.forward_sm90_smem > 0 && plan.kernel == ForwardKernel::kSm80 &&
-         plan.block_m == kForwardSm90BlockM && p.num_splits == 1 &&
-         (plan.selection == DeviceSelection::kNone || forward_sm90_topk(i.head_dim, p.seqlen_k)) &&
-         p.vector_q && p.vector_k && p.vector_v && (bias == BiasKind::kNone || bias == BiasKind::kKeyOnly || tiles) &&
-         (tiles ? i.forward_sm90_tile_smem : i.forward_sm90_smem) <= device.smem_optin &&
-         tma_addressable(p.q, p.query_tokens(p.batch), p.heads) &&
-         tma_addressable(p.k, p.key_tokens(p.batch), p.heads / p.group) &&
-         tma_addressable(p.v, p.key_tokens(p.batch), p.heads / p.group);
+  if (!device.sm90a) return kNoSm90a;
+  if (plan.kernel != ForwardKernel::kSm80) return "at most 64 query rows: the sm80 decode tile";
+  if (i.forward_sm90_smem == 0 || plan.block_m != kForwardSm90BlockM) return kNoSm90HeadDim;
+  if (p.num_splits != 1) return "split-KV (the grid leaves SMs idle): the sm80 kernel";
+  if (plan.selection != DeviceSelection::kNone && !forward_sm90_topk(i.head_dim, p.seqlen_k))
+    return "top-k at D' = 128 from 16384 keys: the sm80 gathered walk (heuristics.h forward_sm90_topk)";
+  if (!p.vector_q || !p.vector_k || !p.vector_v) return "q, k or v rows not in 16-byte chunks";
+  if (bias == BiasKind::kPerRow) return "a per-row bias (the Hopper forward takes key-only and full ones)";
+  if (bias == BiasKind::kFull && !tiles) {
+    if (plan.key_lists) return "a full bias with a mask or top-k";
+    if (p.bias_float32) return "a float32 full bias (its tiles take q's dtype)";
+    return "a full bias whose rows TMA cannot address (keys a multiple of 8, a 16-byte aligned base)";
+  }
+  if ((tiles ? i.forward_sm90_tile_smem : i.forward_sm90_smem) > device.smem_optin) return kSm90Smem;
+  if (!tma_addressable(p.q, p.query_tokens(p.batch), p.heads) ||
+      !tma_addressable(p.k, p.key_tokens(p.batch), p.heads / p.group) ||
+      !tma_addressable(p.v, p.key_tokens(p.batch), p.heads / p.group))
+    return "q, k or v strides TMA cannot address";
+  return nullptr;
 }
 
 // The Hopper dk/dv kernel's walk of a bias with rows (a bias not key-only,
@@ -323,24 +346,37 @@ bool row_bias_walk(const BackwardParams& p) {
 // dbias; or the walk of a bias with rows (batched: varlen biases are
 // key-only), without a mask, top-k, softcap or ordered dq, where its dbias
 // sums fit (D' = 128), or no two query heads of a kv head share a bias head.
-bool dkv_sm90_applies(const BackwardPlan& plan, const Instance& i, const DeviceInfo& device, bool deterministic) {
+const char* dkv_sm90_refusal(const BackwardPlan& plan, const Instance& i, const DeviceInfo& device,
+                             bool deterministic) {
   const BackwardParams& p = plan.params;
   const bool dense = plan.selection == DeviceSelection::kNone, plain = dense && p.mask.data == nullptr;
-  bool walk = false;
+  if (!device.sm90a) return kNoSm90a;
+  if (i.dkv_sm90_smem == 0) return kNoSm90HeadDim;
+  if (p.seqlen_q == 0) return "no query rows";
   int smem = i.dkv_sm90_smem;
   if (row_bias_walk(p)) {
+    if (!plain) return "a bias with rows, or dbias per element, with a mask or top-k";
+    if (deterministic) return "a bias with rows, or dbias per element, with deterministic=True";
+    if (p.softcap != 0.0f) return "a bias with rows, or dbias per element, with softcap";
     const bool heads_share = p.bias_grad == BiasGrad::kPerElement && p.bias_group > 1 && p.group > 1;
-    walk = plain && !deterministic && p.softcap == 0.0f && (i.dkv_sm90_db_sums || !heads_share);
+    if (heads_share && !i.dkv_sm90_db_sums)
+      return "dbias per element that query heads of a kv head share, at D' = 64 (its sums do not fit)";
     smem = i.dkv_sm90_row_bias_smem;
+  } else if (deterministic) {
+    if (!plain) return "deterministic=True with a mask or top-k";
+    if (p.softcap != 0.0f) return "deterministic=True with softcap";
+    if (p.cu_seqlens_q != nullptr) return "deterministic=True with varlen";
+    smem = i.dkv_sm90_ordered_smem;
   } else {
-    walk = deterministic ? plain && p.softcap == 0.0f && p.cu_seqlens_q == nullptr
-                         : dense || plan.selection == DeviceSelection::kIntervals;
-    walk = walk && (p.softcap == 0.0f || plain);
-    if (deterministic) smem = i.dkv_sm90_ordered_smem;
+    if (!dense && plan.selection != DeviceSelection::kIntervals) return "top-k by per-row thresholds";
+    if (p.softcap != 0.0f && !plain) return "softcap with a mask or top-k";
   }
-  return device.sm90a && i.dkv_sm90_smem > 0 && p.seqlen_q > 0 && walk && p.vector_q && p.vector_k && p.vector_v &&
-         p.vector_dout && smem <= device.smem_optin && tma_addressable(p.q, p.query_tokens(plan.batch), p.heads) &&
-         tma_addressable(p.dout, p.query_tokens(plan.batch), p.heads);
+  if (!p.vector_q || !p.vector_k || !p.vector_v || !p.vector_dout) return "q, k, v or dout rows not in 16-byte chunks";
+  if (smem > device.smem_optin) return kSm90Smem;
+  if (!tma_addressable(p.q, p.query_tokens(plan.batch), p.heads) ||
+      !tma_addressable(p.dout, p.query_tokens(plan.batch), p.heads))
+    return "q or dout strides TMA cannot address";
+  return nullptr;
 }
 
 int dtype_index(const Problem& p) { return p.q.dtype == DType::kBFloat16 ? 1 : 0; }
@@ -399,7 +435,8 @@ ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device) {
   // top-1024 mask: 6.17 against 4.02). Nothing the plan sees tells them apart
   // (docs/kernels.md).
   const bool bias_tiles = !plan.key_lists && bias_tiles_apply(params, params.batch);
-  if (forward_sm90_applies(plan, instance, device, bias_tiles)) {
+  plan.why_not_sm90 = forward_sm90_refusal(plan, instance, device, bias_tiles);
+  if (plan.why_not_sm90 == nullptr) {
     plan.kernel = ForwardKernel::kSm90;
     plan.mask_tiles = plan.key_lists && plan.selection == DeviceSelection::kNone;
     plan.bias_tiles = bias_tiles;
@@ -461,7 +498,8 @@ BackwardPlan plan_backward(const Problem& p, const DeviceInfo& device) {
   // head a kv head.
   plan.sort_groups = params.bias_grad == BiasGrad::kNone || params.bias_grad == BiasGrad::kPerKey;
   plan.split_groups = params.bias_grad == BiasGrad::kNone || params.bias_group % params.group == 0;
-  if (dkv_sm90_applies(plan, instance, device, p.deterministic)) {
+  plan.why_not_sm90 = dkv_sm90_refusal(plan, instance, device, p.deterministic);
+  if (plan.why_not_sm90 == nullptr) {
     plan.dkv = plan.selection == DeviceSelection::kIntervals ? DkvKernel::kSm90Groups
                : row_bias_walk(params)                        ? DkvKernel::kSm90RowBias
                                                               : DkvKernel::kSm90;
@@ -481,6 +519,87 @@ BackwardPlan plan_backward(const Problem& p, const DeviceInfo& device) {
   plan.run = instance.backward[dtype];
   return plan;
 }
+
+namespace {
+
+// The top-k selection of a plan, in words.
+template <class Plan>
+std::string selection_words(const Plan& plan) {
+  if (plan.selection == DeviceSelection::kNone) return "";
+  if (plan.selection_given) return "; top-k: the given intervals";
+  return plan.selection == DeviceSelection::kIntervals ? "; top-k: intervals selected" : "; top-k: per-row thresholds";
+}
+
+template <class Plan>
+std::string refusal_words(const Plan& plan) {
+  return plan.why_not_sm90 == nullptr ? "" : std::string("; not the Hopper kernel: ") + plan.why_not_sm90;
+}
+
+// Prints the plan's description once a process (DMATTN_LOG_PLAN=1).
+template <class Plan>
+void report_once(const Plan& plan) {
+  if (!switched_on("DMATTN_LOG_PLAN", "0 or 1 (1: each distinct plan printed to stderr once)")) return;
+  static std::mutex mutex;
+  static std::set<std::string> seen;
+  const std::string text = describe(plan);
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (!seen.insert(text).second) return;
+  }
+  std::fprintf(stderr, "dmattn: %s\n", text.c_str());
+}
+
+}  // namespace
+
+std::string describe(const ForwardPlan& plan) {
+  if (plan.empty) return "forward: nothing to compute";
+  const ForwardParams& p = plan.params;
+  std::string s = "forward, D' = " + std::to_string(plan.head_dim) + ": ";
+  if (plan.kernel == ForwardKernel::kSm90) {
+    s += "Hopper kernel, ";
+    s += plan.bias_tiles   ? "bias-tile walk"
+         : plan.mask_tiles ? "mask-tile walk"
+         : plan.key_lists  ? "key-list walk"
+                           : "dense walk";
+  } else {
+    s += "sm80 kernel, " + std::to_string(plan.block_m) + " rows a CTA";
+    if (plan.key_lists) s += ", key lists";
+    if (p.num_splits > 1) s += ", " + std::to_string(p.num_splits) + " key splits";
+    if (p.topk_fold > 1) s += ", " + std::to_string(p.topk_fold) + " query heads folded into rows";
+  }
+  return s + selection_words(plan) + refusal_words(plan);
+}
+
+std::string describe(const BackwardPlan& plan) {
+  if (plan.empty) return "backward: nothing to compute";
+  const BackwardParams& p = plan.params;
+  std::string s = "backward, D' = " + std::to_string(plan.head_dim) + ": dk/dv ";
+  if (plan.dkv == DkvKernel::kSm80) {
+    s += plan.small_dkv ? "sm80 kernel, small tile" : "sm80 kernel, large tile";
+    if (plan.selection == DeviceSelection::kIntervals) s += ", key groups";
+    if (plan.mask_tiles) s += ", mask tiles";
+  } else {
+    s += "Hopper kernel, ";
+    s += plan.dkv == DkvKernel::kSm90Groups    ? "key-group walk"
+         : plan.dkv == DkvKernel::kSm90RowBias ? (plan.bias_tiles ? "bias-tile walk" : "row-bias walk")
+         : plan.ordered_dq                     ? "ordered-dq walk"
+         : plan.mask_tiles                     ? "mask-tile walk"
+         : p.softcap > 0.0f                    ? "softcap walk"
+                                               : "dense walk";
+  }
+  s += plan.ordered_dq      ? "; dq added in key order by the dk/dv kernel"
+       : p.atomic_dq        ? "; dq added by atomics in the dk/dv kernel"
+       : plan.small_dq      ? "; dq by the sm80 dq kernel, small tile"
+                            : "; dq by the sm80 dq kernel, large tile";
+  if (plan.key_lists && !p.atomic_dq) s += ", key lists";
+  if (p.bias_grad != BiasGrad::kNone)
+    s += plan.dbias_slices > 0 ? "; dbias summed over " + std::to_string(plan.dbias_slices) + " float32 slices"
+                               : std::string("; dbias written directly");
+  return s + selection_words(plan) + refusal_words(plan);
+}
+
+void report(const ForwardPlan& plan) { report_once(plan); }
+void report(const BackwardPlan& plan) { report_once(plan); }
 
 void plan_select(const Problem& p) { check_arch(device_info(p.device.index), p); }
 

@@ -9,6 +9,8 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "../problem.h"
 #include "params.h"
 #include "sparse/selection.h"
@@ -56,6 +58,7 @@ struct ForwardPlan {
   bool key_lists = false;   // the key-list passes run first (a mask and/or top-k)
   bool mask_tiles = false;  // the Hopper forward's mask pass runs first (its tile classes and bits)
   bool bias_tiles = false;  // the Hopper forward loads a full bias by tiles (ForwardWalk::kRowBias)
+  const char* why_not_sm90 = nullptr;  // why the Hopper forward does not run (nullptr: it does)
   ForwardRun run = nullptr;  // the instantiation's launcher
 };
 
@@ -91,6 +94,7 @@ struct BackwardPlan {
                              // the Hopper one with the mask's bits)
   bool sort_groups = false;  // top-k intervals: key groups sorted by their rows (sparse/selection.h group_keys)
   bool split_groups = false;  // ... and cut at row segments
+  const char* why_not_sm90 = nullptr;  // why the Hopper dk/dv kernel does not run (nullptr: it does)
   BackwardRun run = nullptr;
 };
 
@@ -102,6 +106,15 @@ struct BackwardPlan {
 // one. The current device must be p.device.
 ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device);
 BackwardPlan plan_backward(const Problem& p, const DeviceInfo& device);
+// A plan in words: the kernel and walk of each step, the top-k selection, and
+// why the Hopper kernel does not run where it does not.
+std::string describe(const ForwardPlan& plan);
+std::string describe(const BackwardPlan& plan);
+// With DMATTN_LOG_PLAN=1 (read at every call; 0 or unset: off, anything else
+// is Error::kValue naming it), prints each plan's description to stderr the
+// first time it occurs in the process.
+void report(const ForwardPlan& plan);
+void report(const BackwardPlan& plan);
 // select_topk (the intervals alone, sparse/selection.h write_intervals): refused
 // as every call is below compute capability 8.0; nothing else to choose.
 void plan_select(const Problem& p);

@@ -2,7 +2,7 @@
 // of the common training case and the top-k key groups (intervals), dq by
 // bulk reductions (deterministic: in key-block order, on the dense walk),
 // batched or varlen. The dispatch plans it where it applies (dispatch.cu
-// dkv_sm90_applies: an sm_90a device, TMA can address Q and dO); everything
+// dkv_sm90_refusal: an sm_90a device, TMA can address Q and dO); everything
 // else (top-k thresholds, softcap with a mask or top-k, deterministic dq over
 // key groups, masks or varlen, head dims above 128, a bias with rows together
 // with a mask, top-k, softcap or deterministic dq) runs backward_kernel<..,

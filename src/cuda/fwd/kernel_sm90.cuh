@@ -2,7 +2,7 @@
 // head dims up to 64 and 128 (zero-padded) without split-KV, batched or
 // varlen, with no bias or a key-only one, softcap, the user's mask and top-k;
 // or batched with a full bias (rows and keys) and no mask or top-k. The
-// dispatch plans it where it applies (dispatch.cu forward_sm90_applies: an
+// dispatch plans it where it applies (dispatch.cu forward_sm90_refusal: an
 // sm_90a device, TMA can address Q, K, V and a full bias); everything else
 // (decode tiles, split-KV, per-row or float32 full biases, a full bias with a
 // mask or top-k, head dims above 128) runs forward_kernel (fwd/kernel_sm80.cuh).
