@@ -142,13 +142,13 @@ def _run(entry: str, q: Tensor, args, options) -> None:
     getattr(_C, entry)(*map(_dl, args), stream=_stream(q), **options)
 
 
-def _meta(t):
+def _meta(t, meta_as: str = "cpu"):
     """What the core's check_* take for a tensor: dtype name, device type and index, shape, strides;
     anything else as it is. Symbolic sizes are read as their example values, without adding a guard. A
-    meta-device tensor is checked as a CPU one, the backend that takes every valid input."""
+    meta-device tensor is checked as a `meta_as` one (`_check`)."""
     if not isinstance(t, Tensor):
         return size_hint(t) if isinstance(t, torch.SymInt) else t
-    device = "cpu" if t.device.type == "meta" else t.device.type
+    device = meta_as if t.device.type == "meta" else t.device.type
     return (str(t.dtype).removeprefix("torch."), device, t.device.index or 0, [size_hint(n) for n in t.shape],
             [size_hint(n) for n in t.stride()])
 
@@ -157,10 +157,16 @@ def _check(entry: str, args, options) -> None:
     """A fake kernel's validation: the core's check_<entry> on the metadata of args, which raises what
     the real kernel would (but for the cu_seqlens values, which only the real one reads). Sizes without
     an example value (data-dependent ones) leave the check to the real kernel."""
-    sizes = [n for t in args if isinstance(t, Tensor) for n in (*t.shape, *t.stride())]
+    tensors = [t for t in args if isinstance(t, Tensor)]
+    sizes = [n for t in tensors for n in (*t.shape, *t.stride())]
     sizes += [n for n in (*args, *options.values()) if isinstance(n, torch.SymInt)]
+    # Meta tensors alone (shape inference) are checked as CPU ones, the backend that takes every valid input.
+    # Beside tensors on a device they stay "meta", which the core refuses naming them: the dispatcher runs
+    # this fake kernel for such a call, whose outputs on the device would be returned uninitialised.
+    meta_as = "cpu" if all(t.device.type == "meta" for t in tensors) else "meta"
     if all(has_hint(n) for n in sizes):
-        getattr(_C, "check_" + entry)(*map(_meta, args), **{key: _meta(n) for key, n in options.items()})
+        getattr(_C, "check_" + entry)(*(_meta(t, meta_as) for t in args),
+                                      **{key: _meta(n, meta_as) for key, n in options.items()})
 
 
 def _fake(call, entry: str):
@@ -230,9 +236,11 @@ def _eager(*tensors: Optional[Tensor]) -> bool:
     the dispatcher, which costs about 0.1 ms of host time an op (the custom op's Python autograd wrapper, its
     argument defaults, the dynamo guard around its kernel): a small call's launches then wait on Python. The
     same kernels either way; the ops where anything may see them: under torch.compile, under a dispatch mode
-    (FakeTensorMode, functionalization, tracing), for tensor subclasses, or under torch.func transforms."""
+    (FakeTensorMode, functionalization, tracing), for tensor subclasses, under torch.func transforms, or with
+    a meta tensor (the ops' fake kernels)."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and all(t is None or (type(t) in _PLAIN and not _functorch_wrapped(t)) for t in tensors))
+            and all(t is None or (type(t) in _PLAIN and not _functorch_wrapped(t) and t.device.type != "meta")
+                    for t in tensors))
 
 
 def _direct(impl, setup_context, backward, backward_impl):

@@ -186,3 +186,43 @@ def test_tensors_on_different_devices():
 def test_cuda_float32_is_a_type_error():
     with pytest.raises(TypeError, match=re.escape("dmattn: q.dtype: expected float16 or bfloat16 on CUDA")):
         dmattn.attention(*(t.cuda() for t in _qkv()))
+
+
+def _call_with_meta(path, argument):
+    """attention on CPU q, k, v with `argument` (the mask or the bias) on the meta device, by `path`."""
+    q, k, v = _qkv()
+    operand = (torch.ones(2, 1, 5, 6, dtype=torch.bool) if argument == "mask" else _bias()).to("meta")
+    kwargs = {argument: operand}
+    if path == "eager":
+        return dmattn.attention(q, k, v, **kwargs)
+    if path == "compiled":
+        return torch.compile(lambda *a: dmattn.attention(*a, **kwargs), backend="eager", fullgraph=True)(q, k, v)
+    mask, bias = kwargs.get("mask"), kwargs.get("bias")
+    shape = lambda t: None if t is None else list(t.shape)  # noqa: E731
+    return torch.ops.dmattn.fwd(q, k, v, mask, shape(mask), bias, shape(bias), None, None, 0.0, False, -1, -1, None,
+                                False)
+
+
+@pytest.mark.parametrize("argument", ["mask", "bias"])
+@pytest.mark.parametrize("path", ["eager", "compiled", "op"])
+def test_a_meta_tensor_beside_real_ones_is_refused(path, argument):
+    """A meta tensor has no data (a module's buffer left on the meta device, say). Beside CPU tensors it is
+    refused, naming it, on every path: the dispatcher would otherwise run the fake kernel for the call and
+    return its uninitialised CPU outputs, a silently wrong result. (torch.compile reports the fake kernel's
+    error inside its own.)"""
+    message = re.escape(f"dmattn: {argument}.device: expected a cpu or cuda array, got meta")
+    compiled = path == "compiled"
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError if compiled else ValueError,
+                       match=message if compiled else "^" + message):
+        _call_with_meta(path, argument)
+
+
+def test_meta_tensors_give_meta_results():
+    """All on the meta device: shapes and dtypes only (the fake kernels), forward and backward, as torch's own ops."""
+    q, k, v = (t.to("meta").requires_grad_() for t in _qkv())
+    bias = _bias().to("meta").requires_grad_()
+    out = dmattn.attention(q, k, v, bias=bias, causal=True)
+    assert out.device.type == "meta" and out.shape == q.shape and out.dtype == q.dtype
+    out.sum().backward()
+    for t in (q, k, v, bias):
+        assert t.grad.device.type == "meta" and t.grad.shape == t.shape
