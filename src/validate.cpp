@@ -188,13 +188,17 @@ void check_options(const Options& o, const Inputs& in) {
   }
 }
 
-// Checks cu_seqlens, and its values when they are on the host and may be read; returns
-// the number of sequences.
+// Checks cu_seqlens (of `entries` entries where given: cu_seqlens_q's), and its values when
+// they are on the host and may be read; returns the number of sequences.
 std::int64_t check_cu_seqlens(const TensorView& cu, const char* name, std::int64_t total,
                               const char* total_name, std::int64_t max_seqlen,
-                              const char* max_name, const Device& device, Reads reads) {
+                              const char* max_name, const Device& device, Reads reads,
+                              std::optional<std::int64_t> entries = std::nullopt) {
   Arg(cu, name).rank(1, "(B + 1,)").dtype(DType::kInt32, "(cumulative sequence lengths)").device(device);
   if (cu.shape[0] < 1) throw Error(Kind::kValue, std::string(name) + ".shape[0]", "B + 1 >= 1", "0");
+  if (entries && cu.shape[0] != *entries)
+    throw Error(Kind::kValue, std::string(name) + ".shape[0]", std::to_string(*entries) + " (the length of cu_seqlens_q)",
+                std::to_string(cu.shape[0]));
   if (max_seqlen < 0)
     throw Error(Kind::kValue, max_name, "a length >= 0", std::to_string(max_seqlen));
   if (device.type != DeviceType::kCPU || reads == Reads::kMetadata) return cu.shape[0] - 1;
@@ -291,11 +295,8 @@ Problem make_problem(const Inputs& in, const VarlenLayout* layout, const Options
     Arg(in.v, "v").dim(0, {total_k, "total_k"});
     s.B = check_cu_seqlens(layout->cu_seqlens_q, "cu_seqlens_q", total_q, "total_q",
                            layout->max_seqlen_q, "max_seqlen_q", device, reads);
-    const std::int64_t bk = check_cu_seqlens(layout->cu_seqlens_k, "cu_seqlens_k", total_k, "total_k",
-                                             layout->max_seqlen_k, "max_seqlen_k", device, reads);
-    if (bk != s.B)
-      throw Error(Kind::kValue, "cu_seqlens_k.shape[0]", std::to_string(s.B + 1) + " (the length of cu_seqlens_q)",
-                  std::to_string(bk + 1));
+    check_cu_seqlens(layout->cu_seqlens_k, "cu_seqlens_k", total_k, "total_k", layout->max_seqlen_k, "max_seqlen_k",
+                     device, reads, s.B + 1);
     s.Sq = layout->max_seqlen_q, s.Sk = layout->max_seqlen_k;
     p.total_q = total_q, p.total_k = total_k;
     p.cu_seqlens_q = static_cast<const std::int32_t*>(layout->cu_seqlens_q.data);

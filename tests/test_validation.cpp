@@ -353,6 +353,13 @@ std::vector<BadCase> bad_cases() {
          c.layout.max_seqlen_k = 3;
        },
        Kind::kValue, "cu_seqlens_k.shape[0]", "expected 4 (the length of cu_seqlens_q), got 5"},
+      {"cu_seqlens_lengths_differ_before_values", VF,  // the length is the error, not the last value it lacks
+       [](Call& c) {
+         c.layout.cu_seqlens_k = c.make(DType::kInt32, {3});
+         auto* p = static_cast<std::int32_t*>(c.layout.cu_seqlens_k.data);
+         p[0] = 0, p[1] = 3, p[2] = 4;
+       },
+       Kind::kValue, "cu_seqlens_k.shape[0]", "expected 4 (the length of cu_seqlens_q), got 3"},
       {"max_seqlen_q_too_small", VF, [](Call& c) { c.layout.max_seqlen_q = 2; }, Kind::kValue, "max_seqlen_q",
        "expected >= every sequence length (sequence 2 has 3), got 2"},
       {"max_seqlen_k_too_small", VB, [](Call& c) { c.layout.max_seqlen_k = 1; }, Kind::kValue, "max_seqlen_k",
