@@ -197,8 +197,8 @@ std::int64_t check_cu_seqlens(const TensorView& cu, const char* name, std::int64
   Arg(cu, name).rank(1, "(B + 1,)").dtype(DType::kInt32, "(cumulative sequence lengths)").device(device);
   if (cu.shape[0] < 1) throw Error(Kind::kValue, std::string(name) + ".shape[0]", "B + 1 >= 1", "0");
   if (entries && cu.shape[0] != *entries)
-    throw Error(Kind::kValue, std::string(name) + ".shape[0]", std::to_string(*entries) + " (the length of cu_seqlens_q)",
-                std::to_string(cu.shape[0]));
+    throw Error(Kind::kValue, std::string(name) + ".shape[0]",
+                std::to_string(*entries) + " (the length of cu_seqlens_q)", std::to_string(cu.shape[0]));
   if (max_seqlen < 0)
     throw Error(Kind::kValue, max_name, "a length >= 0", std::to_string(max_seqlen));
   if (device.type != DeviceType::kCPU || reads == Reads::kMetadata) return cu.shape[0] - 1;
