@@ -93,6 +93,13 @@ CaseInputs make_inputs(const Case& c, const Shape& q_shape, const Shape& k_shape
 std::vector<dmattn_test::RefResult> naive_runs(const Case& c, const CaseInputs& inputs,
                                                const std::optional<std::vector<double>>& dout);
 std::string bounds_text(double lowp, const std::optional<double>& naive);
+// What the dispatch plans for a GPU call, in words (src/cuda/dispatch.h describe): each
+// case's line says which kernel and walk every step took.
+std::string forward_plan(const dmattn::Inputs& in, const dmattn::VarlenLayout* layout, const dmattn::TensorView& out,
+                         const std::optional<dmattn::TensorView>& lse, const dmattn::Options& options);
+std::string backward_plan(const dmattn::Inputs& in, const dmattn::VarlenLayout* layout, const dmattn::TensorView& out,
+                          const dmattn::TensorView& dout, const dmattn::TensorView& lse, const dmattn::Gradients& grads,
+                          const dmattn::Options& options);
 // The varlen layout of a case, its cu_seqlens in `storage` (host) or copied to
 // `device_storage` (2 (B + 1) int32) where that is given.
 dmattn::VarlenLayout varlen_layout(const Case& c, std::vector<std::int32_t>& storage, void* device_storage);

@@ -125,6 +125,7 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
   const GivenIntervals given = given_intervals(c, inputs, in, cu.layout());
   if (given.device) in.topk_intervals = given.device->view();
   bool untouched = true;
+  std::string plan;
   auto gpu_grads = [&]() {
     HostTensor dq_host(c.dtype, q_shape, c.qkv_layout), dk_host(c.dtype, k_shape, c.qkv_layout),
         dv_host(c.dtype, k_shape, c.qkv_layout);
@@ -137,6 +138,7 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
     if (db_host) dbias.emplace(*db_host);
     dmattn::Gradients g{dq.view(), dk.view(), dv.view(), std::nullopt};
     if (dbias) g.dbias = dbias->view();
+    if (plan.empty()) plan = backward_plan(in, cu.layout(), out.view(), dO.view(), lse.view(), g, c.options);
     if (varlen)
       dmattn::varlen_backward(in, *cu.layout(), out.view(), dO.view(), lse.view(), g, c.options);
     else
@@ -198,7 +200,7 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
                   same ? "" : (must_be_same ? " NOT REPRODUCIBLE" : " (runs differ: atomics)"));
     detail += buf;
   }
-  r.detail = detail + (untouched ? "" : "WROTE OUTSIDE THE VIEW");
+  r.detail = detail + (untouched ? "" : "WROTE OUTSIDE THE VIEW  ") + "[" + plan + "]";
   return r;
 }
 

@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "check.h"
+#include "cuda/dispatch.h"
 #include "device.h"
+#include "validate.h"
 
 namespace dmattn_gpu_test {
 
@@ -206,6 +208,20 @@ GivenIntervals given_intervals(const Case& c, const CaseInputs& inputs, const dm
 }
 
 // "lowp X" and, where the naive computations ran, "naive Y": the errors a bound is taken from.
+std::string forward_plan(const dmattn::Inputs& in, const dmattn::VarlenLayout* layout, const dmattn::TensorView& out,
+                         const std::optional<dmattn::TensorView>& lse, const dmattn::Options& options) {
+  const dmattn::Problem p = dmattn::make_forward_problem(in, layout, out, lse, options, dmattn::Reads::kMetadata);
+  return dmattn::cuda::describe(dmattn::cuda::plan_forward(p, dmattn::cuda::device_info(p.device.index)));
+}
+
+std::string backward_plan(const dmattn::Inputs& in, const dmattn::VarlenLayout* layout, const dmattn::TensorView& out,
+                          const dmattn::TensorView& dout, const dmattn::TensorView& lse, const dmattn::Gradients& grads,
+                          const dmattn::Options& options) {
+  const dmattn::Problem p =
+      dmattn::make_backward_problem(in, layout, out, dout, lse, grads, options, dmattn::Reads::kMetadata);
+  return dmattn::cuda::describe(dmattn::cuda::plan_backward(p, dmattn::cuda::device_info(p.device.index)));
+}
+
 std::string bounds_text(double lowp, const std::optional<double>& naive) {
   char buf[64];
   if (naive)
@@ -267,6 +283,7 @@ Outcome run_forward_case(const Case& c, Rng& rng) {
   const DeviceVarlen cu(c);
   const GivenIntervals given = given_intervals(c, inputs, in, cu.layout());
   if (given.device) in.topk_intervals = given.device->view();
+  const std::string plan = forward_plan(in, cu.layout(), dout.view(), gpu_lse_view, options);
   if (varlen)
     dmattn::varlen_forward(in, *cu.layout(), dout.view(), gpu_lse_view, options);
   else
@@ -295,7 +312,7 @@ Outcome run_forward_case(const Case& c, Rng& rng) {
   std::snprintf(buf, sizeof buf, "out err %.3g (%s)  lse err %.3g (lowp %.3g)%s%s", err, bounds_text(lp_err, naive_err).c_str(),
                 lerr, lp_lerr, out_pad && lse_pad ? "" : "  WROTE OUTSIDE THE VIEW",
                 given.gpu_equal ? "" : "  GPU SELECT_TOPK DIFFERS FROM THE CPU'S");
-  r.detail = buf;
+  r.detail = std::string(buf) + "  [" + plan + "]";
   return r;
 }
 
