@@ -75,17 +75,17 @@ struct Call {
 
   ForwardPlan forward(const DeviceInfo& device) const {
     const std::optional<VarlenLayout> l = layout();
-    return cuda::plan_forward(make_forward_problem(inputs(), l ? &*l : nullptr, out(), lse(), options(), Reads::kMetadata),
-                              device);
+    const Problem p = make_forward_problem(inputs(), l ? &*l : nullptr, out(), lse(), options(), Reads::kMetadata);
+    return cuda::plan_forward(p, device);
   }
   BackwardPlan backward(const DeviceInfo& device) const {
     const std::optional<VarlenLayout> l = layout();
     Gradients grads{token(10, seqlen_q, heads), token(11, seqlen_k, kv_heads), token(12, seqlen_k, kv_heads),
                     std::nullopt};
     if (dbias) grads.dbias = bias_view(13);
-    return cuda::plan_backward(make_backward_problem(inputs(), l ? &*l : nullptr, out(), token(14, seqlen_q, heads),
-                                                     lse(), grads, options(), Reads::kMetadata),
-                               device);
+    const Problem p = make_backward_problem(inputs(), l ? &*l : nullptr, out(), token(14, seqlen_q, heads), lse(),
+                                            grads, options(), Reads::kMetadata);
+    return cuda::plan_backward(p, device);
   }
 
  private:
@@ -126,8 +126,8 @@ class Dispatch : public ::testing::Test {
 };
 
 // call() throws Error of `kind` naming `argument`.
-template <class Call>
-void expect_refused(const Call& call, Error::Kind kind, const char* argument) {
+template <class F>
+void expect_refused(const F& call, Error::Kind kind, const char* argument) {
   try {
     call();
     ADD_FAILURE() << "no error, expected one naming " << argument;
@@ -268,7 +268,8 @@ TEST_F(Dispatch, H100TopkOverIntervals) {
       const ForwardPlan f = c.forward(kH100);
       EXPECT_EQ(f.selection, cuda::DeviceSelection::kIntervals);
       EXPECT_TRUE(f.key_lists);
-      EXPECT_EQ(f.kernel, d == 64 || s < 16384 ? ForwardKernel::kSm90 : ForwardKernel::kSm80) << "D " << d << ", S " << s;
+      EXPECT_EQ(f.kernel, d == 64 || s < 16384 ? ForwardKernel::kSm90 : ForwardKernel::kSm80)
+          << "D " << d << ", S " << s;
       const BackwardPlan b = c.backward(kH100);
       EXPECT_EQ(b.selection, cuda::DeviceSelection::kIntervals);
       EXPECT_EQ(b.dkv, DkvKernel::kSm90Groups) << "D " << d << ", S " << s;
