@@ -56,32 +56,31 @@ void matmul_xyt(std::int64_t nr, std::int64_t nc, std::int64_t D, std::int64_t l
   }
 }
 
+// Out[o * D + d] += sum_i w(o, i) * In[i * D + d] over o < n_out, i < n_in, skipping zero weights
+// (a row's masked entries).
+template <class A, class Weight>
+void accumulate(std::int64_t n_out, std::int64_t n_in, std::int64_t D, Weight w, const A* In, A* Out) {
+  for (std::int64_t o = 0; o < n_out; ++o) {
+    A* out = Out + o * D;
+    for (std::int64_t i = 0; i < n_in; ++i) {
+      const A weight = w(o, i);
+      if (weight == A(0)) continue;
+      const A* in = In + i * D;
+      for (std::int64_t d = 0; d < D; ++d) out[d] += weight * in[d];
+    }
+  }
+}
+
 // Out[r * D + d] += sum_c W[r * ld + c] * Y[c * D + d]   (Out += W Y)
 template <class A>
 void accumulate_wy(std::int64_t nr, std::int64_t nc, std::int64_t D, std::int64_t ld, const A* W, const A* Y, A* Out) {
-  for (std::int64_t r = 0; r < nr; ++r) {
-    A* o = Out + r * D;
-    for (std::int64_t c = 0; c < nc; ++c) {
-      const A w = W[r * ld + c];
-      if (w == A(0)) continue;
-      const A* y = Y + c * D;
-      for (std::int64_t d = 0; d < D; ++d) o[d] += w * y[d];
-    }
-  }
+  accumulate(nr, nc, D, [&](std::int64_t r, std::int64_t c) { return W[r * ld + c]; }, Y, Out);
 }
 
 // Out[c * D + d] += sum_r W[r * ld + c] * X[r * D + d]   (Out += W^T X)
 template <class A>
 void accumulate_wtx(std::int64_t nr, std::int64_t nc, std::int64_t D, std::int64_t ld, const A* W, const A* X, A* Out) {
-  for (std::int64_t c = 0; c < nc; ++c) {
-    A* o = Out + c * D;
-    for (std::int64_t r = 0; r < nr; ++r) {
-      const A w = W[r * ld + c];
-      if (w == A(0)) continue;
-      const A* x = X + r * D;
-      for (std::int64_t d = 0; d < D; ++d) o[d] += w * x[d];
-    }
-  }
+  accumulate(nc, nr, D, [&](std::int64_t c, std::int64_t r) { return W[r * ld + c]; }, X, Out);
 }
 
 // One online-softmax step over a tile. On entry L holds logits (-inf: not
