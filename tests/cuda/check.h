@@ -3,7 +3,7 @@
 // ref| <= 2 * proxy + 1e-5 on out, where ref is the CPU backend in float64 and
 // the proxy error the larger of two: lowp, the CPU backend run on the same
 // fp16/bf16 tensors (float32 accumulation, one rounding of o), more accurate
-// than a naive computation; and, where B*H*Sq*Sk is at most 2^25, the naive
+// than a naive computation; and, where B*H*Sq*Sk is at most 2^27, the naive
 // computations themselves (tests/reference.h: every intermediate rounded to the
 // dtype, or only what is stored), SPEC 5's own rule, run only where an error
 // exceeds the lowp bound (they are slow). lowp alone was stricter than SPEC 5:
