@@ -11,7 +11,8 @@ Four suites, each a list of cases (Spec below) with the systems that can run the
   packed varlen, softcap, deterministic, a random bool mask, the seed's flash_dmattn_func with a top-1024
   mask, a full 4-D bias with its gradient, a sliding window), each beside its best peer and the target.
 - topk: dmattn's top-k against its own dense path on the same shape and bias, for S in {2048 .. 65536}
-  and w in {256, 1024, 2048}, batched, varlen, D=64 and S=131072, with the ideal work ratio.
+  and w in {256, 1024, 2048}, batched, varlen, D=64 and S=131072, with the ideal work ratio and the fill
+  efficiency of the forward's gathered key tiles (forward_fill).
 - portable: the sm80-class kernels forced on this GPU (DMATTN_PORTABLE=1) under the shared memory of an
   RTX 4090 / L40 (DMATTN_SMEM_LIMIT=99) and of an A100 (163), D in {64, 128}, 32/8 heads, B=16 x 2048 and
   B=1 x 16384, without a bias and with a key bias, against SDPA flash (FA2, mma.sync code too).
@@ -168,6 +169,40 @@ def allowed_per_row(torch, spec):
         last = torch.minimum(last, diagonal + right) if right >= 0 else last
     count = (last.clamp(max=spec.keys - 1) - first + 1).clamp(min=0)
     return count.clamp(max=spec.keep) if spec.keep is not None else count
+
+
+# The granule of the fill efficiency: query blocks of 128 rows (both forward kernels) walking the union of
+# their selected keys in tiles of 64 (the sm80 gathered walk's, and a whole fraction of the Hopper one's 128).
+FILL_ROWS, FILL_KEYS = 128, 64
+
+
+def forward_fill(torch, intervals, rows, block_m=FILL_ROWS, block_n=FILL_KEYS):
+    """Fill efficiency of a gathered top-k forward from its selection: per-key row intervals (..., Sk, 2)
+    (dmattn's select, rows [start, end) that keep each key) over `rows` query rows. The selected (query, key)
+    pairs over the pairs of the key tiles the query blocks walk: each block of block_m rows takes the union
+    of the keys whose rows meet it, padded to whole tiles of block_n keys (1: no padding, no key outside a
+    row's selection). Counted with a difference array over the blocks: O(Sk) a selection head."""
+    start, end = intervals[..., 0].long().clamp(min=0), intervals[..., 1].long().clamp(max=rows)
+    live = end > start
+    useful = int((end - start).clamp(min=0).sum())
+    blocks = -(-rows // block_m)
+    first = torch.div(start, block_m, rounding_mode="floor").masked_fill(~live, blocks)
+    after = (torch.div(end - 1, block_m, rounding_mode="floor") + 1).masked_fill(~live, blocks)
+    edges = torch.zeros(*intervals.shape[:-2], blocks + 1, dtype=torch.long, device=intervals.device)
+    edges.scatter_add_(-1, first, live.long()).scatter_add_(-1, after, -live.long())
+    union = edges[..., :blocks].cumsum(-1)  # keys in each block's list
+    block_rows = torch.full((blocks,), block_m, dtype=torch.long, device=intervals.device)
+    block_rows[-1] = rows - (blocks - 1) * block_m
+    walked = int((block_rows * (-(-union // block_n)) * block_n).sum())
+    return useful / walked if walked else 1.0
+
+
+def topk_fill(torch, case):
+    """forward_fill of a top-k case's own selection (its bias, causal, its keep window)."""
+    s = case.spec
+    bias_shape = list(case.bias.shape)
+    intervals = torch.ops.dmattn.select(case.q, case.k, None, None, case.bias, bias_shape, s.causal, -1, -1, s.keep)
+    return forward_fill(torch, intervals, s.sq)
 
 
 class Case:
@@ -491,6 +526,8 @@ def run(args):
                 continue
             started = time.time()
             case = Case(torch, spec)
+            if name == "topk" and spec.keep is not None:
+                where["fill"] = topk_fill(torch, case)
             reference = None
             for system in spec.systems:
                 for grad in (False, True):

@@ -8,8 +8,8 @@ from the suites' results ({name: {meta, rows}}, as performance.json holds them).
 import dataclasses
 from pathlib import Path
 
-from bench_gpu import (ALL, DECODE_BATCH, DECODE_KEYS, FWD_BWD_FLOP_FACTOR, PORTABLE, PORTABLE_SHAPES, SCALING_W,
-                       SHAPES, SUITES, TOP_K, TOPK, allowed_per_row)
+from bench_gpu import (ALL, DECODE_BATCH, DECODE_KEYS, FILL_KEYS, FILL_ROWS, FWD_BWD_FLOP_FACTOR, PORTABLE,
+                       PORTABLE_SHAPES, SCALING_W, SHAPES, SUITES, TOP_K, TOPK, allowed_per_row)
 
 # DESIGN.md: one H200, B=1, 32/8 heads, D=128, bf16, causal, S=16384, fwd ms / fwd+bwd ms; measured by
 # others on the seed project (flash-dmattn) and its peers, not re-run here.
@@ -236,9 +236,11 @@ def topk_report(suite):
     lines = header("Top-k against dense (the top-k issue's table)", meta, [
         "dmattn only, 32/8 heads, bf16, causal, key bias (B, 8, 1, S) with dbias, selection included in every "
         "call. fraction: top-k time / dense time of the same shape (target: <= 1 everywhere). ideal: allowed "
-        "pairs under the keep window / allowed causal pairs (the work ratio a perfect sparse kernel reaches).",
+        "pairs under the keep window / allowed causal pairs (the work ratio a perfect sparse kernel reaches). "
+        f"fill: the selected pairs / the pairs of the key tiles the forward walks (each {FILL_ROWS}-row query "
+        f"block on the union of its rows' selected keys in tiles of {FILL_KEYS}; bench_gpu.py forward_fill).",
         "", "| case | fwd ms | dense fwd ms | fwd fraction | fwd+bwd ms | dense fwd+bwd ms | fwd+bwd fraction "
-        "| ideal | fwd+bwd peak MiB |", "|---|---|---|---|---|---|---|---|---|"])
+        "| ideal | fill | fwd+bwd peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"])
     for spec, dense in topk_pairs():
         ideal = float(allowed_per_row(torch, spec).sum() / allowed_per_row(torch, dataclasses.replace(
             spec, keep=None)).sum())
@@ -248,8 +250,9 @@ def topk_report(suite):
             b = None if dense is None else rows.get(dense, "dmattn", mode)
             cells += ["" if a is None else f"{a:.2f}", "" if b is None else f"{b:.2f}",
                       "" if a is None or b is None else f"{a / b:.2f}"]
-        peak = rows.get(spec, "dmattn", "fwd+bwd", "peak_mib")
-        lines.append(f"| {spec.case} | " + " | ".join(cells) + f" | {ideal:.3f} | {'' if peak is None else f'{peak:.0f}'} |")
+        peak, fill = rows.get(spec, "dmattn", "fwd+bwd", "peak_mib"), rows.get(spec, "dmattn", "fwd", "fill")
+        cells += [f"{ideal:.3f}", "" if fill is None else f"{fill:.3f}", "" if peak is None else f"{peak:.0f}"]
+        lines.append(f"| {spec.case} | " + " | ".join(cells) + " |")
     return lines + skipped(suite["rows"]) + measured_apart(suite) + ["", "![top-k time over dense](performance-topk.png)", ""]
 
 

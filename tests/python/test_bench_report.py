@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import dmattn  # noqa: F401 (registers torch.ops.dmattn)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_gpu  # noqa: E402
 import bench_report  # noqa: E402
@@ -77,6 +79,38 @@ def test_topk_fraction_and_ideal():
     kept = bench_gpu.allowed_per_row(torch, spec).sum()
     causal = bench_gpu.allowed_per_row(torch, dataclasses.replace(spec, keep=None)).sum()
     assert cells[7] == f"{float(kept / causal):.3f}"
+
+
+def test_topk_fill_column():
+    suite = _results("topk", 1.0)
+    for row in suite["rows"]:
+        if "keep" in row["case"] and row["mode"] == "fwd":
+            row["fill"] = 0.625
+    text = "\n".join(bench_report.topk_report(suite))
+    line = next(line for line in text.splitlines() if line.startswith("| key bias, keep 1024, S=4096 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[8] == "0.625" and cells[9] == "1", cells
+
+
+@pytest.mark.parametrize("rows,block_m,block_n", [(300, 128, 64), (257, 32, 16), (64, 128, 64), (1000, 128, 1)])
+@pytest.mark.parametrize("keep", [1, 7, 40])
+def test_forward_fill_counts_the_walked_tiles(rows, block_m, block_n, keep):
+    """forward_fill against a brute force over the blocks, on dmattn's own selection (CPU, a random key bias
+    with ties, two selection heads)."""
+    gen = torch.Generator().manual_seed(rows + keep)
+    q, k = torch.randn(2, rows, 4, 8, generator=gen), torch.randn(2, rows, 2, 8, generator=gen)
+    bias = torch.randint(0, 5, (2, 2, 1, rows), generator=gen).float()
+    intervals = torch.ops.dmattn.select(q, k, None, None, bias, list(bias.shape), True, -1, -1, keep)
+    useful = walked = 0
+    for selection in intervals.reshape(-1, rows, 2):
+        spans = [(max(s, 0), min(e, rows)) for s, e in selection.tolist()]
+        useful += sum(max(e - s, 0) for s, e in spans)
+        for i0 in range(0, rows, block_m):
+            i1 = min(i0 + block_m, rows)
+            union = sum(1 for s, e in spans if s < e and s < i1 and e > i0)
+            walked += (i1 - i0) * -(-union // block_n) * block_n
+    assert useful == sum(min(i + 1, keep) for i in range(rows)) * intervals.shape[0] * intervals.shape[1]
+    assert bench_gpu.forward_fill(torch, intervals, rows, block_m, block_n) == pytest.approx(useful / walked)
 
 
 def test_portable_ratios():
