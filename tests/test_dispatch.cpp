@@ -451,6 +451,13 @@ TEST_F(Dispatch, RefusalsOlderGpuHeadDimAndSharedMemory) {
     expect_refused([&] { wide.forward(kH100); }, Error::Kind::kUnsupported, "q.shape[-1]");
     expect_refused([&] { wide.backward(kH100); }, Error::Kind::kUnsupported, "q.shape[-1]");
   }
+  if (compiled(256)) {  // its dk/dv CTA takes 155 KiB: an A100's 163 hold it, an RTX 4090's 99 do not
+    Call d256;
+    d256.head_dim = 256;
+    EXPECT_EQ(d256.backward(kA100).dkv, DkvKernel::kSm80);
+    expect_refused([&] { d256.backward(kRtx4090); }, Error::Kind::kUnsupported, "q.shape[-1]");
+    EXPECT_TRUE(has(d256.forward(kH100).why_not_sm90, "no Hopper kernel at this head dim"));
+  }
   constexpr DeviceInfo kSmall{80, 108, 48 * 1024, true, false};  // DMATTN_SMEM_LIMIT=48
   expect_refused([&] { c.forward(kSmall); }, Error::Kind::kUnsupported, "q.shape[-1]");
   expect_refused([&] { c.backward(kSmall); }, Error::Kind::kUnsupported, "q.shape[-1]");
