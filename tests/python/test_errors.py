@@ -226,3 +226,13 @@ def test_meta_tensors_give_meta_results():
     out.sum().backward()
     for t in (q, k, v, bias):
         assert t.grad.device.type == "meta" and t.grad.shape == t.shape
+
+
+def test_a_meta_bias_beside_real_tensors_is_refused_varlen():
+    """The same for the varlen entry point (its key-only bias, or its cu_seqlens, on the meta device)."""
+    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^" + re.escape("dmattn: bias.device: expected a cpu or cuda array, got meta")):
+        dmattn.varlen_attention(q, k, v, cu, cu, 5, 5, bias=torch.randn(9, 2).to("meta"))
+    with pytest.raises(ValueError, match="^" + re.escape("dmattn: cu_seqlens_k.device: expected a cpu or cuda array")):
+        dmattn.varlen_attention(q, k, v, cu, cu.to("meta"), 5, 5)
