@@ -1,11 +1,14 @@
 #include "validate.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace dmattn {
 namespace {
@@ -148,6 +151,72 @@ void check_data(Reads reads, std::initializer_list<std::pair<const TensorView*, 
 }
 
 const TensorView* present(const std::optional<TensorView>& t) { return t ? &*t : nullptr; }
+
+// The bytes [first, last] a non-empty view spans, and whether its elements fill
+// them (`dense`: its dims, sorted by stride, nest without a gap; broadcast and
+// size-1 dims left out).
+struct Span {
+  std::uintptr_t first = 0, last = 0;
+  bool dense = true;
+};
+Span span_of(const TensorView& t) {
+  std::array<std::pair<std::int64_t, std::int64_t>, kMaxRank> dims{};  // (stride, size)
+  int n = 0;
+  std::int64_t extent = 0;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] <= 1 || t.stride[d] == 0) continue;
+    dims[n++] = {t.stride[d], t.shape[d]};
+    extent += (t.shape[d] - 1) * t.stride[d];
+  }
+  for (int i = 1; i < n; ++i)  // by stride (an insertion sort: at most kMaxRank dims)
+    for (int j = i; j > 0 && dims[j] < dims[j - 1]; --j) std::swap(dims[j], dims[j - 1]);
+  Span s;
+  std::int64_t next = 1;
+  for (int i = 0; i < n; ++i) s.dense = s.dense && dims[i].first == next, next = dims[i].first * dims[i].second;
+  const auto size = static_cast<std::int64_t>(dtype_size(t.dtype));
+  s.first = reinterpret_cast<std::uintptr_t>(t.data);
+  s.last = s.first + static_cast<std::uintptr_t>((extent + 1) * size - 1);
+  return s;
+}
+
+using Named = std::pair<const TensorView*, const char*>;
+
+// A call that runs writes each output where no other argument lies: an output
+// sharing memory with an input (or another output) would overwrite what the
+// call still reads, a silently wrong result. Refused where both views fill the
+// bytes they span and those intersect (they then share an element for sure);
+// views with gaps (two halves of one buffer's last dim, say) are let through.
+void check_disjoint(Reads reads, std::initializer_list<Named> outputs, const std::vector<Named>& inputs) {
+  if (reads == Reads::kMetadata) return;
+  const auto checked = [](const TensorView* t) { return t != nullptr && t->data != nullptr && t->numel() > 0; };
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    if (!checked(o->first) || !span_of(*o->first).dense) continue;
+    const Span a = span_of(*o->first);
+    const auto refuse_overlap = [&](const Named& x) {
+      if (!checked(x.first) || x.first->device.type != o->first->device.type ||
+          x.first->device.index != o->first->device.index)
+        return;
+      const Span b = span_of(*x.first);
+      if (b.dense && a.first <= b.last && b.first <= a.last)
+        throw Error(Kind::kValue, o->second, "memory of its own (no other argument's)",
+                    std::string("a view overlapping ") + x.second);
+    };
+    for (const Named& x : inputs) refuse_overlap(x);
+    for (auto x = outputs.begin(); x != o; ++x) refuse_overlap(*x);
+  }
+}
+
+// What a call reads: q, k, v, the mask, the bias, given top-k intervals and cu_seqlens.
+std::vector<Named> inputs_of(const Inputs& in, const VarlenLayout* layout) {
+  return {{&in.q, "q"},
+          {&in.k, "k"},
+          {&in.v, "v"},
+          {present(in.mask), "mask"},
+          {present(in.bias), "bias"},
+          {present(in.topk_intervals), "topk_intervals"},
+          {layout ? &layout->cu_seqlens_q : nullptr, "cu_seqlens_q"},
+          {layout ? &layout->cu_seqlens_k : nullptr, "cu_seqlens_k"}};
+}
 
 // Stride of a possibly broadcast dim: 0 when its size is 1.
 std::int64_t bstride(const TensorView& t, int d) { return t.shape[d] == 1 ? 0 : t.stride[d]; }
@@ -418,6 +487,7 @@ Problem make_forward_problem(const Inputs& in, const VarlenLayout* layout, const
   } else if (options.return_lse) {
     throw Error(Kind::kValue, "lse", "an output tensor (options.return_lse is true)", "none");
   }
+  check_disjoint(reads, {{&out, "out"}, {present(lse), "lse"}}, inputs_of(in, layout));
   return p;
 }
 
@@ -450,6 +520,10 @@ Problem make_backward_problem(const Inputs& in, const VarlenLayout* layout, cons
     p.dbias = varlen ? Operand{db.data, db.dtype, 0, db.stride[1], 0, db.stride[0]}
                      : Operand{db.data, db.dtype, db.stride[0], db.stride[1], db.stride[2], db.stride[3]};
   }
+  std::vector<Named> inputs = inputs_of(in, layout);
+  inputs.insert(inputs.end(), {{&out, "out"}, {&dout, "dout"}, {&lse, "lse"}});
+  check_disjoint(reads, {{&grads.dq, "dq"}, {&grads.dk, "dk"}, {&grads.dv, "dv"}, {present(grads.dbias), "dbias"}},
+                 inputs);
   return p;
 }
 
@@ -459,7 +533,11 @@ Problem make_select_problem(const Inputs& in, const VarlenLayout* layout, const 
     throw Error(Kind::kValue, "topk_intervals", "none (select_topk writes the intervals it selects)", "a tensor");
   if (!options.keep_window_size)
     throw Error(Kind::kValue, "keep_window_size", "a key count (select_topk selects the top-k)", "none");
-  return make_problem(in, layout, options, reads, &intervals, "intervals");
+  Problem p = make_problem(in, layout, options, reads, &intervals, "intervals");
+  std::vector<Named> read = inputs_of(in, layout);
+  read.erase(read.begin(), read.begin() + 3);  // q, k and v: their shapes alone
+  check_disjoint(reads, {{&intervals, "intervals"}}, read);
+  return p;
 }
 
 }  // namespace dmattn

@@ -424,6 +424,19 @@ std::vector<BadCase> bad_cases() {
       {"select_given_intervals", S, [](Call& c) { c.in.topk_intervals = c.intervals; }, Kind::kValue,
        "topk_intervals", "expected none (select_topk writes the intervals it selects), got a tensor"},
       {"select_q_dtype", S, [](Call& c) { c.in.q.dtype = DType::kBool; }, Kind::kType, "q.dtype", "got bool"},
+      // an output sharing memory with what the call reads (or another output)
+      {"out_is_q", F, [](Call& c) { c.out = c.in.q; }, Kind::kValue, "out",
+       "expected memory of its own (no other argument's), got a view overlapping q"},
+      {"lse_in_out", F, [f32](Call& c) { c.lse = TensorView::contiguous(c.out.data, f32, {B, H, Sq}); },
+       Kind::kValue, "lse", "got a view overlapping out"},
+      {"dq_is_dout", Bw, [](Call& c) { c.grads.dq = c.dout; }, Kind::kValue, "dq", "got a view overlapping dout"},
+      {"dv_is_dk", Bw, [](Call& c) { c.grads.dv = c.grads.dk; }, Kind::kValue, "dv", "got a view overlapping dk"},
+      {"dbias_is_bias", Bw, [](Call& c) { c.grads.dbias = c.in.bias; }, Kind::kValue, "dbias",
+       "got a view overlapping bias"},
+      {"varlen_dk_in_k", VB, [](Call& c) { c.grads.dk = c.in.k; }, Kind::kValue, "dk", "got a view overlapping k"},
+      {"select_intervals_in_bias", S,
+       [](Call& c) { c.intervals = TensorView::contiguous(c.in.bias->data, DType::kInt32, {B, Hk, Sk, 2}); },
+       Kind::kValue, "intervals", "got a view overlapping bias"},
       {"varlen_select_intervals_keys", VS, [](Call& c) { c.intervals.shape[2] = 6; }, Kind::kValue,
        "intervals.shape[2]", "expected 3 (max_seqlen_k), got 6"},
   };
@@ -485,7 +498,10 @@ TEST_P(CheckOnly, ThrowsWhatTheCallThrowsWithoutData) {
   const BadCase& bad = GetParam();
   const std::set<std::string> data_cases{"null_data",          "cu_seqlens_first",       "cu_seqlens_decreasing",
                                          "cu_seqlens_last",    "max_seqlen_q_too_small", "max_seqlen_k_too_small",
-                                         "topk_intervals_null_data", "select_null_intervals"};
+                                         "topk_intervals_null_data", "select_null_intervals",
+                                         "out_is_q",           "lse_in_out",             "dq_is_dout",
+                                         "dv_is_dk",           "dbias_is_bias",          "varlen_dk_in_k",
+                                         "select_intervals_in_bias"};
   const bool data_only = data_cases.count(bad.name) > 0;
   Tensors tensors;
   Call call = valid_call(bad.entry, tensors, rng);
@@ -538,6 +554,26 @@ TEST_F(ValidCalls, BaselinesRun) {
       EXPECT_FALSE(has_nan(*t)) << name << " has unwritten (NaN) elements after the "
                                 << (forward == Entry::kForward ? "batched" : "varlen") << " backward";
   }
+}
+
+// Outputs interleaved with inputs, element by element apart (out and q the two
+// halves of one buffer's last dim: their byte ranges cross, their elements do
+// not), are valid: out is what a buffer of its own gets.
+TEST_F(ValidCalls, InterleavedOutputsRun) {
+  Tensors tensors;
+  Call call = valid_call(Entry::kForward, tensors, rng);
+  ASSERT_NO_THROW(invoke(call));
+  const TensorView alone = call.out;
+  HostTensor& both = tensors.add(DType::kFloat32, {B, Sq, H, 2 * D}, rng, false);
+  auto* data = static_cast<float*>(both.view().data);
+  for (std::int64_t e = 0; e < call.in.q.numel(); ++e)  // q (contiguous) into the first halves
+    data[e / D * 2 * D + e % D] = static_cast<const float*>(call.in.q.data)[e];
+  const std::initializer_list<std::int64_t> strides{Sq * H * 2 * D, H * 2 * D, 2 * D, 1};
+  call.in.q = TensorView::strided(data, DType::kFloat32, {B, Sq, H, D}, strides);
+  call.out = TensorView::strided(data + D, DType::kFloat32, {B, Sq, H, D}, strides);
+  ASSERT_NO_THROW(invoke(call));
+  for (std::int64_t e = 0; e < alone.numel(); ++e)
+    ASSERT_EQ(data[e / D * 2 * D + D + e % D], static_cast<const float*>(alone.data)[e]) << "element " << e;
 }
 
 // A valid problem on a CUDA device reaches the backend: a build without CUDA
