@@ -26,6 +26,10 @@ start=$(date +%s)
 # binary wheel on its own and the pure-Python ones together: the peak is the
 # installed ~5 GB (+40 s on a fresh environment).
 echo "python: free disk before the dependencies: $(df -h --output=avail . | tail -1 | tr -d ' ')"
+# The plan needs pip >= 22.2 (--dry-run --report); an older Python's bundled pip is upgraded first.
+if ! "$VENV/bin/python" -c "import sys, pip; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) < (22, 2))"; then
+  "$VENV/bin/python" -m pip install -q pip==24.3.1
+fi
 plan=$(mktemp)
 "$VENV/bin/python" -m pip install -q --dry-run --report "$plan" "${PINS[@]}"
 mapfile -t batches < <("$VENV/bin/python" - "$plan" <<'PY'
