@@ -190,8 +190,9 @@ void check_disjoint(Reads reads, std::initializer_list<Named> outputs, const std
   if (reads == Reads::kMetadata) return;
   const auto checked = [](const TensorView* t) { return t != nullptr && t->data != nullptr && t->numel() > 0; };
   for (auto o = outputs.begin(); o != outputs.end(); ++o) {
-    if (!checked(o->first) || !span_of(*o->first).dense) continue;
+    if (!checked(o->first)) continue;
     const Span a = span_of(*o->first);
+    if (!a.dense) continue;
     const auto refuse_overlap = [&](const Named& x) {
       if (!checked(x.first) || x.first->device.type != o->first->device.type ||
           x.first->device.index != o->first->device.index)
@@ -206,11 +207,12 @@ void check_disjoint(Reads reads, std::initializer_list<Named> outputs, const std
   }
 }
 
-// What a call reads: q, k, v, the mask, the bias, given top-k intervals and cu_seqlens.
-std::vector<Named> inputs_of(const Inputs& in, const VarlenLayout* layout) {
-  return {{&in.q, "q"},
-          {&in.k, "k"},
-          {&in.v, "v"},
+// What a call reads: q, k and v (select_topk: their shapes alone, `tokens` false), the
+// mask, the bias, given top-k intervals and cu_seqlens.
+std::vector<Named> inputs_of(const Inputs& in, const VarlenLayout* layout, bool tokens = true) {
+  return {{tokens ? &in.q : nullptr, "q"},
+          {tokens ? &in.k : nullptr, "k"},
+          {tokens ? &in.v : nullptr, "v"},
           {present(in.mask), "mask"},
           {present(in.bias), "bias"},
           {present(in.topk_intervals), "topk_intervals"},
@@ -534,9 +536,7 @@ Problem make_select_problem(const Inputs& in, const VarlenLayout* layout, const 
   if (!options.keep_window_size)
     throw Error(Kind::kValue, "keep_window_size", "a key count (select_topk selects the top-k)", "none");
   Problem p = make_problem(in, layout, options, reads, &intervals, "intervals");
-  std::vector<Named> read = inputs_of(in, layout);
-  read.erase(read.begin(), read.begin() + 3);  // q, k and v: their shapes alone
-  check_disjoint(reads, {{&intervals, "intervals"}}, read);
+  check_disjoint(reads, {{&intervals, "intervals"}}, inputs_of(in, layout, false));
   return p;
 }
 

@@ -273,13 +273,13 @@ struct DkvSm90Config {
   static_assert(kBlockM == Dq::kRows, "a step's dQ is one DqBlocks block");
 };
 
-// The TMA descriptors of Q and dO: (feature, row, head, batch), boxes of 64
-// features x kBlockM rows, 128-byte swizzled as the tiles' atoms.
 // dbias, written directly (no slices), as TMA addresses its tiles: (key, row,
 // bias head, batch) of its own shape, so that query head h of batch entry b
 // stores at (h / bias_group, b) (a dimension of 1: b or h / bias_group is 0).
 inline BiasTileExtent dbias_tile_extent(const BackwardParams& p) { return {{p.db_batch, p.seqlen_q}, p.db_heads}; }
 
+// The TMA descriptors of Q and dO: (feature, row, head, batch), boxes of 64
+// features x kBlockM rows, 128-byte swizzled as the tiles' atoms.
 struct DkvSm90Maps {
   CUtensorMap q, dout;
   CUtensorMap bias, dbias;  // DkvWalk::kBiasTiles: (key, row, bias head, batch), boxes of 64 keys x kBlockM rows
