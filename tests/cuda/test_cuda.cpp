@@ -125,6 +125,20 @@ TEST(FullEmulation, SettingsAreChecked) {
   check_cuda(cudaDeviceSynchronize(), "forward at a 99 KiB cap");
 }
 
+// The first forward of a process on the sm80 kernel, with a grid that fills
+// the GPU (no split-KV, so the dispatch queries no occupancy): the kernel's
+// shared-memory limit must still be raised before its launch (that query had
+// raised it, and the first such call failed with "invalid argument"). Its own
+// ctest entry (cuda_first_launch, DMATTN_PORTABLE=1), so that no earlier case
+// raised the limit.
+TEST(FirstLaunch, Sm80ForwardFillingTheGpu) {
+  Case c;
+  c.name = "first launch: sm80 forward, 512 CTAs, D=128";
+  c.B = 4, c.H = 128, c.Hk = 32, c.Sq = c.Sk = 128, c.D = 128;
+  c.options.causal = true;
+  check(c, run_forward_case);
+}
+
 TEST(FullTopk, NanSweep) { check_one(kTopkNanSweepName, topk_nan_sweep); }
 TEST(FullTopk, WildGivenIntervals) { check_one(kWildIntervalsName, wild_intervals); }
 TEST(SmallTopk, WildGivenIntervals) { check_one(kWildIntervalsName, wild_intervals); }

@@ -22,11 +22,13 @@
 
 namespace dmattn::cuda {
 
-// How many CTAs of forward_kernel<Config> an SM of the current device holds,
-// with the kernel's shared-memory limit raised: queried once a device (a
-// decode call is short enough for these queries to show).
+// Raises forward_kernel<Config>'s shared-memory limit on the current device
+// and returns how many of its CTAs an SM holds with it, once a device (a
+// decode call is short enough for these queries to show). Every launch of
+// the kernel calls it first: the dispatch asks for the count only where a
+// grid leaves SMs idle (choose_splits), so it cannot be what raises the limit.
 template <class Config>
-int forward_ctas_per_sm() {
+int prepare_forward_kernel() {
   constexpr int kDevices = 64;
   static std::atomic<int> cached[kDevices];  // 0: not queried yet
   int device = 0;
@@ -46,8 +48,8 @@ int forward_ctas_per_sm() {
 template <class Element, int kHeadDim>
 int ForwardInstance<Element, kHeadDim>::ctas_per_sm(ForwardKernel kernel) {
   if (kernel == ForwardKernel::kSm80Decode)
-    return forward_ctas_per_sm<ForwardConfig<Element, kHeadDim, kForwardDecodeRows>>();
-  return forward_ctas_per_sm<ForwardConfig<Element, kHeadDim>>();
+    return prepare_forward_kernel<ForwardConfig<Element, kHeadDim, kForwardDecodeRows>>();
+  return prepare_forward_kernel<ForwardConfig<Element, kHeadDim>>();
 }
 
 // The TMA descriptors of the Hopper forward (the plan checked that TMA can
@@ -72,8 +74,8 @@ ForwardSm90Maps forward_sm90_maps(const ForwardParams& p, bool bias_tiles) {
 }
 
 // Launches the planned kernel over the plan's batch x heads x query blocks x
-// splits. The sm80 kernels' shared-memory limit was raised by the plan
-// (ctas_per_sm, once a device); the Hopper kernel's is raised here.
+// splits, its shared-memory limit raised first (the sm80 kernels': once a
+// device).
 template <class Element, int kHeadDim>
 cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& p, const ForwardSm90Maps& maps,
                                   cudaStream_t stream) {
@@ -100,15 +102,16 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
         return cudaGetLastError();
       }
       break;
-    case ForwardKernel::kSm80Decode: {
-      using Config = ForwardConfig<Element, kHeadDim, kForwardDecodeRows>;
-      forward_kernel<Config><<<grid(Config::kBlockM), Config::kThreads, Config::kSmemBytes, stream>>>(p);
-      return cudaGetLastError();
-    }
+    case ForwardKernel::kSm80Decode:
     case ForwardKernel::kSm80: {
-      using Config = ForwardConfig<Element, kHeadDim>;
-      forward_kernel<Config><<<grid(Config::kBlockM), Config::kThreads, Config::kSmemBytes, stream>>>(p);
-      return cudaGetLastError();
+      const auto launch = [&](auto config) {
+        using Config = decltype(config);
+        prepare_forward_kernel<Config>();
+        forward_kernel<Config><<<grid(Config::kBlockM), Config::kThreads, Config::kSmemBytes, stream>>>(p);
+        return cudaGetLastError();
+      };
+      return plan.kernel == ForwardKernel::kSm80Decode ? launch(ForwardConfig<Element, kHeadDim, kForwardDecodeRows>{})
+                                                       : launch(ForwardConfig<Element, kHeadDim>{});
     }
   }
   throw std::logic_error("dmattn: the Hopper forward planned for head dim " + std::to_string(kHeadDim));
