@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<Config::kWarpStep>>{}));
   constexpr int kM = decltype(size<1>(cS))::value, kN = decltype(size<2>(cS))::value;
   static_assert(kM == 1, "a warp owns 16 rows");
-  const float scale = p.scale, softcap = p.softcap, inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
+  const float scale = p.scale, softcap = p.softcap, tanh_arg = softcap > 0.0f ? kTanhArg / softcap : 0.0f;
   const int lane = tid % 32;
 
   // dbias state (dk/dv only): key-only sums of the thread's rows, and the slice of this CTA.
@@ -538,7 +538,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         const int r = get<0>(cS(at)), col = column0 + get<1>(cS(at));
         const int qi = kKeyRows ? col : r, kj = kKeyRows ? r : col;
         float x = acc_s(at) * scale, tanh_x = 0.0f;
-        if constexpr (kSoftcap) tanh_x = tanh_ex2(x * inv_softcap), x = softcap * tanh_x;
+        if constexpr (kSoftcap) tanh_x = tanh_ex2(x * tanh_arg), x = softcap * tanh_x;
         if constexpr (kAdd == 1) x += tile_add[r * kAddLd + col];
         if constexpr (kAdd == 2) x += kKeyRows ? key_bias_rows[2 * m + half] : key_add[kj];
         if (use_allow && !((allow[half] >> col) & 1)) x = -kInf;

@@ -316,7 +316,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
   bool db_open = false;
   float key_bias[2] = {0.0f, 0.0f}, key_sum[2] = {0.0f, 0.0f};
   int key_bias_head = -1, rows_head = -1;  // rows_head: the selection head of own_rows
-  const float scale = p.scale, softcap = p.softcap, inner = kSoftcap ? scale / softcap : 0.0f;
+  const float scale = p.scale, softcap = p.softcap, inner = kSoftcap ? scale / softcap * kTanhArg : 0.0f;
   // The dQ block of head h, query block blk in dq_acc (DqBlocks), and its turn counter.
   const auto dq_block = [&](int h, int blk) {
     return p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems;

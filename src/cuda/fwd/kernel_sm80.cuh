@@ -285,9 +285,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     // The logits: s = scale q.k (softcap: softcap tanh(s / softcap)), plus the
     // bias; a key-only bias and the scale make one FFMA (times `pre`).
     if (softcap > 0.0f) {
-      const float inner = scale / softcap;
+      const float inner = scale / softcap * kTanhArg;
 #pragma unroll
-      for (int e = 0; e < size(acc_s); ++e) acc_s(e) = softcap * tanh_ex2(acc_s(e) * inner);
+      for (int e = 0; e < size(acc_s); ++e) acc_s(e) = softcap_ex2(acc_s(e) * inner, softcap);
     } else if (has_bias && !key_bias) {
 #pragma unroll
       for (int e = 0; e < size(acc_s); ++e) acc_s(e) *= scale;

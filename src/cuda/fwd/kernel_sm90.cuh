@@ -438,8 +438,8 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       for (int e = 0; e < kAccS; ++e) f(e, e / 2 % 2, col_base + 8 * (e / 4) + e % 2);
     };
     if (softcap > 0.0f) {
-      const float inner = scale / softcap;
-      for_each([&](int e, int, int) { acc_s(e) = softcap * tanh_ex2(acc_s(e) * inner); });
+      const float inner = scale / softcap * kTanhArg;
+      for_each([&](int e, int, int) { acc_s(e) = softcap_ex2(acc_s(e) * inner, softcap); });
     }
     if (has_bias) {
       const float pre = softcap > 0.0f ? 1.0f : scale;
