@@ -1,6 +1,7 @@
 // The mask's tile classes (MaskTiles) of the dk/dv walks and the Hopper
 // forward: empty tiles are skipped, loads included, and full ones need no mask
 // work; for the Hopper kernels, in the same pass, the mask's bits (MaskBits).
+// Tiles outside the causal / window band are empty without a read.
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
@@ -48,6 +49,17 @@ __global__ void __launch_bounds__(kClassifyThreads)
   const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
   const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh;
   const int tile_rows = row_broadcast ? 1 : kTileM;
+  // A tile outside the causal / window band is never walked: empty, its bits
+  // neither read nor written (about half the mask's bytes under causal
+  // masking). Batched calls only: varlen sequences have bands of their own.
+  if (!row_broadcast && p.cu_seqlens_q == nullptr) {
+    const KeyRange seen =
+        keys_of_queries(p.band, p.seqlen_k - p.seqlen_q, p.seqlen_k, row0, min(row0 + kTileM, rows) - 1);
+    if (seen.end <= col0 || seen.first >= col0 + kTileN) {
+      if (threadIdx.x == 0) tiles.data[mb * tiles.sb + mh * tiles.sh + tile_m * tiles.sm + tile_n] = kTileEmpty;
+      return;
+    }
+  }
   bool any = false, all = true;
   for (int item = threadIdx.x; item < tile_rows * kWordsN; item += kClassifyThreads) {
     const int r = item / kWordsN, w = item % kWordsN;
