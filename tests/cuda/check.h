@@ -136,10 +136,10 @@ std::vector<Case> given_interval_cases();
 std::vector<Case> bias_magnitude_sweep(const std::string& prefix);
 void add_head_dim_64(std::vector<Case>& cases);
 // The mask cases of the Hopper kernels (D = 64 or 128 exactly): c with the
-// sizes, heads, mask, key-only bias and options of variant 0 .. 5 (their kinds
-// in matrix_forward.cpp) and "Hopper mask <variant> <mask shape>" as its
+// sizes, heads, mask, key-only bias and options of variant 0 .. 7 (their kinds
+// in matrix_shared.cpp) and "Hopper mask <variant> <mask shape>" as its
 // name's stem.
-constexpr int kHopperMaskVariants = 6;
+constexpr int kHopperMaskVariants = 8;
 Case hopper_mask_case(Case c, std::int64_t d, int variant);
 
 }  // namespace dmattn_gpu_test

@@ -177,14 +177,14 @@ void add_head_dim_64(std::vector<Case>& cases) {
 // The Hopper kernels' masks: random (partial tiles), sparse (fully masked
 // rows), bands (empty tiles), key padding of (B, Hk, Sq, Sk) (full, empty and
 // one partial tile a block) and of (B, 1, 1, Sk) (broadcast over rows), a mask
-// broadcast over keys (rows with no allowed key); a key-only bias (dbias in the
-// backward), causal or a window. Fewer than 8 key tiles of 64: no split-KV.
+// broadcast over keys (rows with no allowed key), causal bands off the diagonal
+// (Sq < Sk; Sq > Sk with a window) with whole tiles outside them; a key-only
+// bias (dbias in the backward), causal or a window. Fewer than 8 key tiles of
+// 64: no split-KV.
 Case hopper_mask_case(Case c, std::int64_t d, int variant) {
   c.B = 2, c.H = 4, c.Hk = 2, c.D = d;
   c.Sq = variant % 2 ? 300 : 260, c.Sk = variant % 2 ? 440 : 260;
   c.bias_dtype = c.dtype;
-  const Shape key_bias[3] = {{1, c.Hk, 1, c.Sk}, {c.B, c.H, 1, c.Sk}, {}};
-  c.bias_shape = key_bias[variant % 3];
   switch (variant) {
     case 0: c.mask_shape = {1, c.H, c.Sq, c.Sk}, c.mask_density = 0.5, c.options.causal = true; break;
     case 1: c.mask_shape = {c.B, 1, c.Sq, c.Sk}, c.mask_density = 0.01; break;
@@ -197,8 +197,21 @@ Case hopper_mask_case(Case c, std::int64_t d, int variant) {
       c.mask_pattern = Case::MaskPattern::kKeyPadding, c.mask_shape = {c.B, 1, 1, c.Sk};
       c.options.causal = true;
       break;
-    default: c.mask_shape = {c.B, c.H, c.Sq, 1}, c.mask_density = 0.6; break;
+    case 5: c.mask_shape = {c.B, c.H, c.Sq, 1}, c.mask_density = 0.6; break;
+    // Causal with the band off the diagonal: whole mask tiles outside it (their
+    // bits set) that the mask pass leaves unread, 128-row tiles past a
+    // sequence's last keys (Sq < Sk) and before its first (Sq > Sk, a window).
+    case 6:
+      c.Sq = 300, c.Sk = 440, c.options.causal = true;
+      c.mask_shape = {c.B, c.H, c.Sq, c.Sk}, c.mask_density = 0.6;
+      break;
+    default:
+      c.Sq = 700, c.Sk = 330, c.options.causal = true, c.options.sliding_window = {100, 0};
+      c.mask_shape = {1, c.Hk, c.Sq, c.Sk}, c.mask_density = 0.8;
+      break;
   }
+  const Shape key_bias[3] = {{1, c.Hk, 1, c.Sk}, {c.B, c.H, 1, c.Sk}, {}};
+  c.bias_shape = key_bias[variant % 3];
   c.name = "Hopper mask " + std::to_string(variant) + " " + dmattn_test::shape_str(c.mask_shape);
   return c;
 }
