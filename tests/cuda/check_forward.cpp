@@ -210,7 +210,6 @@ GivenIntervals given_intervals(const Case& c, const CaseInputs& inputs, const dm
   return given;
 }
 
-// "lowp X" and, where the naive computations ran, "naive Y": the errors a bound is taken from.
 std::string forward_plan(const dmattn::Inputs& in, const dmattn::VarlenLayout* layout, const dmattn::TensorView& out,
                          const std::optional<dmattn::TensorView>& lse, const dmattn::Options& options) {
   const dmattn::Problem p = dmattn::make_forward_problem(in, layout, out, lse, options, dmattn::Reads::kMetadata);
@@ -225,6 +224,7 @@ std::string backward_plan(const dmattn::Inputs& in, const dmattn::VarlenLayout* 
   return dmattn::cuda::describe(dmattn::cuda::plan_backward(p, dmattn::cuda::device_info(p.device.index)));
 }
 
+// "lowp X" and, where the naive computations ran, "naive Y": the errors a bound is taken from.
 std::string bounds_text(double lowp, const std::optional<double>& naive) {
   char buf[64];
   if (naive)
