@@ -137,13 +137,17 @@ void expect_refused(const F& call, Error::Kind kind, const char* argument) {
   }
 }
 
-// The Hopper forward, as `plan` names it.
+// The Hopper forward on an H100, as `plan` names it: persistent (a CTA an SM)
+// where a producer warpgroup loads (D' = 128, not the key-list walk) rows of
+// at most 4096 keys.
 void expect_sm90_forward(const ForwardPlan& plan, bool key_lists, bool mask_tiles, bool bias_tiles) {
   EXPECT_EQ(plan.kernel, ForwardKernel::kSm90);
   EXPECT_EQ(plan.key_lists, key_lists);
   EXPECT_EQ(plan.mask_tiles, mask_tiles);
   EXPECT_EQ(plan.bias_tiles, bias_tiles);
   EXPECT_EQ(plan.params.num_splits, 1);
+  const bool persistent = plan.head_dim == 128 && !key_lists && plan.params.seqlen_k <= 4096;
+  EXPECT_EQ(plan.persistent_ctas, persistent ? kH100.sms : 0) << "D' " << plan.head_dim;
 }
 
 // ---- Hopper (H100): the fast paths ----
@@ -320,7 +324,9 @@ TEST_F(Dispatch, H100DecodeFoldsQueryHeads) {
 TEST_F(Dispatch, Sm80PortableHopperRunsTheSm80Kernels) {
   Call c;
   c.bias = Shape{1, 8, 8192, 8192}, c.dbias = true;
-  EXPECT_EQ(c.forward(kH100Portable).kernel, ForwardKernel::kSm80);
+  const ForwardPlan f = c.forward(kH100Portable);
+  EXPECT_EQ(f.kernel, ForwardKernel::kSm80);
+  EXPECT_EQ(f.persistent_ctas, 0);
   const BackwardPlan b = c.backward(kH100Portable);
   EXPECT_EQ(b.dkv, DkvKernel::kSm80);
   EXPECT_FALSE(b.bias_tiles || b.small_dq || b.small_dkv);
@@ -406,6 +412,9 @@ TEST_F(Dispatch, PlansInWords) {
   Call c;
   c.bias = Shape{1, 8, 8192, 8192}, c.dbias = true;
   EXPECT_EQ(cuda::describe(c.forward(kH100)), "forward, D' = 128: Hopper kernel, bias-tile walk");
+  Call short_rows;
+  short_rows.batch = 16, short_rows.seqlen_q = short_rows.seqlen_k = 2048;
+  EXPECT_EQ(cuda::describe(short_rows.forward(kH100)), "forward, D' = 128: Hopper kernel, dense walk, 132 persistent CTAs");
   EXPECT_EQ(cuda::describe(c.backward(kH100)),
             "backward, D' = 128: dk/dv Hopper kernel, bias-tile walk; dq added by atomics in the dk/dv kernel; "
             "dbias written directly");

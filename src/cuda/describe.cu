@@ -33,6 +33,7 @@ std::string describe(const ForwardPlan& plan) {
          : plan.mask_tiles ? "mask-tile walk"
          : plan.key_lists  ? "key-list walk"
                            : "dense walk";
+    if (plan.persistent_ctas > 0) s += ", " + std::to_string(plan.persistent_ctas) + " persistent CTAs";
   } else {
     s += "sm80 kernel, " + std::to_string(plan.block_m) + " rows a CTA";
     if (plan.key_lists) s += ", key lists";

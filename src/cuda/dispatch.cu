@@ -441,6 +441,8 @@ ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device) {
     plan.mask_tiles = plan.key_lists && plan.selection == DeviceSelection::kNone;
     plan.bias_tiles = bias_tiles;
     if (plan.mask_tiles) plan.key_lists = false;
+    if (forward_sm90_persistent(instance.head_dim, plan.key_lists, params.seqlen_k))
+      plan.persistent_ctas = device.sms * forward_sm90_ctas_per_sm(instance.head_dim);
   }
   plan.run = instance.forward[dtype];
   return plan;

@@ -58,6 +58,10 @@ struct ForwardPlan {
   bool key_lists = false;   // the key-list passes run first (a mask and/or top-k)
   bool mask_tiles = false;  // the Hopper forward's mask pass runs first (its tile classes and bits)
   bool bias_tiles = false;  // the Hopper forward loads a full bias by tiles (ForwardWalk::kRowBias)
+  // The Hopper forward's warp-specialized walks: this many CTAs (the GPU's
+  // whole load) take the query blocks in turn (heuristics.h
+  // forward_sm90_persistent); 0: a CTA a query block.
+  int persistent_ctas = 0;
   const char* why_not_sm90 = nullptr;  // why the Hopper forward does not run (nullptr: it does)
   ForwardRun run = nullptr;  // the instantiation's launcher
 };

@@ -56,9 +56,9 @@ constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2
 // issues every load (TMA of Q, K and V; the key-only bias) into the two K and
 // two V buffers, guarded by full and empty mbarriers, so that the consumer
 // warpgroups never meet at a CTA barrier; it hands its registers to them
-// (setmaxnreg: 24 and 240, 384 threads of one CTA an SM). The consumers take
-// turns at issuing their MMAs (named barriers), so that one's softmax runs
-// under the other's MMAs (ping-pong): 4.14 -> 3.43 ms (0.93x cuDNN's) at B = 1,
+// (setmaxnreg: 24 and 240, persistent 40 and 232; 384 threads of one CTA an
+// SM). The consumers take turns at issuing their MMAs (named barriers), so
+// that one's softmax runs under the other's MMAs (ping-pong): 4.14 -> 3.43 ms (0.93x cuDNN's) at B = 1,
 // 32 / 8 heads, S = 16384, 1.34 -> 1.24 at B = 16, S = 2048 (causal; H100). Not
 // at D = 64: two CTAs an SM overlap there already, and a producer warpgroup
 // would leave the consumers 104 registers (a producer warp: 96, the SM's four
@@ -76,6 +76,21 @@ constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2
 // SM against 9 and 13 active). The key-list walk gathers scattered rows from
 // all its threads and keeps the lock step (256 threads, one barrier a tile).
 constexpr bool forward_sm90_producer(int head_dim) { return head_dim > 64; }
+// The warp-specialized walks (a producer warpgroup: not the key-list walk) of
+// short rows are persistent: one CTA an SM takes a query block a round, and
+// the producer loads the next block's Q (once the consumers' last S = Q K^T of
+// a block is done) and first K and V tiles while the consumers finish a block
+// (its last P V, the epilogue's stores), which a CTA a block leaves exposed
+// where a block walks few tiles. H100, bf16, causal, 32 / 8 heads, forward ms,
+// a CTA a block (main d8a1856) against this, one run: B = 16, S = 2048
+// 1.227 -> 1.142; key bias, B = 8, S = 2048 0.825 -> 0.784, S = 4096
+// 0.310 -> 0.295. Longer rows keep a CTA a block: persistent there, key bias,
+// S = 8192 1.07 -> 1.13 and S = 16384 4.19 -> 4.55 (the static rounds of long
+// blocks drift apart, which the hardware's own order of CTAs avoids).
+constexpr int kForwardPersistentKeys = 4096;
+constexpr bool forward_sm90_persistent(int head_dim, bool key_lists, std::int64_t seqlen_k) {
+  return forward_sm90_producer(head_dim) && !key_lists && seqlen_k <= kForwardPersistentKeys;
+}
 
 // ---- Split-KV (forward) ----
 // Key splits for a grid of `ctas` CTAs over `key_blocks` key blocks: as many as

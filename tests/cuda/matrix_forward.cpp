@@ -519,6 +519,35 @@ std::vector<Case> forward_matrix(bool small) {
       t.name = name(t, t.name);
       cases.push_back(t);
     }
+  // The Hopper forward's persistent walks (D = 128, at most 4096 keys: a CTA
+  // an SM takes a query block a round): 288 blocks or more, so that each CTA
+  // walks two or more one after the other, among them blocks that walk no tile
+  // (a mask's bands leave whole rows of tiles empty; varlen: sequences without
+  // keys, blocks past a sequence's rows): dense, a key-only bias with softcap,
+  // the mask walk, a full bias by tiles, varlen with a window; and the same
+  // walks of a CTA a block (more keys): a key-only bias, the mask, a full bias.
+  for (int variant = 0; variant < 8; ++variant) {
+    Case c = base(300, variant == 3 ? 296 : 300, variant % 2 ? DType::kFloat16 : DType::kBFloat16);
+    c.B = 6, c.H = 16, c.Hk = 4, c.D = 128;
+    c.options.causal = variant != 1;
+    if (variant == 1) c.Sk = 700, c.bias_shape = {c.B, c.Hk, 1, c.Sk}, c.options.softcap = 30.0;
+    if (variant == 2) c.mask_pattern = Case::MaskPattern::kBands, c.mask_shape = {c.B, c.Hk, c.Sq, c.Sk};
+    if (variant == 3) c.bias_shape = {c.B, c.Hk, c.Sq, c.Sk};
+    if (variant == 4) {
+      c.seqlens_q = {300, 0, 129, 1, 65, 700, 200, 5, 300}, c.seqlens_k = {300, 7, 200, 0, 130, 700, 0, 9, 260};
+      c.bias_shape = {1606, c.Hk};
+      c.options.sliding_window = {200, 0};
+    }
+    if (variant >= 5) {
+      c.B = 3, c.H = 32, c.Hk = 8, c.Sq = 129, c.Sk = variant == 7 ? 4104 : 4400;  // 192 CTAs: no key split
+      if (variant == 5) c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+      if (variant == 6) c.mask_pattern = Case::MaskPattern::kBands, c.mask_shape = {c.B, c.Hk, c.Sq, c.Sk};
+      if (variant == 7) c.bias_shape = {c.B, c.Hk, c.Sq, c.Sk};
+    }
+    c.name = name(c, std::string(variant < 5 ? "Hopper persistent #" : "Hopper one block a CTA #") +
+                         std::to_string(variant));
+    cases.push_back(c);
+  }
   // The Hopper forward at D = 64 (grids of at least 132 CTAs or fewer than 8
   // key tiles: no split-KV): GQA and MQA, lengths off its 128-row and 64-key
   // tiles, a key-only bias (float32 too), softcap, a window, a causal offset,

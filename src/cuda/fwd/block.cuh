@@ -8,11 +8,13 @@
 
 namespace dmattn::cuda {
 
-// A forward CTA's query block. The grid is (query block, split, batch, head),
-// head fastest, and the query blocks in reverse: under causal masking the last
-// rows have the most keys, so the CTAs start longest first across every head
-// and batch and the grid ends on the shortest (fewer idle SMs in its last
-// wave). has_mask: the pre-passes listed the block's keys (a mask, a top-k
+// A forward CTA's query block: work item `item` of `items`, which enumerate
+// (query block, split, batch, head), head fastest, and the query blocks in
+// reverse: under causal masking the last rows have the most keys, so the
+// items start longest first across every head and batch and the grid ends on
+// the shortest (fewer idle SMs in its last wave). A CTA takes one item (the
+// sm80 kernel: its blockIdx.x of gridDim.x) or every gridDim.x-th from its
+// blockIdx.x (the Hopper forward). has_mask: the pre-passes listed the block's keys (a mask, a top-k
 // selection or both) and the block walks them, block_n a tile, gathered;
 // otherwise it walks the keys that any row of it may see. Its key tiles:
 // [tile_first, tile_end). Nothing past row0 and sq is set where row0 >= sq.
@@ -22,12 +24,12 @@ struct ForwardBlock {
   bool has_mask;
   int mask_count = 0, tile_first = 0, tile_end = 0;
   const std::int32_t* mask_keys = nullptr;
-  __device__ ForwardBlock(const ForwardParams& p, int block_m, int block_n)
-      : h(static_cast<int>(blockIdx.x % p.heads)), has_mask(p.mask_keys != nullptr) {
-    const unsigned slice = blockIdx.x / p.heads;
+  __device__ ForwardBlock(const ForwardParams& p, int block_m, int block_n, unsigned item, unsigned items)
+      : h(static_cast<int>(item % p.heads)), has_mask(p.mask_keys != nullptr) {
+    const unsigned slice = item / p.heads;
     b = static_cast<int>(slice % p.batch);
     split = static_cast<int>(slice / p.batch % p.num_splits);
-    const int blocks_m = static_cast<int>(gridDim.x / (std::uint32_t(p.heads) * p.batch * p.num_splits));
+    const int blocks_m = static_cast<int>(items / (std::uint32_t(p.heads) * p.batch * p.num_splits));
     row0 = std::int64_t{blocks_m - 1 - static_cast<int>(slice / p.batch / p.num_splits)} * block_m;
     const Sequence seq(p, b);
     qs = seq.qs, ks = seq.ks, sq = seq.sq, sk = seq.sk;

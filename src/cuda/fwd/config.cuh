@@ -65,17 +65,24 @@ struct ForwardSm90Config {
   // Two consumer warpgroups (the MMAs and the softmax); the dense and mask
   // walks add a producer warpgroup where heuristics.h says so, which gives its
   // registers to the consumers (setmaxnreg): 128 x 24 + 256 x 240 = 384 x 168,
-  // the launch bound's share of one CTA an SM.
+  // the launch bound's share of one CTA an SM; persistent, 128 x 40 + 256 x
+  // 232: the producer's walk over several query blocks spilled in 24 (and
+  // serialized its loads of a tile's key-only bias), the consumers' 232 spill
+  // nothing (the one-block walk keeps 240: a key bias at S = 16384 ran 3% slower
+  // with 232).
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerThreads = forward_sm90_producer(kHeadDim) ? 128 : 0;
   static constexpr int threads(bool producer) { return kConsumerThreads + (producer ? kProducerThreads : 0); }
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int producer_regs(bool persistent) { return persistent ? 40 : 24; }
+  static constexpr int consumer_regs(bool persistent) { return persistent ? 232 : 240; }
   // setmaxnreg.inc waits until the CTA's own released registers cover it: the
   // split must fit what the launch gives 384 threads (168 each, of 65536 in
   // steps of 8).
-  static_assert(kProducerThreads == 0 ||
-                    (kCtasPerSm == 1 && kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <=
-                                            threads(true) * (65536 / threads(true) / 8 * 8)),
+  static constexpr bool regs_fit(bool persistent) {
+    return kProducerThreads * producer_regs(persistent) + kConsumerThreads * consumer_regs(persistent) <=
+           threads(true) * (65536 / threads(true) / 8 * 8);
+  }
+  static_assert(kProducerThreads == 0 || (kCtasPerSm == 1 && regs_fit(false) && regs_fit(true)),
                 "a producer warpgroup with one CTA an SM, its registers within the launch's");
   static_assert(kBlockM == 128 && sm90_head_dim(kHeadDim), "two warpgroups of 64 rows, a head dim of the Hopper kernels");
 
@@ -94,17 +101,17 @@ struct ForwardSm90Config {
   static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
   // Q, two buffers of K, two of V, two of the key-only bias (floats, a K
   // buffer's tile), three of a key list's keys (ints), then the barriers: Q,
-  // the K and V buffers full, the K and V buffers empty.
+  // the K and V buffers full, the K and V buffers empty, Q empty.
   static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
   static constexpr int kKeysAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
   static constexpr int kBarriersAt = kKeysAt + 3 * kBlockN * int(sizeof(int));
-  static constexpr int kSmemBytes = kBarriersAt + 9 * 8;
+  static constexpr int kSmemBytes = kBarriersAt + 10 * 8;
   // The walk of a bias with rows (ForwardWalk::kRowBias) has two buffers of
   // its kBlockM x kBlockN tiles (Element, boxes of 64 keys laid out as Q's
   // atoms) where the others keep the key-only bias and the list's keys.
   static constexpr int kBiasTileElems = kBlockM * kBlockN;
   static constexpr int kTileBarriersAt = kBiasAt + 2 * kBiasTileElems * int(sizeof(Element));
-  static constexpr int kTileSmemBytes = kTileBarriersAt + 9 * 8;
+  static constexpr int kTileSmemBytes = kTileBarriersAt + 10 * 8;
   static_assert(kBiasAt % 1024 == 0 && kTileSmemBytes * kCtasPerSm <= kSmemSm90,
                 "bias tiles at a swizzle atom's alignment, within the shared memory of an SM");
   static constexpr int barriers_at(bool tiles) { return tiles ? kTileBarriersAt : kBarriersAt; }

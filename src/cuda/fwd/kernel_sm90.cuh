@@ -56,12 +56,20 @@
 // the key-list walk) one thread issues the TMA loads and the CTA meets at one
 // barrier a tile: after iteration i's barrier, K_{i+1} and V_i load into the
 // buffers whose last readers (S_{i-1}, P V_{i-2}) finished in iteration i - 1.
+//
+// Persistent (a producer walk of short rows, heuristics.h
+// forward_sm90_persistent): one CTA an SM walks a query block a round, the
+// buffers' phases and the warpgroups' turns running on across blocks; the
+// consumers release Q (q_empty) once the block's last S = Q K^T is done, so
+// that the producer loads the next block's Q and first K and V tiles while
+// they finish the block (its last P V and the epilogue).
 #pragma once
 
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
 #include <cutlass/numeric_conversion.h>
 
 #include <cmath>
@@ -90,7 +98,9 @@ constexpr bool forward_sm90_warp_specialized(ForwardWalk walk) {
   return walk != ForwardWalk::kKeyLists && Config::kProducerThreads > 0;
 }
 
-template <class Config, ForwardWalk kWalk>
+// kPersistent (a producer walk's): the CTAs take the query blocks in turn
+// (heuristics.h forward_sm90_persistent); otherwise a CTA a block.
+template <class Config, ForwardWalk kWalk, bool kPersistent>
 __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<Config>(kWalk)), Config::kCtasPerSm)
     forward_kernel_sm90(const __grid_constant__ ForwardParams p, const __grid_constant__ ForwardSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
@@ -102,19 +112,20 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   constexpr bool kMasked = kWalk == ForwardWalk::kMasked, kLists = kWalk == ForwardWalk::kKeyLists;
   constexpr bool kRowBias = kWalk == ForwardWalk::kRowBias;
   constexpr bool kProducer = forward_sm90_warp_specialized<Config>(kWalk);
+  static_assert(kProducer || !kPersistent, "a persistent walk has a producer warpgroup");
   constexpr int kConsumers = Config::kConsumerThreads, kProducers = kProducer ? Config::kProducerThreads : 0;
   // Named barriers (producer walks): warpgroup w waits at kTurn + w for its
   // turn to issue MMAs and passes it at the other's.
   constexpr int kTurn = 0;
 
-  const ForwardBlock blk(p, kBlockM, kBlockN);
-  if (blk.row0 >= blk.sq) return;
-  const int h = blk.h, b = blk.b, hk = h / p.group;
-  // tid: the consumer thread (the producer's are negative).
-  const int tid = static_cast<int>(threadIdx.x) - kProducers, lane = threadIdx.x % 32, wg = tid / 128;
-  const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
+  // tid: the consumer thread (the producer's are negative); wg: the consumer
+  // warpgroup, from a shuffle (canonical_warp_group_idx), which the compiler
+  // knows to be warp-uniform, so that the code past the producer / consumer
+  // split keeps the uniform datapath (without it, a key-only bias at
+  // S = 16384 ran 4% slower, its logits' bias reads no longer ahead).
+  const int tid = static_cast<int>(threadIdx.x) - kProducers, lane = threadIdx.x % 32;
+  const int warp_group = cutlass::canonical_warp_group_idx(), wg = warp_group - (kProducer ? 1 : 0);
   const bool has_bias = p.bias.data != nullptr, key_bias = !kRowBias && has_bias;
-  const int tile_first = blk.tile_first;
 
   extern __shared__ __align__(1024) char smem[];
   auto* q_smem = reinterpret_cast<Element*>(smem);
@@ -130,6 +141,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   std::uint64_t* v_full = q_full + 3;  // two
   std::uint64_t* k_empty = q_full + 5;  // two (producer walks)
   std::uint64_t* v_empty = q_full + 7;  // two (producer walks)
+  std::uint64_t* q_empty = q_full + 9;  // producer walks: the consumers are done with Q's S = Q K^T
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Config::LayoutQ{});
   auto stage_k = [&](int s) {
     return make_tensor(make_smem_ptr(k_smem + s * Config::kKvElems), typename Config::LayoutKV{});
@@ -137,166 +149,12 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   auto stage_vt = [&](int s) {
     return make_tensor(make_smem_ptr(v_smem + s * Config::kKvElems), typename Config::LayoutVt{});
   };
-  // One tile of `rows` (kBlockM for Q, kBlockN for K and V) from the
-  // sequence's row `row` of `map` (its first row: `start`) into dst,
-  // completing on `bar` (thread 0).
-  const int tma_b = p.token_batch(b);
-  auto load = [&](auto rows, const CUtensorMap* map, std::uint64_t* bar, Element* dst, std::int64_t start,
-                  std::int64_t row, int head) {
-    constexpr int kRows = decltype(rows)::value;
-    Barrier::arrive_and_expect_tx(bar, kRows * kHeadDim * int(sizeof(Element)));
-    tma_load_rows<kRows, kHeadDim>(bar, static_cast<int>(start + row), head, tma_b, std::pair{map, dst});
-  };
-  // K of the keys from key0 into buffer s (kRowBias: with the bias tile of
-  // the block's rows and those keys, completing on the same barrier).
-  const int2 bias_at = bias_tile_coords(p, h, b);
-  auto load_k = [&](int s, std::int64_t key0) {
-    if constexpr (kRowBias) {
-      Barrier::expect_transaction(&k_full[s], Config::kBiasTileElems * int(sizeof(Element)));
-      tma_bias_tile<kBlockM, kBlockN>(&maps.bias, &k_full[s], bias_tiles + s * Config::kBiasTileElems,
-                                      static_cast<int>(row0), static_cast<int>(key0), bias_at);
-    }
-    load(Int<kBlockN>{}, &maps.k, &k_full[s], k_smem + s * Config::kKvElems, blk.ks, key0, hk);
-  };
-  // The key list (kLists): its keys, their count, the bits of the block's first row.
-  const std::int32_t* list = blk.mask_keys;
-  const int listed = blk.mask_count;
-  const std::uint32_t* list_bits =
-      kLists ? p.mask_bits + (blk.mask_block / p.mask_blocks * p.seqlen_q + row0) * p.bits_sr : nullptr;
-  // The K or V rows (`rows`: the sequence's first, `stride` apart) of the keys
-  // staged in buffer s into dst as TMA lays them out (64-feature boxes of
-  // kBlockN 128-byte swizzled rows): thread t copies chunk t % kChunks of rows
-  // t / kChunks + kRowStep j; zeros past the list and the head dim. The caller
-  // commits the group.
-  auto gather = [&](const Element* rows, std::int64_t stride, Element* dst, int s) {
-    constexpr int kChunks = kHeadDim / 8, kRowStep = kConsumers / kChunks;
-    static_assert(kConsumers % kChunks == 0 && kBlockN % kRowStep == 0, "whole rows a pass");
-    const int c = tid % kChunks, r0 = tid / kChunks;
-    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst)) + c / 8 * (kBlockN * 128);
-    const bool feature = 8 * c < p.head_dim;
-#pragma unroll
-    for (int j = 0; j < kBlockN / kRowStep; ++j) {
-      const int r = r0 + kRowStep * j, key = keys_smem[s * kBlockN + r];
-      const unsigned to = base + sw128_offset(r, 8 * (c % 8));
-      if (feature && key >= 0) {
-        const Element* src = rows + std::int64_t{key} * stride + 8 * c;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
-      } else {
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(to), "r"(0));
-      }
-    }
-  };
-  const auto* k_rows = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + blk.ks * p.k.sr;
-  const auto* v_rows = static_cast<const Element*>(p.v.data) + b * p.v.sb + hk * p.v.sh + blk.ks * p.v.sr;
-
-  // The walk's key tiles, from tile_end - 1 down, the mask's empty ones left
-  // out; partial: the tile's elements test the mask.
-  const int mh = h / p.mask_group;
-  const std::uint8_t* classes =
-      kMasked ? p.tiles.data + b * p.tiles.sb + mh * p.tiles.sh + row0 / kBlockM * p.tiles.sm : nullptr;
-  const std::uint32_t* mask_words = kMasked ? p.packed.words + b * p.packed.sb + mh * p.packed.sh : nullptr;
-  struct Tile {
-    int n;
-    bool partial;
-    int key0 = -1;  // a list's tile of the consecutive keys [key0, key0 + kBlockN) (TMA); -1: gathered
-    int key = -1;   // a list's key at position t of the tile (thread t < kBlockN), -1 past the list
-  };
-  // The walk's tile after tile n (n < tile_first: none), 32 classes a look by each warp.
-  auto next_tile = [&](int n) {
-    if constexpr (kMasked) {
-      for (int top = n - 1; top >= tile_first; top -= 32) {
-        const int t = top - lane;
-        const int cls = t >= tile_first ? classes[t] : kTileEmpty;
-        const unsigned found = __ballot_sync(0xffffffff, cls != kTileEmpty);
-        const unsigned partial = __ballot_sync(0xffffffff, cls == kTilePartial);
-        if (found != 0) {
-          const int at = __ffs(found) - 1;
-          return Tile{top - at, ((partial >> at) & 1) != 0};
-        }
-      }
-      return Tile{tile_first - 1, false};
-    } else if constexpr (kLists) {  // the list is ascending: its first and last key tell a run
-      const int at = (n - 1) * kBlockN;
-      int key0 = -1;
-      if (n - 1 >= tile_first && at + kBlockN <= listed) {
-        const int first = list[at];
-        if (list[at + kBlockN - 1] - first == kBlockN - 1) key0 = first;
-      }
-      const bool mine = tid < kBlockN && n - 1 >= tile_first && at + tid < listed;
-      return Tile{n - 1, false, key0, mine ? list[at + tid] : -1};
-    } else {
-      return Tile{n - 1, false};
-    }
-  };
-  const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
-  // The key-only bias of key t < kBlockN of tile n (of a list: the key at its
-  // position t, staged in buffer s) in float; the key-list walk's thread t stages key t.
-  auto bias_of = [&](int n, int s, int t) {
-    const std::int64_t key = kLists ? keys_smem[s * kBlockN + t] : std::int64_t{n} * kBlockN + t;
-    if (key < 0 || key >= sk) return 0.0f;
-    return load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
-  };
-  auto fetch_bias = [&](int n, int s) { return !key_bias || tid >= kBlockN ? 0.0f : bias_of(n, s, tid); };
-  auto store_key = [&](int s, int key) {
-    if (tid < kBlockN) keys_smem[s * kBlockN + tid] = key;
-  };
-  auto store_bias = [&](int s, float x) {  // the lock-step walks' (the producer stages its walks')
-    if (!kProducer && key_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
-  };
-
-  typename Config::MmaS mma_s;
-  typename Config::MmaO mma_o;
-  auto thr_s = mma_s.get_thread_slice(tid);
-  auto thr_o = mma_o.get_thread_slice(tid);
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
-  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  clear(acc_o);
-  // The thread's (row, key) of S: two rows (r and r + 8 of its warp's 16),
-  // pairs of adjacent keys, 16 groups of 8 keys; element e = c + 2 half + 4 j.
-  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  constexpr int kAccS = decltype(size(cS))::value;  // kBlockN / 2
-  const int my_row[2] = {get<0>(cS(0)), get<0>(cS(2))}, col_base = get<1>(cS(0));
-
-  // The logit l is x * unit, x: with neither softcap nor bias the raw product
-  // q.k (unit = scale); otherwise the logits themselves (unit = 1). As in
-  // forward_kernel, exp(l - max l) = exp2(x c - max x c), c = unit log2 e.
-  const float scale = p.scale, softcap = p.softcap;
-  const bool logits = has_bias || softcap > 0.0f;
-  const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
-  float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
-
-  // P of the previous tile, the A operand of O += P V: the accumulator's 16
-  // groups of 8 keys are 8 k-slices of 16.
-  using ARegs = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>>;
-  Tensor rP = make_tensor<Element>(ARegs{});
-  // The key-list walk's TMA loads (not every tile's): the parity of each K
-  // and V buffer's next completion (bit s: buffer s), and whether the last
-  // iteration's V came by TMA.
-  unsigned k_parity = 0, v_parity = 0;
-  bool v_loaded = false;
-  auto wait_loaded = [&](std::uint64_t* full, unsigned& parity, int s) {
-    Barrier::wait(&full[s], (parity >> s) & 1);
-    parity ^= 1u << s;
-  };
-  // O += P V of iteration j (its V in buffer j % 2, loaded with parity j / 2 % 2).
-  auto mma_pv = [&](int j) {
-    if constexpr (!kLists) Barrier::wait(&v_full[j & 1], (j >> 1) & 1);
-    if (kLists && v_loaded) wait_loaded(v_full, v_parity, j & 1);
-    Tensor tOrV = thr_o.partition_fragment_B(stage_vt(j & 1));
-    warpgroup_fence_operand(rP);
-    wgmma_batch<false>(mma_o, rP, tOrV, acc_o);
-  };
-
-  // Prologue: the walk's tile and the one after it (a list's: their keys),
-  // the barriers. Producer walks: a K buffer's full barrier takes an arrival
-  // from each lane of the producer's warp (after its bias stores), its empty
-  // one from each consumer thread (after its bias reads); a V buffer's empty
-  // barrier one from each consumer warp (wgmma reads V).
-  Tile cur = next_tile(blk.tile_end);
-  Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
-  if constexpr (kLists) store_key(0, cur.key), store_key(1, next.key);
+  // The barriers, once: a producer walk's K buffer's full barrier takes an
+  // arrival from each lane of the producer's warp (after its bias stores), its
+  // empty one from each consumer thread (after its bias reads); a V buffer's
+  // empty barrier one from each consumer warp (wgmma reads V).
   if (threadIdx.x == 0) {
-    Barrier::init(q_full, 1);
+    Barrier::init(q_full, 1), Barrier::init(q_empty, kConsumers);
     for (int s = 0; s < 2; ++s) {
       Barrier::init(&k_full[s], kProducer ? 32 : 1), Barrier::init(&v_full[s], 1);
       Barrier::init(&k_empty[s], kConsumers), Barrier::init(&v_empty[s], kConsumers / 32);
@@ -304,277 +162,499 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  if constexpr (kProducer) {
-    if (tid < 0) {  // the producer: its first warp issues the loads
-      cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegs>();
-      if (threadIdx.x >= 32) return;
-      // Use u >= 1 of buffer j % 2 (tile j = 2 u + j % 2) waits for the
-      // consumers' release of use u - 1 (phase u - 1 of its empty barrier).
-      auto acquire = [&](std::uint64_t* empty, int j) {
-        if (j >= 2) Barrier::wait(&empty[j & 1], ((j >> 1) & 1) ^ 1);
-      };
-      auto load_v = [&](int j, int n) {
-        acquire(v_empty, j);
-        if (lane == 0)
-          load(Int<kBlockN>{}, &maps.v, &v_full[j & 1], v_smem + (j & 1) * Config::kKvElems, blk.ks,
-               std::int64_t{n} * kBlockN, hk);
-      };
-      if (lane == 0 && cur.n >= tile_first) load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
-      // Tile j's K into buffer j % 2 (its bias first, which the buffer's
-      // release frees too), then tile j - 1's V.
-      int j = 0, prev = 0;
-      for (Tile tile = cur; tile.n >= tile_first; prev = tile.n, tile = next_tile(tile.n), ++j) {
-        acquire(k_empty, j);
-        if (key_bias)
-          for (int t = lane; t < kBlockN; t += 32) bias_smem[(j & 1) * kBlockN + t] = bias_of(tile.n, 0, t);
-        if (lane == 0)
-          load_k(j & 1, std::int64_t{tile.n} * kBlockN);
-        else
-          Barrier::arrive(&k_full[j & 1]);
-        if (j > 0) load_v(j - 1, prev);
-      }
-      if (j > 0) load_v(j - 1, prev);
-      return;
-    }
-    cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegs>();
-  } else if (tid == 0 && cur.n >= tile_first) {  // Q and the first tile's K, its bias
-    load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
-    if (!kLists || cur.key0 >= 0) load_k(0, kLists ? cur.key0 : std::int64_t{cur.n} * kBlockN);
-  }
-  if (cur.n >= tile_first) {
-    if (kLists && cur.key0 < 0) {
-      gather(k_rows, p.k.sr, k_smem, 0);
-      cute::cp_async_fence();
-    }
-    store_bias(0, fetch_bias(cur.n, 0));
-    Barrier::wait(q_full, 0);
-  }
-  // Iteration i over `tile` (n; `following`: the next iteration's, next_n <
-  // tile_first: none); kPipelined (all but the first): with the previous
-  // tile's P V. Returns the tile after next_n.
-  auto iteration = [&](int i, const Tile& tile, const Tile& following, auto pipelined) {
-    constexpr bool kPipelined = decltype(pipelined)::value;
-    const int buf = i & 1, n = tile.n, next_n = following.n;
-    const int keys_next = (i + 1) % 3;  // a list's keys: tile in buffer i % 3, the next and the one after
-    const bool partial = tile.partial;
-    // A partial tile's mask words: the thread's two rows, keys [n kBlockN, +
-    // kBlockN); a list's: their bits of positions [n kBlockN, + kBlockN), 0
-    // past the rows and the list (whose last words may be another row's).
-    constexpr int kWords = kBlockN / 32;
-    std::uint32_t row_bits[2][kWords];
-    const int qrows = clamp_to_tile(sq - row0);
-    if (kMasked && partial) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int w = 0; w < kWords; ++w)
-          row_bits[half][w] = mask_words[(row0 + my_row[half]) * p.packed.so + (std::int64_t{n} * kWords + w) * p.packed.si];
-    }
-    if constexpr (kLists) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int w = 0; w < kWords; ++w) {
-          const int word = n * kWords + w;
-          row_bits[half][w] =
-              my_row[half] < qrows && 32 * word < listed ? list_bits[my_row[half] * p.bits_sr + word] : 0u;
-        }
-      // This thread's copies of K_n (and V_{n-1}) landed, made visible to wgmma by the barrier.
-      cute::cp_async_wait<0>();
-      fence_async_shared();
-    }
-    if constexpr (!kProducer) __syncthreads();  // tile n's bias is staged; every thread is done with iteration i - 1
-    // The lock-step walks: K of next_n and V of n, into the buffers that
-    // S_{i-1} and P V_{i-2} used (a list's tiles of scattered keys gathered
-    // below, after the MMAs are issued).
-    const bool k_next_loads = !kProducer && next_n >= tile_first && (!kLists || following.key0 >= 0);
-    const bool v_loads = !kProducer && (!kLists || tile.key0 >= 0);
-    if (tid == 0) {
-      if (k_next_loads) load_k(buf ^ 1, kLists ? following.key0 : std::int64_t{next_n} * kBlockN);
-      if (v_loads)
-        load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks,
-             kLists ? tile.key0 : std::int64_t{n} * kBlockN, hk);
-    }
-    if constexpr (!kLists) Barrier::wait(&k_full[buf], (i >> 1) & 1);
-    if (kLists && tile.key0 >= 0) wait_loaded(k_full, k_parity, buf);
-
-    // The warpgroups take turns (producer walks): warpgroup 0 issues first,
-    // then each waits for the other's MMAs of the iteration before.
-    if constexpr (kProducer)
-      if (i > 0 || wg == 1) NamedBarrier::sync(kConsumers, kTurn + wg);
-    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor tSrK = thr_s.partition_fragment_B(stage_k(buf));
-    wgmma_batch<true>(mma_s, tSrQ, tSrK, acc_s);
-    if constexpr (kPipelined) mma_pv(i - 1);
-    if constexpr (kProducer)
-      if (next_n >= tile_first || wg == 0) NamedBarrier::arrive(kConsumers, kTurn + 1 - wg);
-    if constexpr (kLists) {
-      if (next_n >= tile_first && !k_next_loads)
-        gather(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
-      if (!v_loads) gather(v_rows, p.v.sr, v_smem + buf * Config::kKvElems, i % 3);
-      cute::cp_async_fence();
-      v_loaded = v_loads;
-    }
-    // While they run: the next tile's bias and the tile after it (a list's: its keys).
-    const float next_bias = !kProducer && next_n >= tile_first ? fetch_bias(next_n, keys_next) : 0.0f;
-    const Tile after = next_n >= tile_first ? next_tile(next_n) : Tile{tile_first - 1, false};
-    if constexpr (kPipelined)
-      warpgroup_wait<1>();
-    else
-      warpgroup_wait<0>();
-
-    // The logits (SPEC 1: softcap, then the bias) and the allowed set: a tile
-    // wholly inside the band and the keys tests no element (a list's tile
-    // tests its bits alone).
-    const std::int64_t col0 = std::int64_t{n} * kBlockN;
-    const bool whole =
-        kLists || (col0 + kBlockN <= sk && band_covers(p.band, offset, row0, blk.row_last, col0, col0 + kBlockN - 1));
-    const int kcols = clamp_to_tile(sk - col0);
-    const TileBand band(p.band, offset, row0, col0);
-    const float* bias_cols = bias_smem + buf * kBlockN;
-    // Each condition is tested once a tile, outside the element loops.
-    const auto for_each = [&](auto&& f) {
-#pragma unroll
-      for (int e = 0; e < kAccS; ++e) f(e, e / 2 % 2, col_base + 8 * (e / 4) + e % 2);
+  // The CTA's query blocks (persistent: one a round of gridDim.x blocks,
+  // rounds alternately from either end, so that the longest-first order of
+  // the blocks evens out over the CTAs; otherwise blockIdx.x), one after the
+  // other: the buffers' and barriers' uses count on across them, tile j of the CTA's walk in K and
+  // V buffer j % 2 (phase j / 2 % 2), the u-th Q in phase u % 2, so that the
+  // producer loads the next block's Q and first tiles while the consumers
+  // finish a block.
+  int walked = 0, q_loads = 0;  // tiles walked and Qs loaded so far
+  const unsigned items = kPersistent ? static_cast<unsigned>((p.seqlen_q + kBlockM - 1) / kBlockM) * p.num_splits *
+                                           p.batch * p.heads
+                                     : gridDim.x;
+  auto round_item = [&](unsigned round) {
+    return round * gridDim.x + (round % 2 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+  };
+  // Block `item`: by every thread, the producer warpgroup and the consumers
+  // parting here (kEveryone: a CTA a block, as the compiler then keeps the
+  // uniform datapath: a key-only bias at S = 16384 ran 4% slower with the
+  // roles parted before the call), or by the producer's first warp
+  // (kProducing) or the consumers (kConsuming) of a persistent walk.
+  enum Role { kEveryone, kProducing, kConsuming };
+  auto walk_block = [&](unsigned item, auto role) {
+    constexpr Role kRole = decltype(role)::value;
+    const ForwardBlock blk(p, kBlockM, kBlockN, item, items);
+    if (blk.row0 >= blk.sq) return;
+    const int h = blk.h, b = blk.b, hk = h / p.group;
+    const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
+    const int tile_first = blk.tile_first;
+    // One tile of `rows` (kBlockM for Q, kBlockN for K and V) from the
+    // sequence's row `row` of `map` (its first row: `start`) into dst,
+    // completing on `bar` (thread 0).
+    const int tma_b = p.token_batch(b);
+    auto load = [&](auto rows, const CUtensorMap* map, std::uint64_t* bar, Element* dst, std::int64_t start,
+                    std::int64_t row, int head) {
+      constexpr int kRows = decltype(rows)::value;
+      Barrier::arrive_and_expect_tx(bar, kRows * kHeadDim * int(sizeof(Element)));
+      tma_load_rows<kRows, kHeadDim>(bar, static_cast<int>(start + row), head, tma_b, std::pair{map, dst});
     };
-    if (softcap > 0.0f) {
-      const float inner = scale / softcap * kTanhArg;
-      for_each([&](int e, int, int) { acc_s(e) = softcap_ex2(acc_s(e) * inner, softcap); });
-    }
-    if (has_bias) {
-      const float pre = softcap > 0.0f ? 1.0f : scale;
-      if constexpr (kRowBias) {  // 8 elements (e = 8 c ..: key groups 2 c and 2 c + 1, both rows) an ldmatrix
-        const auto tile = static_cast<unsigned>(__cvta_generic_to_shared(bias_tiles + buf * Config::kBiasTileElems));
-        const int row = my_row[0] - lane / 4 + 8 * (lane / 8 % 2) + lane % 8;  // the lane's of matrix lane / 8
+    // K of the keys from key0 into buffer s (kRowBias: with the bias tile of
+    // the block's rows and those keys, completing on the same barrier).
+    const int2 bias_at = bias_tile_coords(p, h, b);
+    auto load_k = [&](int s, std::int64_t key0) {
+      if constexpr (kRowBias) {
+        Barrier::expect_transaction(&k_full[s], Config::kBiasTileElems * int(sizeof(Element)));
+        tma_bias_tile<kBlockM, kBlockN>(&maps.bias, &k_full[s], bias_tiles + s * Config::kBiasTileElems,
+                                        static_cast<int>(row0), static_cast<int>(key0), bias_at);
+      }
+      load(Int<kBlockN>{}, &maps.k, &k_full[s], k_smem + s * Config::kKvElems, blk.ks, key0, hk);
+    };
+    // The key list (kLists): its keys, their count, the bits of the block's first row.
+    const std::int32_t* list = blk.mask_keys;
+    const int listed = blk.mask_count;
+    const std::uint32_t* list_bits =
+        kLists ? p.mask_bits + (blk.mask_block / p.mask_blocks * p.seqlen_q + row0) * p.bits_sr : nullptr;
+    // The K or V rows (`rows`: the sequence's first, `stride` apart) of the keys
+    // staged in buffer s into dst as TMA lays them out (64-feature boxes of
+    // kBlockN 128-byte swizzled rows): thread t copies chunk t % kChunks of rows
+    // t / kChunks + kRowStep j; zeros past the list and the head dim. The caller
+    // commits the group.
+    auto gather = [&](const Element* rows, std::int64_t stride, Element* dst, int s) {
+      constexpr int kChunks = kHeadDim / 8, kRowStep = kConsumers / kChunks;
+      static_assert(kConsumers % kChunks == 0 && kBlockN % kRowStep == 0, "whole rows a pass");
+      const int c = tid % kChunks, r0 = tid / kChunks;
+      const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst)) + c / 8 * (kBlockN * 128);
+      const bool feature = 8 * c < p.head_dim;
 #pragma unroll
-        for (int c = 0; c < kAccS / 8; ++c) {
-          const int kj = 8 * (2 * c + lane / 16);
-          std::uint32_t pairs[4];
-          ldsm_x4<false>(tile + kj / 64 * (kBlockM * 128) + sw128_offset(row, kj % 64), pairs);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const auto two = reinterpret_cast<const cutlass::Array<Element, 2>&>(pairs[i]);
-            acc_s(8 * c + 2 * i) = fmaf(acc_s(8 * c + 2 * i), pre, float(two[0]));
-            acc_s(8 * c + 2 * i + 1) = fmaf(acc_s(8 * c + 2 * i + 1), pre, float(two[1]));
+      for (int j = 0; j < kBlockN / kRowStep; ++j) {
+        const int r = r0 + kRowStep * j, key = keys_smem[s * kBlockN + r];
+        const unsigned to = base + sw128_offset(r, 8 * (c % 8));
+        if (feature && key >= 0) {
+          const Element* src = rows + std::int64_t{key} * stride + 8 * c;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
+        } else {
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(to), "r"(0));
+        }
+      }
+    };
+    const auto* k_rows = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + blk.ks * p.k.sr;
+    const auto* v_rows = static_cast<const Element*>(p.v.data) + b * p.v.sb + hk * p.v.sh + blk.ks * p.v.sr;
+
+    // The walk's key tiles, from tile_end - 1 down, the mask's empty ones left
+    // out; partial: the tile's elements test the mask.
+    const int mh = h / p.mask_group;
+    const std::uint8_t* classes =
+        kMasked ? p.tiles.data + b * p.tiles.sb + mh * p.tiles.sh + row0 / kBlockM * p.tiles.sm : nullptr;
+    const std::uint32_t* mask_words = kMasked ? p.packed.words + b * p.packed.sb + mh * p.packed.sh : nullptr;
+    struct Tile {
+      int n;
+      bool partial;
+      int key0 = -1;  // a list's tile of the consecutive keys [key0, key0 + kBlockN) (TMA); -1: gathered
+      int key = -1;   // a list's key at position t of the tile (thread t < kBlockN), -1 past the list
+    };
+    // The walk's tile after tile n (n < tile_first: none), 32 classes a look by each warp.
+    auto next_tile = [&](int n) {
+      if constexpr (kMasked) {
+        for (int top = n - 1; top >= tile_first; top -= 32) {
+          const int t = top - lane;
+          const int cls = t >= tile_first ? classes[t] : kTileEmpty;
+          const unsigned found = __ballot_sync(0xffffffff, cls != kTileEmpty);
+          const unsigned partial = __ballot_sync(0xffffffff, cls == kTilePartial);
+          if (found != 0) {
+            const int at = __ffs(found) - 1;
+            return Tile{top - at, ((partial >> at) & 1) != 0};
           }
         }
+        return Tile{tile_first - 1, false};
+      } else if constexpr (kLists) {  // the list is ascending: its first and last key tell a run
+        const int at = (n - 1) * kBlockN;
+        int key0 = -1;
+        if (n - 1 >= tile_first && at + kBlockN <= listed) {
+          const int first = list[at];
+          if (list[at + kBlockN - 1] - first == kBlockN - 1) key0 = first;
+        }
+        const bool mine = tid < kBlockN && n - 1 >= tile_first && at + tid < listed;
+        return Tile{n - 1, false, key0, mine ? list[at + tid] : -1};
       } else {
-        for_each([&](int e, int, int kj) { acc_s(e) = fmaf(acc_s(e), pre, bias_cols[kj]); });
+        return Tile{n - 1, false};
       }
+    };
+    const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
+    // The key-only bias of key t < kBlockN of tile n (of a list: the key at its
+    // position t, staged in buffer s) in float; the key-list walk's thread t stages key t.
+    auto bias_of = [&](int n, int s, int t) {
+      const std::int64_t key = kLists ? keys_smem[s * kBlockN + t] : std::int64_t{n} * kBlockN + t;
+      if (key < 0 || key >= sk) return 0.0f;
+      return load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
+    };
+    auto fetch_bias = [&](int n, int s) { return !key_bias || tid >= kBlockN ? 0.0f : bias_of(n, s, tid); };
+    auto store_key = [&](int s, int key) {
+      if (tid < kBlockN) keys_smem[s * kBlockN + tid] = key;
+    };
+    auto store_bias = [&](int s, float x) {  // the lock-step walks' (the producer stages its walks')
+      if (!kProducer && key_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
+    };
+
+    typename Config::MmaS mma_s;
+    typename Config::MmaO mma_o;
+    auto thr_s = mma_s.get_thread_slice(tid);
+    auto thr_o = mma_o.get_thread_slice(tid);
+    Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_o);
+    // The thread's (row, key) of S: two rows (r and r + 8 of its warp's 16),
+    // pairs of adjacent keys, 16 groups of 8 keys; element e = c + 2 half + 4 j.
+    Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    constexpr int kAccS = decltype(size(cS))::value;  // kBlockN / 2
+    const int my_row[2] = {get<0>(cS(0)), get<0>(cS(2))}, col_base = get<1>(cS(0));
+
+    // The logit l is x * unit, x: with neither softcap nor bias the raw product
+    // q.k (unit = scale); otherwise the logits themselves (unit = 1). As in
+    // forward_kernel, exp(l - max l) = exp2(x c - max x c), c = unit log2 e.
+    const float scale = p.scale, softcap = p.softcap;
+    const bool logits = has_bias || softcap > 0.0f;
+    const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
+    float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
+
+    // P of the previous tile, the A operand of O += P V: the accumulator's 16
+    // groups of 8 keys are 8 k-slices of 16.
+    using ARegs = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>>;
+    Tensor rP = make_tensor<Element>(ARegs{});
+    // The key-list walk's TMA loads (not every tile's): the parity of each K
+    // and V buffer's next completion (bit s: buffer s), and whether the last
+    // iteration's V came by TMA.
+    unsigned k_parity = 0, v_parity = 0;
+    bool v_loaded = false;
+    auto wait_loaded = [&](std::uint64_t* full, unsigned& parity, int s) {
+      Barrier::wait(&full[s], (parity >> s) & 1);
+      parity ^= 1u << s;
+    };
+    // O += P V of iteration j (its V in buffer j % 2, loaded with parity j / 2 % 2).
+    auto mma_pv = [&](int j) {
+      if constexpr (!kLists) Barrier::wait(&v_full[j & 1], (j >> 1) & 1);
+      if (kLists && v_loaded) wait_loaded(v_full, v_parity, j & 1);
+      Tensor tOrV = thr_o.partition_fragment_B(stage_vt(j & 1));
+      warpgroup_fence_operand(rP);
+      wgmma_batch<false>(mma_o, rP, tOrV, acc_o);
+    };
+
+    // Prologue: the walk's tile and the one after it (a list's: their keys).
+    Tile cur = next_tile(blk.tile_end);
+    Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
+    const bool walks = cur.n >= tile_first;
+    if constexpr (kLists) store_key(0, cur.key), store_key(1, next.key);
+    if constexpr (kLists) __syncthreads();  // the keys are staged
+    if constexpr (kProducer) {
+      if (kRole == kProducing || (kRole == kEveryone && warp_group == 0)) {
+        if constexpr (kRole == kEveryone) {  // the producer: its first warp issues the loads
+          cutlass::arch::warpgroup_reg_dealloc<Config::producer_regs(false)>();
+          if (cutlass::canonical_warp_idx_sync() != 0) return;
+        }
+        // Use u >= 1 of buffer j % 2 (tile j = 2 u + j % 2) waits for the
+        // consumers' release of use u - 1 (phase u - 1 of its empty barrier).
+        auto acquire = [&](std::uint64_t* empty, int j) {
+          if (j >= 2) Barrier::wait(&empty[j & 1], ((j >> 1) & 1) ^ 1);
+        };
+        auto load_v = [&](int j, int n) {
+          acquire(v_empty, j);
+          if (lane == 0)
+            load(Int<kBlockN>{}, &maps.v, &v_full[j & 1], v_smem + (j & 1) * Config::kKvElems, blk.ks,
+                 std::int64_t{n} * kBlockN, hk);
+        };
+        // Q once the consumers are done with the last one's.
+        if (walks) {
+          if (q_loads > 0) Barrier::wait(q_empty, (q_loads - 1) & 1);
+          if (lane == 0) load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
+          ++q_loads;
+        }
+        // Tile j's K into buffer j % 2 (its bias first, which the buffer's
+        // release frees too), then tile j - 1's V.
+        const int first = walked;
+        int& j = walked;
+        int prev = 0;
+        for (Tile tile = cur; tile.n >= tile_first; prev = tile.n, tile = next_tile(tile.n), ++j) {
+          acquire(k_empty, j);
+          if (key_bias) {  // the tile's loads first, then its stores: one load latency a tile
+            float x[kBlockN / 32];
+#pragma unroll
+            for (int u = 0; u < kBlockN / 32; ++u) x[u] = bias_of(tile.n, 0, lane + 32 * u);
+#pragma unroll
+            for (int u = 0; u < kBlockN / 32; ++u) bias_smem[(j & 1) * kBlockN + lane + 32 * u] = x[u];
+          }
+          if (lane == 0)
+            load_k(j & 1, std::int64_t{tile.n} * kBlockN);
+          else
+            Barrier::arrive(&k_full[j & 1]);
+          if (j > first) load_v(j - 1, prev);
+        }
+        if (j > first) load_v(j - 1, prev);
+        return;
+      }
+      if constexpr (kRole == kEveryone) cutlass::arch::warpgroup_reg_alloc<Config::consumer_regs(false)>();
+    } else if (tid == 0 && walks) {  // Q and the first tile's K, its bias (the CTA's only block)
+      load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
+      if (!kLists || cur.key0 >= 0) load_k(0, kLists ? cur.key0 : std::int64_t{cur.n} * kBlockN);
     }
-    // A tested tile: the band's test; the mask and list walks (most of whose
-    // tiles are tested): each row's allowed keys, the band's and the bits',
-    // one word a row and 32 keys (allowed.cuh), one bit test an element.
-    if constexpr (!kMasked && !kLists) {
-      if (!whole) {
-        for_each([&](int e, int half, int kj) {
-          const int qi = my_row[half];
-          if (!(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) acc_s(e) = -kInf;
+    if (walks) {
+      if (kLists && cur.key0 < 0) {
+        gather(k_rows, p.k.sr, k_smem, 0);
+        cute::cp_async_fence();
+      }
+      store_bias(0, fetch_bias(cur.n, 0));
+      Barrier::wait(q_full, kPersistent ? q_loads & 1 : 0);
+    }
+    // Iteration i over `tile` (n; `following`: the next iteration's, next_n <
+    // tile_first: none); kPipelined (all but the first): with the previous
+    // tile's P V. Returns the tile after next_n.
+    auto iteration = [&](int i, const Tile& tile, const Tile& following, auto pipelined) {
+      constexpr bool kPipelined = decltype(pipelined)::value;
+      const int buf = i & 1, n = tile.n, next_n = following.n;
+      const int keys_next = (i + 1) % 3;  // a list's keys: tile in buffer i % 3, the next and the one after
+      const bool partial = tile.partial;
+      // A partial tile's mask words: the thread's two rows, keys [n kBlockN, +
+      // kBlockN); a list's: their bits of positions [n kBlockN, + kBlockN), 0
+      // past the rows and the list (whose last words may be another row's).
+      constexpr int kWords = kBlockN / 32;
+      std::uint32_t row_bits[2][kWords];
+      const int qrows = clamp_to_tile(sq - row0);
+      if (kMasked && partial) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int w = 0; w < kWords; ++w)
+            row_bits[half][w] = mask_words[(row0 + my_row[half]) * p.packed.so +
+                                           (std::int64_t{n} * kWords + w) * p.packed.si];
+      }
+      if constexpr (kLists) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int w = 0; w < kWords; ++w) {
+            const int word = n * kWords + w;
+            row_bits[half][w] =
+                my_row[half] < qrows && 32 * word < listed ? list_bits[my_row[half] * p.bits_sr + word] : 0u;
+          }
+        // This thread's copies of K_n (and V_{n-1}) landed, made visible to wgmma by the barrier.
+        cute::cp_async_wait<0>();
+        fence_async_shared();
+      }
+      if constexpr (!kProducer) __syncthreads();  // tile n's bias is staged; every thread is done with iteration i - 1
+      // The lock-step walks: K of next_n and V of n, into the buffers that
+      // S_{i-1} and P V_{i-2} used (a list's tiles of scattered keys gathered
+      // below, after the MMAs are issued).
+      const bool k_next_loads = !kProducer && next_n >= tile_first && (!kLists || following.key0 >= 0);
+      const bool v_loads = !kProducer && (!kLists || tile.key0 >= 0);
+      if (tid == 0) {
+        if (k_next_loads) load_k(buf ^ 1, kLists ? following.key0 : std::int64_t{next_n} * kBlockN);
+        if (v_loads)
+          load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks,
+               kLists ? tile.key0 : std::int64_t{n} * kBlockN, hk);
+      }
+      if constexpr (!kLists) Barrier::wait(&k_full[buf], (i >> 1) & 1);
+      if (kLists && tile.key0 >= 0) wait_loaded(k_full, k_parity, buf);
+
+      // The warpgroups take turns (producer walks), across the CTA's blocks:
+      // warpgroup 0 issues first, then each waits for the other's MMAs of the
+      // iteration before (persistent, the turns run on across blocks and
+      // warpgroup 0 takes warpgroup 1's last at the end; otherwise warpgroup 1
+      // passes none after its last MMAs).
+      if constexpr (kProducer)
+        if (i > 0 || wg == 1) NamedBarrier::sync(kConsumers, kTurn + wg);
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor tSrK = thr_s.partition_fragment_B(stage_k(buf));
+      wgmma_batch<true>(mma_s, tSrQ, tSrK, acc_s);
+      if constexpr (kPipelined) mma_pv(i - 1);
+      if constexpr (kProducer)
+        if (kPersistent || next_n >= tile_first || wg == 0) NamedBarrier::arrive(kConsumers, kTurn + 1 - wg);
+      if constexpr (kLists) {
+        if (next_n >= tile_first && !k_next_loads)
+          gather(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
+        if (!v_loads) gather(v_rows, p.v.sr, v_smem + buf * Config::kKvElems, i % 3);
+        cute::cp_async_fence();
+        v_loaded = v_loads;
+      }
+      // While they run: the next tile's bias and the tile after it (a list's: its keys).
+      const float next_bias = !kProducer && next_n >= tile_first ? fetch_bias(next_n, keys_next) : 0.0f;
+      const Tile after = next_n >= tile_first ? next_tile(next_n) : Tile{tile_first - 1, false};
+      if constexpr (kPipelined)
+        warpgroup_wait<1>();
+      else
+        warpgroup_wait<0>();
+
+      // The logits (SPEC 1: softcap, then the bias) and the allowed set: a tile
+      // wholly inside the band and the keys tests no element (a list's tile
+      // tests its bits alone).
+      const std::int64_t col0 = std::int64_t{n} * kBlockN;
+      const bool whole =
+          kLists || (col0 + kBlockN <= sk && band_covers(p.band, offset, row0, blk.row_last, col0, col0 + kBlockN - 1));
+      const int kcols = clamp_to_tile(sk - col0);
+      const TileBand band(p.band, offset, row0, col0);
+      const float* bias_cols = bias_smem + buf * kBlockN;
+      // Each condition is tested once a tile, outside the element loops.
+      const auto for_each = [&](auto&& f) {
+#pragma unroll
+        for (int e = 0; e < kAccS; ++e) f(e, e / 2 % 2, col_base + 8 * (e / 4) + e % 2);
+      };
+      if (softcap > 0.0f) {
+        const float inner = scale / softcap * kTanhArg;
+        for_each([&](int e, int, int) { acc_s(e) = softcap_ex2(acc_s(e) * inner, softcap); });
+      }
+      if (has_bias) {
+        const float pre = softcap > 0.0f ? 1.0f : scale;
+        if constexpr (kRowBias) {  // 8 elements (e = 8 c ..: key groups 2 c and 2 c + 1, both rows) an ldmatrix
+          const auto tile = static_cast<unsigned>(__cvta_generic_to_shared(bias_tiles + buf * Config::kBiasTileElems));
+          const int row = my_row[0] - lane / 4 + 8 * (lane / 8 % 2) + lane % 8;  // the lane's of matrix lane / 8
+#pragma unroll
+          for (int c = 0; c < kAccS / 8; ++c) {
+            const int kj = 8 * (2 * c + lane / 16);
+            std::uint32_t pairs[4];
+            ldsm_x4<false>(tile + kj / 64 * (kBlockM * 128) + sw128_offset(row, kj % 64), pairs);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const auto two = reinterpret_cast<const cutlass::Array<Element, 2>&>(pairs[i]);
+              acc_s(8 * c + 2 * i) = fmaf(acc_s(8 * c + 2 * i), pre, float(two[0]));
+              acc_s(8 * c + 2 * i + 1) = fmaf(acc_s(8 * c + 2 * i + 1), pre, float(two[1]));
+            }
+          }
+        } else {
+          for_each([&](int e, int, int kj) { acc_s(e) = fmaf(acc_s(e), pre, bias_cols[kj]); });
+        }
+      }
+      // A tested tile: the band's test; the mask and list walks (most of whose
+      // tiles are tested): each row's allowed keys, the band's and the bits',
+      // one word a row and 32 keys (allowed.cuh), one bit test an element.
+      if constexpr (!kMasked && !kLists) {
+        if (!whole) {
+          for_each([&](int e, int half, int kj) {
+            const int qi = my_row[half];
+            if (!(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) acc_s(e) = -kInf;
+          });
+        }
+      } else if (const bool bits = kLists || partial; !whole || bits) {
+        std::uint32_t allow[2][kWords];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int qi = my_row[half];  // keys [from, to): qi + band.lo <= kj <= qi + band.hi; a whole tile: all
+          const int from = whole ? 0 : max(0, qi + band.lo);
+          const int to = whole ? kBlockN : (qi < qrows ? min(kcols, qi + band.hi + 1) : 0);
+#pragma unroll
+          for (int w = 0; w < kWords; ++w)
+            allow[half][w] = (span_bits(from, to, w) & (bits ? row_bits[half][w] : ~0u)) >> col_base;
+        }
+        for_each([&](int e, int half, int) {
+          if (((allow[half][e / 16] >> column_bit(e)) & 1u) == 0) acc_s(e) = -kInf;
         });
       }
-    } else if (const bool bits = kLists || partial; !whole || bits) {
-      std::uint32_t allow[2][kWords];
+      if constexpr (kProducer) Barrier::arrive(&k_empty[buf]);  // the thread is done with K_n and its bias
+
+      // Online softmax (forward_kernel's): lazily moved maxima (move_row_max), the
+      // exact exponent for large logits.
+      float correction[2];
+      bool moved = false, far = false;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int qi = my_row[half];  // keys [from, to): qi + band.lo <= kj <= qi + band.hi; a whole tile: all
-        const int from = whole ? 0 : max(0, qi + band.lo);
-        const int to = whole ? kBlockN : (qi < qrows ? min(kcols, qi + band.hi + 1) : 0);
+        float mx = row_max[half];
 #pragma unroll
-        for (int w = 0; w < kWords; ++w)
-          allow[half][w] = (span_bits(from, to, w) & (bits ? row_bits[half][w] : ~0u)) >> col_base;
+        for (int e = 2 * half; e < kAccS; e += 4) mx = fmaxf(mx, fmaxf(acc_s(e), acc_s(e + 1)));
+        correction[half] = move_row_max(quad_max(mx), c_log2, row_max[half], row_sum[half], moved, far);
       }
-      for_each([&](int e, int half, int) {
-        if (((allow[half][e / 16] >> column_bit(e)) & 1u) == 0) acc_s(e) = -kInf;
-      });
-    }
-    if constexpr (kProducer) Barrier::arrive(&k_empty[buf]);  // the thread is done with K_n and its bias
-
-    // Online softmax (forward_kernel's): lazily moved maxima (move_row_max), the
-    // exact exponent for large logits.
-    float correction[2];
-    bool moved = false, far = false;
+      const bool exact = logits && __any_sync(0xffffffff, far);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float mx = row_max[half];
+      for (int half = 0; half < 2; ++half) {
+        const float base = row_max[half] == -kInf ? 0.0f : row_max[half], base_c = base * c_log2;
+        float sum = 0.0f;
+        if (exact) {
 #pragma unroll
-      for (int e = 2 * half; e < kAccS; e += 4) mx = fmaxf(mx, fmaxf(acc_s(e), acc_s(e + 1)));
-      correction[half] = move_row_max(quad_max(mx), c_log2, row_max[half], row_sum[half], moved, far);
-    }
-    const bool exact = logits && __any_sync(0xffffffff, far);
+          for (int e = 2 * half; e < kAccS; e += 4)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float base = row_max[half] == -kInf ? 0.0f : row_max[half], base_c = base * c_log2;
-      float sum = 0.0f;
-      if (exact) {
+            for (int c = 0; c < 2; ++c) sum += acc_s(e + c) = exp2_ftz((acc_s(e + c) - base) * c_log2);
+        } else {
 #pragma unroll
-        for (int e = 2 * half; e < kAccS; e += 4)
+          for (int e = 2 * half; e < kAccS; e += 4)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) sum += acc_s(e + c) = exp2_ftz((acc_s(e + c) - base) * c_log2);
-      } else {
-#pragma unroll
-        for (int e = 2 * half; e < kAccS; e += 4)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) sum += acc_s(e + c) = exp2_ftz(fmaf(acc_s(e + c), c_log2, -base_c));
+            for (int c = 0; c < 2; ++c) sum += acc_s(e + c) = exp2_ftz(fmaf(acc_s(e + c), c_log2, -base_c));
+        }
+        row_sum[half] += sum;
       }
-      row_sum[half] += sum;
-    }
-    store_bias(buf ^ 1, next_bias);
-    if constexpr (kLists) store_key((i + 2) % 3, after.key);
+      store_bias(buf ^ 1, next_bias);
+      if constexpr (kLists) store_key((i + 2) % 3, after.key);
 
-    if constexpr (kPipelined) {
+      if constexpr (kPipelined) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(rP);
+        if (kProducer && lane == 0) Barrier::arrive(&v_empty[(i - 1) & 1]);  // the warp is done with V_{i-1}
+      }
+      if (__any_sync(0xffffffff, moved)) {
+#pragma unroll
+        for (int e = 0; e < size(acc_o); ++e) acc_o(e) *= correction[e / 2 % 2];
+      }
+      using Convert = cutlass::NumericArrayConverter<Element, float, kAccS>;
+      *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rP.data())) =
+          Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_s.data())));
+      return after;
+    };
+    auto step = [&](auto pipelined) {
+      const Tile after = iteration(walked++, cur, next, pipelined);
+      cur = next, next = after;
+    };
+    if (walks) {
+      step(std::false_type{});
+      while (cur.n >= tile_first) step(std::true_type{});
+      // Every S = Q K^T of the block is done: the producer may load the next Q.
+      if constexpr (kPersistent) Barrier::arrive(q_empty), ++q_loads;
+      // The last tile's P V.
+      if constexpr (kLists) {
+        cute::cp_async_wait<0>();
+        fence_async_shared();
+        __syncthreads();
+      }
+      mma_pv(walked - 1);
       warpgroup_wait<0>();
-      warpgroup_fence_operand(rP);
-      if (kProducer && lane == 0) Barrier::arrive(&v_empty[(i - 1) & 1]);  // the warp is done with V_{i-1}
+      warpgroup_fence_operand(acc_o);
+      if (kPersistent && lane == 0) Barrier::arrive(&v_empty[(walked - 1) & 1]);
     }
-    if (__any_sync(0xffffffff, moved)) {
-#pragma unroll
-      for (int e = 0; e < size(acc_o); ++e) acc_o(e) *= correction[e / 2 % 2];
-    }
-    using Convert = cutlass::NumericArrayConverter<Element, float, kAccS>;
-    *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rP.data())) =
-        Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_s.data())));
-    return after;
-  };
-  int tiles = 0;  // iterations run
-  auto step = [&](auto pipelined) {
-    const Tile after = iteration(tiles++, cur, next, pipelined);
-    cur = next, next = after;
-  };
-  if (cur.n >= tile_first) step(std::false_type{});
-  while (cur.n >= tile_first) step(std::true_type{});
-  if (tiles > 0) {  // the last tile's P V
-    if constexpr (kLists) {
-      cute::cp_async_wait<0>();
-      fence_async_shared();
-      __syncthreads();
-    }
-    mma_pv(tiles - 1);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_o);
-  }
 
-  // Epilogue: o = acc / sum (0 for a row with no allowed key), lse = max + log(sum).
-  auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (blk.qs + row0) * p.out.sr;
-  Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  float inv[2];
+    // Epilogue: o = acc / sum (0 for a row with no allowed key), lse = max + log(sum).
+    auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (blk.qs + row0) * p.out.sr;
+    Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    float inv[2];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float sum = quad_sum(row_sum[half]);
-    inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const std::int64_t row = row0 + my_row[half];
-    if (p.lse.data != nullptr && lane % 4 == 0 && row < sq)
-      static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (blk.qs + row) * p.lse.sr] =
-          sum > 0.0f ? row_max[half] * unit + logf(sum) : -kInf;
-  }
-  // A thread's pairs (f, f + 1) start at even features: one 32-bit store each
-  // where out's strides allow; a pair is whole or padding (past a head dim of
-  // whole 8-feature chunks).
-  const bool aligned = pairs_aligned(p.out.data, p.out.sb, p.out.sh, p.out.sr);
+    for (int half = 0; half < 2; ++half) {
+      const float sum = quad_sum(row_sum[half]);
+      inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const std::int64_t row = row0 + my_row[half];
+      if (p.lse.data != nullptr && lane % 4 == 0 && row < sq)
+        static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (blk.qs + row) * p.lse.sr] =
+            sum > 0.0f ? row_max[half] * unit + logf(sum) : -kInf;
+    }
+    // A thread's pairs (f, f + 1) start at even features: one 32-bit store each
+    // where out's strides allow; a pair is whole or padding (past a head dim of
+    // whole 8-feature chunks).
+    const bool aligned = pairs_aligned(p.out.data, p.out.sb, p.out.sh, p.out.sr);
 #pragma unroll
-  for (int e = 0; e < size(acc_o); e += 2) {
-    const int half = e / 2 % 2, qi = get<0>(cO(e)), f = get<1>(cO(e));
-    if (row0 + qi < sq && f < p.head_dim)
-      store_pair(out + qi * p.out.sr + f, acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
+    for (int e = 0; e < size(acc_o); e += 2) {
+      const int half = e / 2 % 2, qi = get<0>(cO(e)), f = get<1>(cO(e));
+      if (row0 + qi < sq && f < p.head_dim)
+        store_pair(out + qi * p.out.sr + f, acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
+    }
+  };
+  if constexpr (kPersistent) {
+    if (warp_group == 0) {  // the producer: its first warp issues the loads
+      cutlass::arch::warpgroup_reg_dealloc<Config::producer_regs(true)>();
+      if (cutlass::canonical_warp_idx_sync() != 0) return;
+      for (unsigned round = 0; round * gridDim.x < items; ++round)
+        if (const unsigned item = round_item(round); item < items)
+          walk_block(item, std::integral_constant<Role, kProducing>{});
+      return;
+    }
+    cutlass::arch::warpgroup_reg_alloc<Config::consumer_regs(true)>();
+    for (unsigned round = 0; round * gridDim.x < items; ++round)
+      if (const unsigned item = round_item(round); item < items)
+        walk_block(item, std::integral_constant<Role, kConsuming>{});
+    if (wg == 0 && walked > 0) NamedBarrier::sync(kConsumers, kTurn);  // warpgroup 1's last turn
+  } else {
+    walk_block(blockIdx.x, std::integral_constant<Role, kEveryone>{});
   }
 #endif
 }

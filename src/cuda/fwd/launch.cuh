@@ -74,8 +74,9 @@ ForwardSm90Maps forward_sm90_maps(const ForwardParams& p, bool bias_tiles) {
 }
 
 // Launches the planned kernel over the plan's batch x heads x query blocks x
-// splits, its shared-memory limit raised first (the sm80 kernels': once a
-// device).
+// splits (a persistent Hopper walk: the plan's persistent CTAs, which take the
+// blocks in turn), its shared-memory limit raised first
+// (the sm80 kernels': once a device).
 template <class Element, int kHeadDim>
 cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& p, const ForwardSm90Maps& maps,
                                   cudaStream_t stream) {
@@ -90,15 +91,23 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
                                  : plan.key_lists  ? ForwardWalk::kKeyLists
                                  : plan.bias_tiles ? ForwardWalk::kRowBias
                                                    : ForwardWalk::kDense;
-        auto kernel = walk == ForwardWalk::kMasked     ? forward_kernel_sm90<Config, ForwardWalk::kMasked>
-                      : walk == ForwardWalk::kKeyLists ? forward_kernel_sm90<Config, ForwardWalk::kKeyLists>
-                      : walk == ForwardWalk::kRowBias  ? forward_kernel_sm90<Config, ForwardWalk::kRowBias>
-                                                       : forward_kernel_sm90<Config, ForwardWalk::kDense>;
+        const bool producer = forward_sm90_warp_specialized<Config>(walk), persistent = plan.persistent_ctas > 0;
+        if (persistent && !producer)
+          throw std::logic_error("dmattn: a persistent grid planned for a walk without a producer warpgroup");
+        const auto pick = [&](auto in_turn) {  // the walk's kernel, persistent or a CTA a block
+          constexpr bool kInTurn = decltype(in_turn)::value && Config::kProducerThreads > 0;
+          return walk == ForwardWalk::kMasked     ? forward_kernel_sm90<Config, ForwardWalk::kMasked, kInTurn>
+                 : walk == ForwardWalk::kKeyLists ? forward_kernel_sm90<Config, ForwardWalk::kKeyLists, false>
+                 : walk == ForwardWalk::kRowBias  ? forward_kernel_sm90<Config, ForwardWalk::kRowBias, kInTurn>
+                                                  : forward_kernel_sm90<Config, ForwardWalk::kDense, kInTurn>;
+        };
+        auto kernel = persistent ? pick(std::true_type{}) : pick(std::false_type{});
         const int smem = Config::smem_bytes(plan.bias_tiles);
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (err != cudaSuccess) return err;
-        const int threads = Config::threads(forward_sm90_warp_specialized<Config>(walk));
-        kernel<<<grid(Config::kBlockM), threads, smem, stream>>>(p, maps);
+        const unsigned blocks = grid(Config::kBlockM);
+        const unsigned ctas = persistent ? std::min(blocks, static_cast<unsigned>(plan.persistent_ctas)) : blocks;
+        kernel<<<ctas, Config::threads(producer), smem, stream>>>(p, maps);
         return cudaGetLastError();
       }
       break;
