@@ -149,19 +149,22 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   auto stage_vt = [&](int s) {
     return make_tensor(make_smem_ptr(v_smem + s * Config::kKvElems), typename Config::LayoutVt{});
   };
-  // The barriers, once: a producer walk's K buffer's full barrier takes an
-  // arrival from each lane of the producer's warp (after its bias stores), its
-  // empty one from each consumer thread (after its bias reads); a V buffer's
-  // empty barrier one from each consumer warp (wgmma reads V).
-  if (threadIdx.x == 0) {
-    Barrier::init(q_full, 1), Barrier::init(q_empty, kConsumers);
-    for (int s = 0; s < 2; ++s) {
-      Barrier::init(&k_full[s], kProducer ? 32 : 1), Barrier::init(&v_full[s], 1);
-      Barrier::init(&k_empty[s], kConsumers), Barrier::init(&v_empty[s], kConsumers / 32);
+  // The barriers, once a CTA (and what the threads staged before): a producer
+  // walk's K buffer's full barrier takes an arrival from each lane of the
+  // producer's warp (after its bias stores), its empty one from each consumer
+  // thread (after its bias reads); a V buffer's empty barrier one from each
+  // consumer warp (wgmma reads V).
+  auto init_barriers = [&] {
+    if (threadIdx.x == 0) {
+      Barrier::init(q_full, 1), Barrier::init(q_empty, kConsumers);
+      for (int s = 0; s < 2; ++s) {
+        Barrier::init(&k_full[s], kProducer ? 32 : 1), Barrier::init(&v_full[s], 1);
+        Barrier::init(&k_empty[s], kConsumers), Barrier::init(&v_empty[s], kConsumers / 32);
+      }
+      cutlass::arch::fence_barrier_init();
     }
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
+    __syncthreads();
+  };
   // The CTA's query blocks (persistent: one a round of gridDim.x blocks,
   // rounds alternately from either end, so that the longest-first order of
   // the blocks evens out over the CTAs; otherwise blockIdx.x), one after the
@@ -344,7 +347,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
     const bool walks = cur.n >= tile_first;
     if constexpr (kLists) store_key(0, cur.key), store_key(1, next.key);
-    if constexpr (kLists) __syncthreads();  // the keys are staged
+    if constexpr (kRole == kEveryone) init_barriers();  // a list's keys staged too
     if constexpr (kProducer) {
       if (kRole == kProducing || (kRole == kEveryone && warp_group == 0)) {
         if constexpr (kRole == kEveryone) {  // the producer: its first warp issues the loads
@@ -640,6 +643,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     }
   };
   if constexpr (kPersistent) {
+    init_barriers();
     if (warp_group == 0) {  // the producer: its first warp issues the loads
       cutlass::arch::warpgroup_reg_dealloc<Config::producer_regs(true)>();
       if (cutlass::canonical_warp_idx_sync() != 0) return;
