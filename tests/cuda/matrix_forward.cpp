@@ -148,6 +148,14 @@ std::vector<Case> forward_matrix(bool small) {
       t.name = name(t, "small " + t.name);
       cases.push_back(t);
     }
+    // The persistent Hopper forward with CTAs that walk two blocks (160 blocks
+    // on 132 SMs) under the sanitizers, its producer staging a key-only bias.
+    Case pc = base(130, 130, DType::kBFloat16);
+    pc.B = 5, pc.H = 16, pc.Hk = 4, pc.D = 128;
+    pc.options.causal = true;
+    pc.bias_shape = {pc.B, pc.Hk, 1, pc.Sk};
+    pc.name = name(pc, "small Hopper persistent");
+    cases.push_back(pc);
     return cases;
   }
   // Sizes: awkward lengths, both dtypes, causal or not.

@@ -213,10 +213,12 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       }
       load(Int<kBlockN>{}, &maps.k, &k_full[s], k_smem + s * Config::kKvElems, blk.ks, key0, hk);
     };
-    // The key list (kLists): its keys, their count, the bits of the block's first row.
-    const std::int32_t* list = blk.mask_keys;
-    const int listed = blk.mask_count;
-    const std::uint32_t* list_bits =
+    // The key list (kLists): its keys, their count, the bits of the block's
+    // first row (unused by the other walks, as the gathers' V rows and the
+    // mask's tile classes are by theirs).
+    [[maybe_unused]] const std::int32_t* list = blk.mask_keys;
+    [[maybe_unused]] const int listed = blk.mask_count;
+    [[maybe_unused]] const std::uint32_t* list_bits =
         kLists ? p.mask_bits + (blk.mask_block / p.mask_blocks * p.seqlen_q + row0) * p.bits_sr : nullptr;
     // The K or V rows (`rows`: the sequence's first, `stride` apart) of the keys
     // staged in buffer s into dst as TMA lays them out (64-feature boxes of
@@ -242,12 +244,13 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       }
     };
     const auto* k_rows = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + blk.ks * p.k.sr;
-    const auto* v_rows = static_cast<const Element*>(p.v.data) + b * p.v.sb + hk * p.v.sh + blk.ks * p.v.sr;
+    [[maybe_unused]] const auto* v_rows =
+        static_cast<const Element*>(p.v.data) + b * p.v.sb + hk * p.v.sh + blk.ks * p.v.sr;
 
     // The walk's key tiles, from tile_end - 1 down, the mask's empty ones left
     // out; partial: the tile's elements test the mask.
     const int mh = h / p.mask_group;
-    const std::uint8_t* classes =
+    [[maybe_unused]] const std::uint8_t* classes =
         kMasked ? p.tiles.data + b * p.tiles.sb + mh * p.tiles.sh + row0 / kBlockM * p.tiles.sm : nullptr;
     const std::uint32_t* mask_words = kMasked ? p.packed.words + b * p.packed.sb + mh * p.packed.sh : nullptr;
     struct Tile {
