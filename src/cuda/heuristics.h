@@ -58,9 +58,9 @@ constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2
 // warpgroups never meet at a CTA barrier; it hands its registers to them
 // (setmaxnreg: 24 and 240, persistent 40 and 232; 384 threads of one CTA an
 // SM). The consumers take turns at issuing their MMAs (named barriers), so
-// that one's softmax runs under the other's MMAs (ping-pong): 4.14 -> 3.43 ms (0.93x cuDNN's) at B = 1,
-// 32 / 8 heads, S = 16384, 1.34 -> 1.24 at B = 16, S = 2048 (causal; H100). Not
-// at D = 64: two CTAs an SM overlap there already, and a producer warpgroup
+// that one's softmax runs under the other's MMAs (ping-pong): 4.14 -> 3.43 ms
+// (0.93x cuDNN's) at B = 1, 32 / 8 heads, S = 16384, 1.34 -> 1.24 at B = 16,
+// S = 2048 (causal; H100). Not at D = 64: two CTAs an SM overlap there already, and a producer warpgroup
 // would leave the consumers 104 registers (a producer warp: 96, the SM's four
 // register files each holding 5 of the 18 warps; both spill). With one CTA an
 // SM instead (the registers then fit) it gained nothing on long rows and lost

@@ -12,10 +12,10 @@ namespace dmattn::cuda {
 // (query block, split, batch, head), head fastest, and the query blocks in
 // reverse: under causal masking the last rows have the most keys, so the
 // items start longest first across every head and batch and the grid ends on
-// the shortest (fewer idle SMs in its last wave). A CTA takes one item (the
-// sm80 kernel: its blockIdx.x of gridDim.x) or every gridDim.x-th from its
-// blockIdx.x (the Hopper forward). has_mask: the pre-passes listed the block's keys (a mask, a top-k
-// selection or both) and the block walks them, block_n a tile, gathered;
+// the shortest (fewer idle SMs in its last wave). A CTA takes one item (its
+// blockIdx.x of gridDim.x) or, persistent, one a round (the Hopper forward).
+// has_mask: the pre-passes listed the block's keys (a mask, a top-k selection
+// or both) and the block walks them, block_n a tile, gathered;
 // otherwise it walks the keys that any row of it may see. Its key tiles:
 // [tile_first, tile_end). Nothing past row0 and sq is set where row0 >= sq.
 struct ForwardBlock {
@@ -24,6 +24,10 @@ struct ForwardBlock {
   bool has_mask;
   int mask_count = 0, tile_first = 0, tile_end = 0;
   const std::int32_t* mask_keys = nullptr;
+  // The items of a launch of block_m-row query blocks: the grid of a CTA a block.
+  static DMATTN_HOST_DEVICE unsigned count(const ForwardParams& p, int block_m) {
+    return static_cast<unsigned>((p.seqlen_q + block_m - 1) / block_m) * p.num_splits * p.batch * p.heads;
+  }
   __device__ ForwardBlock(const ForwardParams& p, int block_m, int block_n, unsigned item, unsigned items)
       : h(static_cast<int>(item % p.heads)), has_mask(p.mask_keys != nullptr) {
     const unsigned slice = item / p.heads;

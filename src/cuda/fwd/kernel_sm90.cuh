@@ -118,11 +118,9 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   // turn to issue MMAs and passes it at the other's.
   constexpr int kTurn = 0;
 
-  // tid: the consumer thread (the producer's are negative); wg: the consumer
-  // warpgroup, from a shuffle (canonical_warp_group_idx), which the compiler
-  // knows to be warp-uniform, so that the code past the producer / consumer
-  // split keeps the uniform datapath (without it, a key-only bias at
-  // S = 16384 ran 4% slower, its logits' bias reads no longer ahead).
+  // tid: the consumer thread (the producer's are negative); warp_group and
+  // wg (the consumer warpgroup) from a shuffle (canonical_warp_group_idx),
+  // which the compiler knows to be warp-uniform, as the role tests are.
   const int tid = static_cast<int>(threadIdx.x) - kProducers, lane = threadIdx.x % 32;
   const int warp_group = cutlass::canonical_warp_group_idx(), wg = warp_group - (kProducer ? 1 : 0);
   const bool has_bias = p.bias.data != nullptr, key_bias = !kRowBias && has_bias;
@@ -168,17 +166,12 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   // The CTA's query blocks (persistent: one a round of gridDim.x blocks,
   // rounds alternately from either end, so that the longest-first order of
   // the blocks evens out over the CTAs; otherwise blockIdx.x), one after the
-  // other: the buffers' and barriers' uses count on across them, tile j of the CTA's walk in K and
-  // V buffer j % 2 (phase j / 2 % 2), the u-th Q in phase u % 2, so that the
-  // producer loads the next block's Q and first tiles while the consumers
-  // finish a block.
+  // other: the buffers' and barriers' uses count on across them, tile j of
+  // the CTA's walk in K and V buffer j % 2 (phase j / 2 % 2), the u-th Q in
+  // phase u % 2, so that the producer loads the next block's Q and first
+  // tiles while the consumers finish a block.
   int walked = 0, q_loads = 0;  // tiles walked and Qs loaded so far
-  const unsigned items = kPersistent ? static_cast<unsigned>((p.seqlen_q + kBlockM - 1) / kBlockM) * p.num_splits *
-                                           p.batch * p.heads
-                                     : gridDim.x;
-  auto round_item = [&](unsigned round) {
-    return round * gridDim.x + (round % 2 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-  };
+  const unsigned items = kPersistent ? ForwardBlock::count(p, kBlockM) : gridDim.x;
   // Block `item`: by every thread, the producer warpgroup and the consumers
   // parting here (kEveryone: a CTA a block, as the compiler then keeps the
   // uniform datapath: a key-only bias at S = 16384 ran 4% slower with the
@@ -645,20 +638,23 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
         store_pair(out + qi * p.out.sr + f, acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
     }
   };
+  // The persistent CTA's blocks, round by round, in one role.
+  auto walk_rounds = [&](auto role) {
+    for (unsigned round = 0; round * gridDim.x < items; ++round) {
+      const unsigned item = round * gridDim.x + (round % 2 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+      if (item < items) walk_block(item, role);
+    }
+  };
   if constexpr (kPersistent) {
     init_barriers();
     if (warp_group == 0) {  // the producer: its first warp issues the loads
       cutlass::arch::warpgroup_reg_dealloc<Config::producer_regs(true)>();
       if (cutlass::canonical_warp_idx_sync() != 0) return;
-      for (unsigned round = 0; round * gridDim.x < items; ++round)
-        if (const unsigned item = round_item(round); item < items)
-          walk_block(item, std::integral_constant<Role, kProducing>{});
+      walk_rounds(std::integral_constant<Role, kProducing>{});
       return;
     }
     cutlass::arch::warpgroup_reg_alloc<Config::consumer_regs(true)>();
-    for (unsigned round = 0; round * gridDim.x < items; ++round)
-      if (const unsigned item = round_item(round); item < items)
-        walk_block(item, std::integral_constant<Role, kConsuming>{});
+    walk_rounds(std::integral_constant<Role, kConsuming>{});
     if (wg == 0 && walked > 0) NamedBarrier::sync(kConsumers, kTurn);  // warpgroup 1's last turn
   } else {
     walk_block(blockIdx.x, std::integral_constant<Role, kEveryone>{});

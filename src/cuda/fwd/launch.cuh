@@ -80,9 +80,6 @@ ForwardSm90Maps forward_sm90_maps(const ForwardParams& p, bool bias_tiles) {
 template <class Element, int kHeadDim>
 cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& p, const ForwardSm90Maps& maps,
                                   cudaStream_t stream) {
-  const auto grid = [&](int block_m) {
-    return static_cast<unsigned>((p.seqlen_q + block_m - 1) / block_m * p.num_splits * p.batch * p.heads);
-  };
   switch (plan.kernel) {
     case ForwardKernel::kSm90:
       if constexpr (sm90_head_dim(kHeadDim)) {
@@ -105,7 +102,7 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
         const int smem = Config::smem_bytes(plan.bias_tiles);
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (err != cudaSuccess) return err;
-        const unsigned blocks = grid(Config::kBlockM);
+        const unsigned blocks = ForwardBlock::count(p, Config::kBlockM);
         const unsigned ctas = persistent ? std::min(blocks, static_cast<unsigned>(plan.persistent_ctas)) : blocks;
         kernel<<<ctas, Config::threads(producer), smem, stream>>>(p, maps);
         return cudaGetLastError();
@@ -116,7 +113,8 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
       const auto launch = [&](auto config) {
         using Config = decltype(config);
         prepare_forward_kernel<Config>();
-        forward_kernel<Config><<<grid(Config::kBlockM), Config::kThreads, Config::kSmemBytes, stream>>>(p);
+        forward_kernel<Config><<<ForwardBlock::count(p, Config::kBlockM), Config::kThreads, Config::kSmemBytes,
+                                 stream>>>(p);
         return cudaGetLastError();
       };
       return plan.kernel == ForwardKernel::kSm80Decode ? launch(ForwardConfig<Element, kHeadDim, kForwardDecodeRows>{})
