@@ -756,12 +756,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         my_store[half] = holder && piece[half].last();
         x[half] = piece[half].add(2 * kHeadDim, x[half], lane % 4 == 0 && stager && holder);
       }
+      // dK's sums, then dV's: interleaved, ptxas for sm_80 / 86 / 89 spilled
+      // the column split's walk (576 / 720 bytes, some of it every step).
+      const auto add_pieces = [&](auto& acc, int at) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        for_each_feature(half, [&](auto e, int f) {
-          acc_a(e) = piece[half].add(f, acc_a(e), holder);
-          acc_b(e) = piece[half].add(kHeadDim + f, acc_b(e), holder);
-        });
+        for (int half = 0; half < 2; ++half)
+          for_each_feature(half, [&](auto e, int f) { acc(e) = piece[half].add(at + f, acc(e), holder); });
+      };
+      add_pieces(acc_a, 0);
+      add_pieces(acc_b, kHeadDim);
       hand.pass();
       if (p.bias_grad == BiasGrad::kPerKey)
         store_key_sums(h_first / p.bias_group, x, unsigned{my_store[0]} | unsigned{my_store[1]} << 1);
