@@ -134,10 +134,10 @@ constexpr int backward_dq_step(int head_dim) { return head_dim > 128 ? 32 : 64; 
 // S and dP in one k-loop (two independent MMA chains): registers for two
 // k-slices, which above D = 64 spill: at D = 256 on sm_90a (bf16: 620 / 648 B
 // instead of 196 / 252), at D = 128 the large dk/dv tile on sm_80 / 86 / 89
-// (404 / 432 B; 0 apart) and the column split's dk/dv walk on sm_90a (dK and
-// dV accumulators stored and reloaded every step). D = 64 pairs them without
-// a spill on every architecture.
-constexpr bool backward_paired_sdp(int head_dim, bool column_split) { return head_dim <= 64 && !column_split; }
+// (404 / 432 B; 0 apart) and the column split's dk/dv walk (64 rows, D > 64)
+// on sm_90a (dK and dV accumulators stored and reloaded every step). D = 64
+// pairs them without a spill on every architecture.
+constexpr bool backward_paired_sdp(int head_dim) { return head_dim <= 64; }
 // dq by float32 atomics from the dk/dv kernel (Problem::deterministic false):
 // its dQ = dS^T K tiles are 16 queries x 16 features on 2 x 4 warps, 64
 // features a pass.

@@ -99,7 +99,7 @@ struct BackwardConfig {
   static_assert(kGroupBlocks * kBlockRows == kKeyGroupKeys, "a key group splits into whole CTAs");
   static constexpr int kStep = kTile.step;  // columns a step: queries (dk/dv) or keys (dq)
   static constexpr int kWarpStep = kColumnSplit ? kStep / 2 : kStep;  // a warp's columns of a step
-  static constexpr bool kPairedSdp = backward_paired_sdp(kHeadDim, kColumnSplit);
+  static constexpr bool kPairedSdp = backward_paired_sdp(kHeadDim);
   static constexpr int kSmemRow = kAccDim % 64 == 0 ? 64 : 32;  // a feature half is whole atoms (D = 192: 3 of 32)
   static constexpr int kSwizzleBits = kSmemRow == 64 ? 3 : 2;
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
