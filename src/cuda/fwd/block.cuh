@@ -8,7 +8,7 @@
 
 namespace dmattn::cuda {
 
-// A forward CTA's query block: work item `item` of `items`, which enumerate
+// A forward CTA's query block: work item `item` of count(), which enumerate
 // (query block, split, batch, head), head fastest, and the query blocks in
 // reverse: under causal masking the last rows have the most keys, so the
 // items start longest first across every head and batch and the grid ends on
@@ -28,12 +28,12 @@ struct ForwardBlock {
   static DMATTN_HOST_DEVICE unsigned count(const ForwardParams& p, int block_m) {
     return static_cast<unsigned>((p.seqlen_q + block_m - 1) / block_m) * p.num_splits * p.batch * p.heads;
   }
-  __device__ ForwardBlock(const ForwardParams& p, int block_m, int block_n, unsigned item, unsigned items)
+  __device__ ForwardBlock(const ForwardParams& p, int block_m, int block_n, unsigned item)
       : h(static_cast<int>(item % p.heads)), has_mask(p.mask_keys != nullptr) {
     const unsigned slice = item / p.heads;
     b = static_cast<int>(slice % p.batch);
     split = static_cast<int>(slice / p.batch % p.num_splits);
-    const int blocks_m = static_cast<int>(items / (std::uint32_t(p.heads) * p.batch * p.num_splits));
+    const int blocks_m = static_cast<int>((p.seqlen_q + block_m - 1) / block_m);
     row0 = std::int64_t{blocks_m - 1 - static_cast<int>(slice / p.batch / p.num_splits)} * block_m;
     const Sequence seq(p, b);
     qs = seq.qs, ks = seq.ks, sq = seq.sq, sk = seq.sk;

@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kStages = Config::kStages;
   constexpr int kRows = Config::kRowsPerThread;
 
-  const ForwardBlock blk(p, kBlockM, kBlockN, blockIdx.x, gridDim.x);
+  const ForwardBlock blk(p, kBlockM, kBlockN, blockIdx.x);
   if (blk.row0 >= blk.sq) return;
   const int h = blk.h, b = blk.b, hk = h / p.group;
   const std::int64_t row0 = blk.row0, qs = blk.qs, ks = blk.ks, sq = blk.sq, sk = blk.sk, offset = blk.offset;

@@ -171,7 +171,6 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   // phase u % 2, so that the producer loads the next block's Q and first
   // tiles while the consumers finish a block.
   int walked = 0, q_loads = 0;  // tiles walked and Qs loaded so far
-  const unsigned items = kPersistent ? ForwardBlock::count(p, kBlockM) : gridDim.x;
   // Block `item`: by every thread, the producer warpgroup and the consumers
   // parting here (kEveryone: a CTA a block, as the compiler then keeps the
   // uniform datapath: a key-only bias at S = 16384 ran 4% slower with the
@@ -180,7 +179,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   enum Role { kEveryone, kProducing, kConsuming };
   auto walk_block = [&](unsigned item, auto role) {
     constexpr Role kRole = decltype(role)::value;
-    const ForwardBlock blk(p, kBlockM, kBlockN, item, items);
+    const ForwardBlock blk(p, kBlockM, kBlockN, item);
     if (blk.row0 >= blk.sq) return;
     const int h = blk.h, b = blk.b, hk = h / p.group;
     const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
@@ -640,6 +639,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   };
   // The persistent CTA's blocks, round by round, in one role.
   auto walk_rounds = [&](auto role) {
+    const unsigned items = ForwardBlock::count(p, kBlockM);
     for (unsigned round = 0; round * gridDim.x < items; ++round) {
       const unsigned item = round * gridDim.x + (round % 2 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
       if (item < items) walk_block(item, role);
