@@ -123,7 +123,9 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   }
   if (err == cudaSuccess && rows > 0) {
     constexpr int kRowsABlock = RowStatsLanes<kHeadDim>::kBlockRows;
-    row_stats<Element, kHeadDim><<<static_cast<unsigned>((rows + kRowsABlock - 1) / kRowsABlock), 256, 0, stream>>>(p, batch);
+    const dim3 grid(static_cast<unsigned>((p.seqlen_q + kRowsABlock - 1) / kRowsABlock),
+                    static_cast<unsigned>(std::min<std::int64_t>(std::int64_t{batch} * p.heads, 65535)));
+    row_stats<Element, kHeadDim><<<grid, 256, 0, stream>>>(p, batch);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess && p.selection_ready != nullptr) err = cudaStreamWaitEvent(stream, p.selection_ready, 0);
