@@ -199,17 +199,24 @@ __global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t
 // queries, in one launch instead of kb + 7; at S <= 4096 those launches cost
 // more than their work. Thread x holds sorted positions kFusedItems x + k
 // (blocked) for the sort and the queries, and positions kFusedThreads k + x
-// (striped: a warp a word) for the levels.
-constexpr int kFusedThreads = 512, kFusedItems = 8, kFusedKeys = kFusedThreads * kFusedItems;
+// (striped: a warp a word) for the levels. 1024 threads (the wavelet matrix
+// in the sort's shared memory, which it outlives): 47 -> 43 us at S = 2048,
+// 63 -> 57 at 4096 (8 heads; H100), where 512 threads left the schedulers
+// waiting (0.57 eligible warps). Of the 43 us the queries take 14, the sort
+// and the levels the rest.
+constexpr int kFusedThreads = 1024, kFusedItems = 4, kFusedKeys = kFusedThreads * kFusedItems;
 constexpr int kFusedWords = kFusedKeys / 32, kFusedLevels = 12;  // 2^12 = kFusedKeys
 using FusedSort = cub::BlockRadixSort<std::uint64_t, kFusedThreads, kFusedItems>;
 
 __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk c, KeyRows* out) {
-  __shared__ union {
+  __shared__ union {  // the sort's, then the wavelet matrix's
     typename FusedSort::TempStorage sort;
-    std::uint32_t values[kFusedKeys];
+    struct {
+      std::uint32_t values[kFusedKeys];
+      uint2 levels[kFusedLevels * kFusedWords];
+    } wm;
   } storage;
-  __shared__ uint2 levels[kFusedLevels * kFusedWords];
+  uint2* const levels = storage.wm.levels;
   __shared__ std::uint32_t word_ones[kFusedWords];
   c.g0 = blockIdx.x;
   std::uint64_t keys[kFusedItems];
@@ -221,7 +228,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
   __syncthreads();
   for (int k = 0; k < kFusedItems; ++k) {
     const int r = kFusedItems * threadIdx.x + k;
-    if (r < c.n) storage.values[r] = static_cast<std::uint32_t>(key_index(c, keys[k]));
+    if (r < c.n) storage.wm.values[r] = static_cast<std::uint32_t>(key_index(c, keys[k]));
   }
   const int words = static_cast<int>(c.words()), lane = threadIdx.x % 32;
   for (int l = 0; l < c.kb; ++l) {
@@ -231,7 +238,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
     for (int k = 0; k < kFusedItems; ++k) {
       const int pos = kFusedThreads * k + threadIdx.x;
       if (pos >= c.n) break;  // whole warps: n % 32 == 0
-      v[k] = storage.values[pos];
+      v[k] = storage.wm.values[pos];
       word[k] = __ballot_sync(0xFFFFFFFFu, (v[k] >> shift) & 1u);
       if (lane == 0) word_ones[pos / 32] = __popc(word[k]);
     }
@@ -258,7 +265,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
       if (pos >= c.n) break;
       const std::uint32_t ones = word_ones[pos / 32] + __popc(word[k] & ((1u << lane) - 1));
       if (lane == 0) levels[l * words + pos / 32] = make_uint2(word[k], word_ones[pos / 32]);
-      storage.values[(v[k] >> shift) & 1u ? zeros + ones : pos - ones] = v[k];
+      storage.wm.values[(v[k] >> shift) & 1u ? zeros + ones : pos - ones] = v[k];
     }
   }
   __syncthreads();
