@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "cuda/dispatch.h"
+#include "cuda/heuristics.h"
 #include "harness.h"
 #include "validate.h"
 
@@ -444,6 +445,16 @@ TEST_F(Dispatch, LogPlanPrintsEachPlanOnce) {
   }
   const dmattn_test::ScopedEnv bad("DMATTN_LOG_PLAN", "yes");
   expect_refused([&] { cuda::report(plan); }, Error::Kind::kValue, "DMATTN_LOG_PLAN");
+}
+
+// The fused top-k selection's CTAs a head: parts while the grid leaves SMs
+// idle, a power of two up to 8 (a part is whole threads of positions).
+TEST_F(Dispatch, FusedSelectionSharesHeadsWhereSmsIdle) {
+  EXPECT_EQ(cuda::fused_selection_parts(8, 132), 8);    // 8 selection heads on an H100: 64 CTAs
+  EXPECT_EQ(cuda::fused_selection_parts(32, 132), 4);   // B = 4: 128 CTAs
+  EXPECT_EQ(cuda::fused_selection_parts(64, 132), 2);
+  EXPECT_EQ(cuda::fused_selection_parts(128, 132), 1);  // a full grid: no redundant sorts
+  EXPECT_EQ(cuda::fused_selection_parts(1, 132), 8);
 }
 
 // ---- Refusals: before anything is enqueued, naming the argument ----

@@ -92,6 +92,18 @@ constexpr bool forward_sm90_persistent(int head_dim, bool key_lists, std::int64_
   return forward_sm90_producer(head_dim) && !key_lists && seqlen_k <= kForwardPersistentKeys;
 }
 
+// ---- Top-k selection (sparse/select_intervals.cu) ----
+// The fused interval selection (at most 4096 keys, a CTA a selection head)
+// spends a third of its time on the queries: where the grid leaves SMs idle,
+// up to 8 CTAs share a head, each sorting and building the wavelet levels
+// again and querying its part of the keys.
+constexpr int kMaxFusedSelectionParts = 8;
+constexpr int fused_selection_parts(std::int64_t heads, int sms) {
+  int parts = 1;
+  while (parts < kMaxFusedSelectionParts && heads * parts * 2 <= sms) parts *= 2;
+  return parts;
+}
+
 // ---- Split-KV (forward) ----
 // Key splits for a grid of `ctas` CTAs over `key_blocks` key blocks: as many as
 // fill the `slots` CTAs the GPU holds at once (one wave: a second, partial wave

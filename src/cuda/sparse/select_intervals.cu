@@ -9,6 +9,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "../common/warp.cuh"
+#include "../heuristics.h"
 #include "select.cuh"
 
 namespace dmattn::cuda::topk {
@@ -203,12 +204,14 @@ __global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t
 // in the sort's shared memory, which it outlives): 47 -> 43 us at S = 2048,
 // 63 -> 57 at 4096 (8 heads; H100), where 512 threads left the schedulers
 // waiting (0.57 eligible warps). Of the 43 us the queries take 14, the sort
-// and the levels the rest.
+// and the levels the rest. `parts` CTAs share a head where the grid leaves
+// SMs idle (heuristics.h fused_selection_parts): each sorts and builds the
+// levels, then queries its part of the positions.
 constexpr int kFusedThreads = 1024, kFusedItems = 4, kFusedKeys = kFusedThreads * kFusedItems;
 constexpr int kFusedWords = kFusedKeys / 32, kFusedLevels = 12;  // 2^12 = kFusedKeys
 using FusedSort = cub::BlockRadixSort<std::uint64_t, kFusedThreads, kFusedItems>;
 
-__global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk c, KeyRows* out) {
+__global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk c, int parts, KeyRows* out) {
   __shared__ union {  // the sort's, then the wavelet matrix's
     typename FusedSort::TempStorage sort;
     struct {
@@ -218,7 +221,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
   } storage;
   uint2* const levels = storage.wm.levels;
   __shared__ std::uint32_t word_ones[kFusedWords];
-  c.g0 = blockIdx.x;
+  c.g0 = blockIdx.x / unsigned(parts);
   std::uint64_t keys[kFusedItems];
   for (int k = 0; k < kFusedItems; ++k) {
     const int j = kFusedItems * threadIdx.x + k;
@@ -272,6 +275,8 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
   // The thread's keys' w-th smallest beaters at once (a key before position w
   // queries position w instead, in range, and ignores it).
   const int w = static_cast<int>(min(p.w, c.n)), first = kFusedItems * threadIdx.x;
+  const int share = static_cast<int>(c.n) / parts, part = static_cast<int>(blockIdx.x % unsigned(parts));
+  if (first < part * share || first >= (part + 1) * share) return;  // whole threads: share % kFusedItems == 0
   int r[kFusedItems], beater[kFusedItems];
   for (int k = 0; k < kFusedItems; ++k) r[k] = min(max(first + k, w), static_cast<int>(c.n));
   Wavelet{levels}.kth_smallest(c, 0, r, w, beater);
@@ -292,7 +297,12 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
   full.segments = std::min({total, std::int64_t{1} << (64 - full.ob - full.kb), std::int64_t{INT_MAX} / full.n});
   if (full.n <= kFusedKeys) {
     full.segments = 1;
-    fused_intervals<<<static_cast<unsigned>(total), kFusedThreads, 0, stream>>>(p, full, out);
+    int device = 0, sms = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    const int parts = fused_selection_parts(total, sms);
+    static_assert(32 % (kFusedItems * kMaxFusedSelectionParts) == 0, "a part is whole threads of positions (n % 32 == 0)");
+    fused_intervals<<<static_cast<unsigned>(total * parts), kFusedThreads, 0, stream>>>(p, full, parts, out);
     check_cuda(cudaGetLastError(), "fused interval kernel");
     return;
   }
