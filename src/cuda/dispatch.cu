@@ -507,6 +507,11 @@ BackwardPlan plan_backward(const Problem& p, const DeviceInfo& device) {
                                                               : DkvKernel::kSm90;
     plan.ordered_dq = p.deterministic;
     params.atomic_dq = true;
+    // The ordered walk takes the heads of a group in turn for each query
+    // block: a key-only dbias whose bias heads split the group gets each
+    // head's sums several times, added in a float32 slice.
+    if (plan.ordered_dq && params.bias_grad == BiasGrad::kPerKey && params.bias_group % params.group != 0)
+      plan.dbias_slices = std::max(plan.dbias_slices, 1);
     // The row-bias walk sums the query heads of a bias head within its CTA:
     // slices only where a bias element spans batch entries or kv heads.
     if (plan.dkv == DkvKernel::kSm90RowBias && params.bias_grad == BiasGrad::kPerElement)

@@ -139,12 +139,19 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
   // Steps: query blocks [first, first + span) of each head of the group in
   // turn; a bias with rows, the heads of the group for each query block in
   // turn (the query heads of a bias head consecutive, so that their dS^T
-  // tiles add up to one dbias tile before it is stored).
+  // tiles add up to one dbias tile before it is stored); ordered dq, the
+  // heads of the group for each query block in turn from the last block
+  // down, so that every key block reaches (head, query block) at the same
+  // step as the key block before it, whose addition it waits for (ascending,
+  // heads outermost, key block n reached it 2 (head + 1) steps earlier than
+  // n - 1: the key blocks of a wave waited on each other in a chain).
   const int first = q_hi > q_lo ? static_cast<int>(q_lo / kBlockM) : 0;
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;
-  const auto step_head = [&](int s) { return h_first + (kRowBias ? s % p.group : s / span); };
-  const auto step_block = [&](int s) { return first + (kRowBias ? s / p.group : s % span); };
+  const auto step_head = [&](int s) { return h_first + (kRowBias || kOrdered ? s % p.group : s / span); };
+  const auto step_block = [&](int s) {
+    return kOrdered ? first + span - 1 - s / p.group : first + (kRowBias ? s / p.group : s % span);
+  };
   // The mask (dense walk): step s = (head h_first + s / span, query block
   // first + s % span) is walked unless its tile is empty (the batch strides
   // are 0 where the mask broadcasts over batches).
