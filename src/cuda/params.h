@@ -228,11 +228,10 @@ struct BackwardParams : KeyListParams {
   // With dq_acc: 1 once row_stats finds a row whose statistics the dq kernel
   // recomputes; while 0 the dq kernel and its key lists' pre-passes do nothing.
   int* huge_rows = nullptr;
-  // Ordered dq (deterministic, Hopper dense walk): the turn counter of warp w's
-  // part of dq_acc block (b, h, query block) at (its block index) * 8 + w,
-  // zeroed; key block n's warp adds its part once the counter reads n where
-  // key block n - 1 adds to the block too, and sets it to n + 1
-  // (bwd/kernel_sm90.cuh).
+  // Ordered dq (deterministic, Hopper dense walk): the turn counter of dq_acc
+  // block (b, h, query block) at its block index, zeroed; key block n's dQ
+  // writer warp adds the block once the counter reads n where key block n - 1
+  // adds to the block too, and sets it to n + 1 (bwd/kernel_sm90.cuh).
   int* dq_turns = nullptr;
 };
 
