@@ -25,15 +25,18 @@ struct ForwardBlock {
   int mask_count = 0, tile_first = 0, tile_end = 0;
   const std::int32_t* mask_keys = nullptr;
   // The items of a launch of block_m-row query blocks: the grid of a CTA a block.
+  static DMATTN_HOST_DEVICE int query_blocks(const ForwardParams& p, int block_m) {
+    return static_cast<int>((p.seqlen_q + block_m - 1) / block_m);
+  }
   static DMATTN_HOST_DEVICE unsigned count(const ForwardParams& p, int block_m) {
-    return static_cast<unsigned>((p.seqlen_q + block_m - 1) / block_m) * p.num_splits * p.batch * p.heads;
+    return static_cast<unsigned>(query_blocks(p, block_m)) * p.num_splits * p.batch * p.heads;
   }
   __device__ ForwardBlock(const ForwardParams& p, int block_m, int block_n, unsigned item)
       : h(static_cast<int>(item % p.heads)), has_mask(p.mask_keys != nullptr) {
     const unsigned slice = item / p.heads;
     b = static_cast<int>(slice % p.batch);
     split = static_cast<int>(slice / p.batch % p.num_splits);
-    const int blocks_m = static_cast<int>((p.seqlen_q + block_m - 1) / block_m);
+    const int blocks_m = query_blocks(p, block_m);
     row0 = std::int64_t{blocks_m - 1 - static_cast<int>(slice / p.batch / p.num_splits)} * block_m;
     const Sequence seq(p, b);
     qs = seq.qs, ks = seq.ks, sq = seq.sq, sk = seq.sk;

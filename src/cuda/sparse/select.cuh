@@ -78,8 +78,9 @@ __device__ inline std::uint32_t order_key(const Operand& bias, std::int64_t offs
 }
 
 // Enqueue the selection of p for `batch` entries into out (KeyRows a key of
-// each selection head; RowThreshold a row of each).
-void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStream_t stream);
+// each selection head; RowThreshold a row of each); intervals on a device of
+// `sms` SMs (DeviceInfo::sms: how many CTAs share a head, fused_selection_parts).
+void select_intervals(const Params& p, std::int64_t batch, int sms, KeyRows* out, cudaStream_t stream);
 void select_thresholds(const Params& p, std::int64_t rows, RowThreshold* out, cudaStream_t stream);
 
 }  // namespace dmattn::cuda::topk

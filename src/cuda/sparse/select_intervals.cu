@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
 }  // namespace
 
 // Scratch: O(n log n) bits per head (the levels), 24 bytes per key besides.
-void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStream_t stream) {
+void select_intervals(const Params& p, std::int64_t batch, int sms, KeyRows* out, cudaStream_t stream) {
   const std::int64_t total = batch * p.heads;
   Chunk full;
   full.n = (std::max<std::int64_t>(p.seqlen_k, 1) + 31) / 32 * 32;
@@ -297,9 +297,6 @@ void select_intervals(const Params& p, std::int64_t batch, KeyRows* out, cudaStr
   full.segments = std::min({total, std::int64_t{1} << (64 - full.ob - full.kb), std::int64_t{INT_MAX} / full.n});
   if (full.n <= kFusedKeys) {
     full.segments = 1;
-    int device = 0, sms = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
     const int parts = fused_selection_parts(total, sms);
     static_assert(32 % (kFusedItems * kMaxFusedSelectionParts) == 0, "a part is whole threads of positions (n % 32 == 0)");
     fused_intervals<<<static_cast<unsigned>(total * parts), kFusedThreads, 0, stream>>>(p, full, parts, out);

@@ -4,6 +4,7 @@
 // (bias_k, k) > (bias_j, j) (larger bias, ties to the larger key index).
 #include "selection.h"
 
+#include "../dispatch.h"
 #include "select.cuh"
 
 namespace dmattn::cuda {
@@ -43,7 +44,7 @@ DeviceSelection select_topk(const Problem& p, DeviceSelection::Mode mode, cudaSt
   if (sel.mode == DeviceSelection::kIntervals) {
     check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&sel.intervals), entries * sizeof(KeyRows), stream),
                "cudaMallocAsync");
-    topk::select_intervals(params, p.batch, sel.intervals, stream);
+    topk::select_intervals(params, p.batch, device_info(p.device.index).sms, sel.intervals, stream);
   } else {
     check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&sel.thresholds), entries * sizeof(RowThreshold), stream),
                "cudaMallocAsync");
@@ -62,7 +63,8 @@ DeviceSelection given_selection(const Problem& p) {
 void write_intervals(const Problem& p, cudaStream_t stream) {
   const DeviceSelection sel = selection_layout(p, DeviceSelection::kIntervals);
   if (p.batch * sel.heads * p.seqlen_k == 0) return;
-  topk::select_intervals(params_of(p, sel), p.batch, reinterpret_cast<KeyRows*>(p.topk_intervals), stream);
+  topk::select_intervals(params_of(p, sel), p.batch, device_info(p.device.index).sms,
+                         reinterpret_cast<KeyRows*>(p.topk_intervals), stream);
 }
 
 void free_selection(DeviceSelection& sel, cudaStream_t stream) {
