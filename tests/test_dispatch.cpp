@@ -263,18 +263,17 @@ TEST_F(Dispatch, H100MaskByTileClasses) {
   }
 }
 
-// Top-k over a key bias: intervals selected, the forward over key lists (Hopper
-// below 16384 keys at D' = 128, always at D' = 64), dk/dv over key groups.
+// Top-k over a key bias: intervals selected, the Hopper forward over key lists
+// at every length, dk/dv over key groups.
 TEST_F(Dispatch, H100TopkOverIntervals) {
   for (std::int64_t d : {128, 64})
-    for (std::int64_t s : {4096, 8192, 16384}) {
+    for (std::int64_t s : {4096, 8192, 16384, 131072}) {
       Call c;
       c.head_dim = d, c.seqlen_q = c.seqlen_k = s, c.bias = Shape{1, 8, 1, s}, c.dbias = true, c.keep = 1024;
       const ForwardPlan f = c.forward(kH100);
       EXPECT_EQ(f.selection, cuda::DeviceSelection::kIntervals);
       EXPECT_TRUE(f.key_lists);
-      EXPECT_EQ(f.kernel, d == 64 || s < 16384 ? ForwardKernel::kSm90 : ForwardKernel::kSm80)
-          << "D " << d << ", S " << s;
+      EXPECT_EQ(f.kernel, ForwardKernel::kSm90) << "D " << d << ", S " << s;
       const BackwardPlan b = c.backward(kH100);
       EXPECT_EQ(b.selection, cuda::DeviceSelection::kIntervals);
       EXPECT_EQ(b.dkv, DkvKernel::kSm90Groups) << "D " << d << ", S " << s;
@@ -376,13 +375,10 @@ TEST_F(Dispatch, WhyNotTheHopperKernel) {
   per_row.bias = Shape{1, 8, 8192, 1};
   Call decode;
   decode.batch = 64, decode.seqlen_q = 1, decode.causal = false;
-  Call long_topk;
-  long_topk.seqlen_q = long_topk.seqlen_k = 16384, long_topk.bias = Shape{1, 8, 1, 16384}, long_topk.keep = 1024;
   const std::pair<Call, const char*> forward[] = {{f32, "float32 full bias"},
                                                   {masked_bias, "full bias with a mask or top-k"},
                                                   {per_row, "per-row bias"},
-                                                  {decode, "decode tile"},
-                                                  {long_topk, "forward_sm90_topk"}};
+                                                  {decode, "decode tile"}};
   for (const auto& [c, words] : forward) expect_reason(c.forward(kH100), words);
   EXPECT_TRUE(has(Call{}.forward(kH100Portable).why_not_sm90, "sm_90a"));
   EXPECT_EQ(Call{}.forward(kH100).why_not_sm90, nullptr);

@@ -6,9 +6,9 @@
 //                                     no bias or a key-only one, one split, TMA-addressable q, k, v (varlen:
 //                                     the packed rows); a full bias of q's dtype, TMA-addressable, without a
 //                                     mask or top-k: loaded by tiles with K (kRowBias); top-k (intervals or
-//                                     thresholds, with a mask or not) at D' = 64, or below 16384 keys
-//                                     (heuristics.h forward_sm90_topk): the key lists of 128-row blocks (kKeyLists: runs of consecutive keys by
-//                                     TMA, the rest gathered); a mask alone: packed with its tile classes
+//                                     thresholds, with a mask or not): the key lists of 128-row blocks
+//                                     (kKeyLists: runs of consecutive keys by TMA, the rest gathered;
+//                                     D' = 128: by a producer warpgroup); a mask alone: packed with its tile classes
 //                                     (kMasked), no key lists
 //                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
 //                  sm80 kSm80         everything else (128 rows a CTA; 64 above D = 128)
@@ -316,8 +316,6 @@ const char* forward_sm90_refusal(const ForwardPlan& plan, const Instance& i, con
   if (plan.kernel != ForwardKernel::kSm80) return "at most 64 query rows: the sm80 decode tile";
   if (i.forward_sm90_smem == 0 || plan.block_m != kForwardSm90BlockM) return kNoSm90HeadDim;
   if (p.num_splits != 1) return "split-KV (the grid leaves SMs idle): the sm80 kernel";
-  if (plan.selection != DeviceSelection::kNone && !forward_sm90_topk(i.head_dim, p.seqlen_k))
-    return "top-k at D' = 128 from 16384 keys: the sm80 gathered walk (heuristics.h forward_sm90_topk)";
   if (!p.vector_q || !p.vector_k || !p.vector_v) return "q, k or v rows not in 16-byte chunks";
   if (bias == BiasKind::kPerRow) return "a per-row bias (the Hopper forward takes key-only and full ones)";
   if (bias == BiasKind::kFull && !tiles) {

@@ -43,13 +43,6 @@ constexpr bool sm90_head_dim(int head_dim) { return head_dim == 64 || head_dim =
 // so the overlap decides: against one CTA of 192 x 128 or 128 x 128 tiles (the
 // same time), 3.37 -> 2.85 ms (B = 1, 32 / 8 heads, S = 16384, causal; H100).
 constexpr int kForwardSm90BlockM = 128;
-// Top-k on the Hopper forward (its key-list walk) or on the sm80 gathered
-// walk: at D' = 64 (two CTAs an SM) the Hopper walk is faster (S = 16384,
-// w = 1024: 1.043 -> 0.943 ms); at D' = 128 (one CTA an SM, a handful of
-// tiles a CTA whose prologue nothing overlaps) it is faster up to S = 8192
-// (S = 4096, w = 1024: 0.465 -> 0.427; S = 8192, w = 2048: 1.221 -> 1.164),
-// even at 16384 and 1-2% slower from 32768 on (B = 1, 32 / 8 heads, key bias; H200).
-constexpr bool forward_sm90_topk(int head_dim, std::int64_t seqlen_k) { return head_dim <= 64 || seqlen_k < 16384; }
 constexpr int forward_sm90_block_n(int head_dim) { return head_dim <= 64 ? 64 : 128; }
 constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2 : 1; }
 // D = 128: the dense and mask walks are warp-specialized. A producer warpgroup
@@ -73,10 +66,14 @@ constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2
 // spilled) 2.67-2.95, 0.54-0.56, 3.19 (docs/kernels.md). The lock step
 // already keeps the tensor pipe and the exponentials (XU) 42.6% and 45.4%
 // busy, the other two 40.5 / 42.0 and 43.4 / 45.0 (ncu, S = 16384; 16 warps an
-// SM against 9 and 13 active). The key-list walk gathers scattered rows from
-// all its threads and keeps the lock step (256 threads, one barrier a tile).
+// SM against 9 and 13 active). The key-list walk's producer gathers the
+// scattered rows with all four warps (the lock step, every thread gathering
+// after its MMAs, one CTA barrier a tile, ran 1.2-1.3x longer: H100, key bias,
+// w = 1024, S = 4096 0.353 -> 0.304 ms, S = 8192 0.766 -> 0.648, and at
+// S >= 16384, where the sm80 gathered walk had been as fast, S = 16384
+// 1.52 -> 1.21 and w = 2048, S = 131072 19.5 -> 15.3 against it).
 constexpr bool forward_sm90_producer(int head_dim) { return head_dim > 64; }
-// The warp-specialized walks (a producer warpgroup: not the key-list walk) of
+// The warp-specialized walks (a producer warpgroup; not the key-list walk) of
 // short rows are persistent: one CTA an SM takes a query block a round, and
 // the producer loads the next block's Q (once the consumers' last S = Q K^T of
 // a block is done) and first K and V tiles while the consumers finish a block

@@ -61,6 +61,14 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// One arrival on the mbarrier `bar` once the executing thread's cp.async
+// copies so far have landed (.noinc: the barrier's count includes it).
+__device__ __forceinline__ void cp_async_arrive(std::uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
+
 // Byte offset of element (row, col) of a tile of 2-byte elements stored as
 // GMMA 128-byte K-major swizzle atoms (Layout_K_SW128_Atom) whose rows hold
 // the 64 columns, from the tile's 1024-byte aligned base: 16-byte chunk c of

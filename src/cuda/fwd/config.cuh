@@ -62,24 +62,24 @@ struct ForwardSm90Config {
   static constexpr int kBlockM = kForwardSm90BlockM;              // query rows a CTA, 64 a warpgroup
   static constexpr int kBlockN = forward_sm90_block_n(kHeadDim);  // keys a tile
   static constexpr int kCtasPerSm = forward_sm90_ctas_per_sm(kHeadDim);  // the register budget's launch bound
-  // Two consumer warpgroups (the MMAs and the softmax); the dense and mask
-  // walks add a producer warpgroup where heuristics.h says so, which gives its
-  // registers to the consumers (setmaxnreg): 128 x 24 + 256 x 240 = 384 x 168,
-  // the launch bound's share of one CTA an SM; persistent, 128 x 40 + 256 x
-  // 232: the producer's walk over several query blocks spilled in 24 (and
-  // serialized its loads of a tile's key-only bias), the consumers' 232 spill
-  // nothing (the one-block walk keeps 240: a key bias at S = 16384 ran 3% slower
-  // with 232).
+  // Two consumer warpgroups (the MMAs and the softmax); the walks add a
+  // producer warpgroup where heuristics.h says so, which gives its registers
+  // to the consumers (setmaxnreg): 128 x 24 + 256 x 240 = 384 x 168, the
+  // launch bound's share of one CTA an SM; `wide` (a persistent walk, or the
+  // key lists' gathers), 128 x 40 + 256 x 232: the producer's walk over several
+  // query blocks spilled in 24 (and serialized its loads of a tile's key-only
+  // bias), its gathers 120 B; the consumers' 232 spill nothing (the one-block
+  // dense walk keeps 240: a key bias at S = 16384 ran 3% slower with 232).
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerThreads = forward_sm90_producer(kHeadDim) ? 128 : 0;
   static constexpr int threads(bool producer) { return kConsumerThreads + (producer ? kProducerThreads : 0); }
-  static constexpr int producer_regs(bool persistent) { return persistent ? 40 : 24; }
-  static constexpr int consumer_regs(bool persistent) { return persistent ? 232 : 240; }
+  static constexpr int producer_regs(bool wide) { return wide ? 40 : 24; }
+  static constexpr int consumer_regs(bool wide) { return wide ? 232 : 240; }
   // setmaxnreg.inc waits until the CTA's own released registers cover it: the
   // split must fit what the launch gives 384 threads (168 each, of 65536 in
   // steps of 8).
-  static constexpr bool regs_fit(bool persistent) {
-    return kProducerThreads * producer_regs(persistent) + kConsumerThreads * consumer_regs(persistent) <=
+  static constexpr bool regs_fit(bool wide) {
+    return kProducerThreads * producer_regs(wide) + kConsumerThreads * consumer_regs(wide) <=
            threads(true) * (65536 / threads(true) / 8 * 8);
   }
   static_assert(kProducerThreads == 0 || (kCtasPerSm == 1 && regs_fit(false) && regs_fit(true)),

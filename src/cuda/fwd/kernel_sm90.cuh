@@ -31,8 +31,11 @@
 // bits; 0 past the list), the key-only bias read by key. A tile of
 // consecutive keys (a dense stretch of the list) loads by TMA as the dense
 // walk's; any other has its K and V rows gathered by key with 16-byte cp.async
-// from every thread into the layout TMA writes (so that the wgmma descriptors
-// stay), issued after the MMAs of the iteration before the one that reads
+// into the layout TMA writes (so that the wgmma descriptors stay): at D = 128
+// by the producer warpgroup's four warps, each thread's copies arriving on the
+// buffer's full barrier when they land (cp.async.mbarrier.arrive), the
+// consumers fencing (fence.proxy.async) before their wgmma; at D = 64 by every
+// thread, issued after the MMAs of the iteration before the one that reads
 // them: the copies land, then fence.proxy.async, then that iteration's barrier.
 //
 // Two consumer warpgroups own a CTA's 128 query rows, 64 each, and walk key
@@ -44,16 +47,16 @@
 //                 wait for S_i; logits, online softmax -> P_i (float)
 //                 wait for P V; O *= the correction of tile i; P_i to Element
 // K and V have two buffers each, each with an mbarrier that its load
-// completes. Warp-specialized (D = 128, the dense and mask walks;
-// heuristics.h forward_sm90_producer): a producer warpgroup (one warp of it
-// issuing) loads Q, then tile j's K (its key-only bias first, staged by the
-// warp) and tile j - 1's V, each into a buffer that the consumers released:
+// completes. Warp-specialized (D = 128, every walk; heuristics.h
+// forward_sm90_producer): a producer warpgroup (one warp of it issuing; a key
+// list's gathers: all four) loads Q, then tile j's K (its key-only bias first,
+// staged by the warp) and tile j - 1's V, each into a buffer that the consumers released:
 // every consumer thread arrives on a K buffer's empty barrier once its S and
 // the logits that read the bias are done, every consumer warp on a V buffer's
 // once its P V is done. The consumers take turns
 // at issuing the MMAs of an iteration (named barriers, warpgroup 0 first), so
-// that one warpgroup's softmax overlaps the other's MMAs. Otherwise (D = 64,
-// the key-list walk) one thread issues the TMA loads and the CTA meets at one
+// that one warpgroup's softmax overlaps the other's MMAs. Otherwise (D = 64)
+// one thread issues the TMA loads and the CTA meets at one
 // barrier a tile: after iteration i's barrier, K_{i+1} and V_i load into the
 // buffers whose last readers (S_{i-1}, P V_{i-2}) finished in iteration i - 1.
 //
@@ -91,17 +94,10 @@ namespace dmattn::cuda {
 // class and bit, the key lists (top-k, with a mask or not).
 enum class ForwardWalk { kDense, kMasked, kKeyLists, kRowBias };
 
-// Whether a walk's loads come from a producer warpgroup (heuristics.h
-// forward_sm90_producer; the key-list walk gathers from every thread).
-template <class Config>
-constexpr bool forward_sm90_warp_specialized(ForwardWalk walk) {
-  return walk != ForwardWalk::kKeyLists && Config::kProducerThreads > 0;
-}
-
 // kPersistent (a producer walk's): the CTAs take the query blocks in turn
 // (heuristics.h forward_sm90_persistent); otherwise a CTA a block.
 template <class Config, ForwardWalk kWalk, bool kPersistent>
-__global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<Config>(kWalk)), Config::kCtasPerSm)
+__global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0), Config::kCtasPerSm)
     forward_kernel_sm90(const __grid_constant__ ForwardParams p, const __grid_constant__ ForwardSm90Maps maps) {
 #if defined(CUTE_ARCH_MMA_SM90A_ENABLED)
   using namespace cute;
@@ -111,9 +107,12 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   using cutlass::arch::NamedBarrier;
   constexpr bool kMasked = kWalk == ForwardWalk::kMasked, kLists = kWalk == ForwardWalk::kKeyLists;
   constexpr bool kRowBias = kWalk == ForwardWalk::kRowBias;
-  constexpr bool kProducer = forward_sm90_warp_specialized<Config>(kWalk);
-  static_assert(kProducer || !kPersistent, "a persistent walk has a producer warpgroup");
-  constexpr int kConsumers = Config::kConsumerThreads, kProducers = kProducer ? Config::kProducerThreads : 0;
+  constexpr bool kProducer = Config::kProducerThreads > 0;
+  static_assert((kProducer && !kLists) || !kPersistent, "a persistent walk has a producer warpgroup, not a list's");
+  constexpr int kConsumers = Config::kConsumerThreads, kProducers = Config::kProducerThreads;
+  // The key-list walk without a producer (D = 64): every thread gathers, the
+  // CTA meets at one barrier a tile.
+  constexpr bool kGatherAll = kLists && !kProducer;
   // Named barriers (producer walks): warpgroup w waits at kTurn + w for its
   // turn to issue MMAs and passes it at the other's.
   constexpr int kTurn = 0;
@@ -149,14 +148,17 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
   };
   // The barriers, once a CTA (and what the threads staged before): a producer
   // walk's K buffer's full barrier takes an arrival from each lane of the
-  // producer's warp (after its bias stores), its empty one from each consumer
-  // thread (after its bias reads); a V buffer's empty barrier one from each
-  // consumer warp (wgmma reads V).
+  // producer's warp (after its bias stores; a key list's K and V buffers' two
+  // from each producer thread, one when its gathers land), its empty one from
+  // each consumer thread (after its bias reads); a V buffer's empty barrier
+  // one from each consumer warp (wgmma reads V).
   auto init_barriers = [&] {
     if (threadIdx.x == 0) {
       Barrier::init(q_full, 1), Barrier::init(q_empty, kConsumers);
+      constexpr int kListArrivals = 2 * kProducers;
       for (int s = 0; s < 2; ++s) {
-        Barrier::init(&k_full[s], kProducer ? 32 : 1), Barrier::init(&v_full[s], 1);
+        Barrier::init(&k_full[s], kLists && kProducer ? kListArrivals : kProducer ? 32 : 1);
+        Barrier::init(&v_full[s], kLists && kProducer ? kListArrivals : 1);
         Barrier::init(&k_empty[s], kConsumers), Barrier::init(&v_empty[s], kConsumers / 32);
       }
       cutlass::arch::fence_barrier_init();
@@ -213,20 +215,22 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     [[maybe_unused]] const std::uint32_t* list_bits =
         kLists ? p.mask_bits + (blk.mask_block / p.mask_blocks * p.seqlen_q + row0) * p.bits_sr : nullptr;
     // The K or V rows (`rows`: the sequence's first, `stride` apart) of the keys
-    // staged in buffer s into dst as TMA lays them out (64-feature boxes of
-    // kBlockN 128-byte swizzled rows): thread t copies chunk t % kChunks of rows
-    // t / kChunks + kRowStep j; zeros past the list and the head dim. The caller
-    // commits the group.
-    auto gather = [&](const Element* rows, std::int64_t stride, Element* dst, int s) {
-      constexpr int kChunks = kHeadDim / 8, kRowStep = kConsumers / kChunks;
-      static_assert(kConsumers % kChunks == 0 && kBlockN % kRowStep == 0, "whole rows a pass");
-      const int c = tid % kChunks, r0 = tid / kChunks;
-      const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst)) + c / 8 * (kBlockN * 128);
+    // key_of(r) of a tile's rows r (-1: none) into dst as TMA lays them out
+    // (64-feature boxes of kBlockN 128-byte swizzled rows), by kThreads threads:
+    // thread t copies chunk t % kChunks of rows t / kChunks + kRowStep j; zeros
+    // past the list and the head dim. The caller commits or tracks the copies.
+    auto gather = [&](auto threads, int t, auto key_of, const Element* rows, std::int64_t stride, Element* dst) {
+      constexpr int kThreads = decltype(threads)::value, kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks;
+      // kRowStep rows on keeps a chunk's swizzle (a multiple of 8 rows).
+      static_assert(kThreads % kChunks == 0 && kBlockN % kRowStep == 0 && kRowStep % 8 == 0, "whole rows a pass");
+      const int c = t % kChunks, r0 = t / kChunks;
+      const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst)) + c / 8 * (kBlockN * 128) +
+                            sw128_offset(r0, 8 * (c % 8));
       const bool feature = 8 * c < p.head_dim;
 #pragma unroll
       for (int j = 0; j < kBlockN / kRowStep; ++j) {
-        const int r = r0 + kRowStep * j, key = keys_smem[s * kBlockN + r];
-        const unsigned to = base + sw128_offset(r, 8 * (c % 8));
+        const int r = r0 + kRowStep * j, key = key_of(r);
+        const unsigned to = base + 128u * kRowStep * j;
         if (feature && key >= 0) {
           const Element* src = rows + std::int64_t{key} * stride + 8 * c;
           asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
@@ -234,6 +238,10 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
           asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(to), "r"(0));
         }
       }
+    };
+    // The lock-step walk's gathers: the keys staged in buffer s, by the consumers.
+    auto gather_staged = [&](const Element* rows, std::int64_t stride, Element* dst, int s) {
+      gather(Int<kConsumers>{}, tid, [&](int r) { return keys_smem[s * kBlockN + r]; }, rows, stride, dst);
     };
     const auto* k_rows = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + blk.ks * p.k.sr;
     [[maybe_unused]] const auto* v_rows =
@@ -249,7 +257,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       int n;
       bool partial;
       int key0 = -1;  // a list's tile of the consecutive keys [key0, key0 + kBlockN) (TMA); -1: gathered
-      int key = -1;   // a list's key at position t of the tile (thread t < kBlockN), -1 past the list
+      int key = -1;   // the lock-step list walk's key at position t of the tile (thread t < kBlockN), -1 past the list
     };
     // The walk's tile after tile n (n < tile_first: none), 32 classes a look by each warp.
     auto next_tile = [&](int n) {
@@ -272,19 +280,22 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
           const int first = list[at];
           if (list[at + kBlockN - 1] - first == kBlockN - 1) key0 = first;
         }
-        const bool mine = tid < kBlockN && n - 1 >= tile_first && at + tid < listed;
+        const bool mine = kGatherAll && tid < kBlockN && n - 1 >= tile_first && at + tid < listed;
         return Tile{n - 1, false, key0, mine ? list[at + tid] : -1};
       } else {
         return Tile{n - 1, false};
       }
     };
     const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
-    // The key-only bias of key t < kBlockN of tile n (of a list: the key at its
-    // position t, staged in buffer s) in float; the key-list walk's thread t stages key t.
-    auto bias_of = [&](int n, int s, int t) {
-      const std::int64_t key = kLists ? keys_smem[s * kBlockN + t] : std::int64_t{n} * kBlockN + t;
+    // The key-only bias of a key (0 for -1), in float.
+    auto key_bias_of = [&](std::int64_t key) {
       if (key < 0 || key >= sk) return 0.0f;
       return load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
+    };
+    // ... of key t < kBlockN of tile n (of a list: the key at its position t,
+    // staged in buffer s); the lock-step list walk's thread t stages key t.
+    auto bias_of = [&](int n, int s, int t) {
+      return key_bias_of(kLists ? keys_smem[s * kBlockN + t] : std::int64_t{n} * kBlockN + t);
     };
     auto fetch_bias = [&](int n, int s) { return !key_bias || tid >= kBlockN ? 0.0f : bias_of(n, s, tid); };
     auto store_key = [&](int s, int key) {
@@ -330,8 +341,11 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     };
     // O += P V of iteration j (its V in buffer j % 2, loaded with parity j / 2 % 2).
     auto mma_pv = [&](int j) {
-      if constexpr (!kLists) Barrier::wait(&v_full[j & 1], (j >> 1) & 1);
-      if (kLists && v_loaded) wait_loaded(v_full, v_parity, j & 1);
+      if constexpr (!kGatherAll) {
+        Barrier::wait(&v_full[j & 1], (j >> 1) & 1);
+        if constexpr (kLists) fence_async_shared();
+      }
+      if (kGatherAll && v_loaded) wait_loaded(v_full, v_parity, j & 1);
       Tensor tOrV = thr_o.partition_fragment_B(stage_vt(j & 1));
       warpgroup_fence_operand(rP);
       wgmma_batch<false>(mma_o, rP, tOrV, acc_o);
@@ -341,62 +355,96 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
     Tile cur = next_tile(blk.tile_end);
     Tile next = cur.n >= tile_first ? next_tile(cur.n) : Tile{tile_first - 1, false};
     const bool walks = cur.n >= tile_first;
-    if constexpr (kLists) store_key(0, cur.key), store_key(1, next.key);
+    if constexpr (kGatherAll) store_key(0, cur.key), store_key(1, next.key);
     if constexpr (kRole == kEveryone) init_barriers();  // a list's keys staged too
     if constexpr (kProducer) {
       if (kRole == kProducing || (kRole == kEveryone && warp_group == 0)) {
-        if constexpr (kRole == kEveryone) {  // the producer: its first warp issues the loads
-          cutlass::arch::warpgroup_reg_dealloc<Config::producer_regs(false)>();
-          if (cutlass::canonical_warp_idx_sync() != 0) return;
+        if constexpr (kRole == kEveryone) {  // the producer: its first warp issues the loads (a list's: all four)
+          cutlass::arch::warpgroup_reg_dealloc<Config::producer_regs(kLists)>();
+          if (!kLists && cutlass::canonical_warp_idx_sync() != 0) return;
         }
+        const int t = threadIdx.x;  // the producer thread (a dense walk's: its first warp's)
         // Use u >= 1 of buffer j % 2 (tile j = 2 u + j % 2) waits for the
         // consumers' release of use u - 1 (phase u - 1 of its empty barrier).
         auto acquire = [&](std::uint64_t* empty, int j) {
           if (j >= 2) Barrier::wait(&empty[j & 1], ((j >> 1) & 1) ^ 1);
         };
-        auto load_v = [&](int j, int n) {
+        // A list's tile into K (with its bias) or V buffer s, by the whole
+        // warpgroup: a run of consecutive keys by TMA (thread 0), any other
+        // gathered (each thread's copies arrive on the buffer's full barrier
+        // once they land); then each thread's bias and zero stores, made
+        // visible to the consumers and their wgmma by its arrival.
+        auto fill_list = [&](const Tile& tile, int s, bool keys) {
+          std::uint64_t* full = keys ? &k_full[s] : &v_full[s];
+          Element* dst = (keys ? k_smem : v_smem) + s * Config::kKvElems;
+          const int at = tile.n * kBlockN;
+          if (tile.key0 >= 0) {
+            if (t == 0) {
+              Barrier::expect_transaction(full, Config::kKvElems * int(sizeof(Element)));
+              tma_load_rows<kBlockN, kHeadDim>(full, static_cast<int>(blk.ks + tile.key0), hk, tma_b,
+                                               std::pair{keys ? &maps.k : &maps.v, dst});
+            }
+          } else {
+            const auto key_of = [&](int r) { return at + r < listed ? list[at + r] : -1; };
+            gather(Int<kProducers>{}, t, key_of, keys ? k_rows : v_rows, keys ? p.k.sr : p.v.sr, dst);
+          }
+          if (keys && key_bias)
+            for (int r = t; r < kBlockN; r += kProducers)
+              bias_smem[s * kBlockN + r] = key_bias_of(at + r < listed ? list[at + r] : -1);
+          fence_async_shared();
+          cp_async_arrive(full);
+          Barrier::arrive(full);
+        };
+        auto load_v = [&](int j, const Tile& tile) {
           acquire(v_empty, j);
-          if (lane == 0)
+          if constexpr (kLists)
+            fill_list(tile, j & 1, false);
+          else if (t == 0)
             load(Int<kBlockN>{}, &maps.v, &v_full[j & 1], v_smem + (j & 1) * Config::kKvElems, blk.ks,
-                 std::int64_t{n} * kBlockN, hk);
+                 std::int64_t{tile.n} * kBlockN, hk);
         };
         // Q once the consumers are done with the last one's.
         if (walks) {
           if (q_loads > 0) Barrier::wait(q_empty, (q_loads - 1) & 1);
-          if (lane == 0) load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
+          if (t == 0) load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
           ++q_loads;
         }
         // Tile j's K into buffer j % 2 (its bias first, which the buffer's
         // release frees too), then tile j - 1's V.
         const int first = walked;
         int& j = walked;
-        int prev = 0;
-        for (Tile tile = cur; tile.n >= tile_first; prev = tile.n, tile = next_tile(tile.n), ++j) {
+        Tile prev{0, false};
+        for (Tile tile = cur; tile.n >= tile_first; prev = tile, tile = next_tile(tile.n), ++j) {
           acquire(k_empty, j);
-          if (key_bias) {  // the tile's loads first, then its stores: one load latency a tile
-            float x[kBlockN / 32];
+          if constexpr (kLists) {
+            fill_list(tile, j & 1, true);
+          } else {
+            if (key_bias) {  // the tile's loads first, then its stores: one load latency a tile
+              float x[kBlockN / 32];
 #pragma unroll
-            for (int u = 0; u < kBlockN / 32; ++u) x[u] = bias_of(tile.n, 0, lane + 32 * u);
+              for (int u = 0; u < kBlockN / 32; ++u) x[u] = bias_of(tile.n, 0, lane + 32 * u);
 #pragma unroll
-            for (int u = 0; u < kBlockN / 32; ++u) bias_smem[(j & 1) * kBlockN + lane + 32 * u] = x[u];
+              for (int u = 0; u < kBlockN / 32; ++u) bias_smem[(j & 1) * kBlockN + lane + 32 * u] = x[u];
+            }
+            if (lane == 0)
+              load_k(j & 1, std::int64_t{tile.n} * kBlockN);
+            else
+              Barrier::arrive(&k_full[j & 1]);
           }
-          if (lane == 0)
-            load_k(j & 1, std::int64_t{tile.n} * kBlockN);
-          else
-            Barrier::arrive(&k_full[j & 1]);
           if (j > first) load_v(j - 1, prev);
         }
         if (j > first) load_v(j - 1, prev);
+        if constexpr (kLists) cute::cp_async_wait<0>();  // no thread leaves copies in flight
         return;
       }
-      if constexpr (kRole == kEveryone) cutlass::arch::warpgroup_reg_alloc<Config::consumer_regs(false)>();
+      if constexpr (kRole == kEveryone) cutlass::arch::warpgroup_reg_alloc<Config::consumer_regs(kLists)>();
     } else if (tid == 0 && walks) {  // Q and the first tile's K, its bias (the CTA's only block)
       load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
       if (!kLists || cur.key0 >= 0) load_k(0, kLists ? cur.key0 : std::int64_t{cur.n} * kBlockN);
     }
     if (walks) {
-      if (kLists && cur.key0 < 0) {
-        gather(k_rows, p.k.sr, k_smem, 0);
+      if (kGatherAll && cur.key0 < 0) {
+        gather_staged(k_rows, p.k.sr, k_smem, 0);
         cute::cp_async_fence();
       }
       store_bias(0, fetch_bias(cur.n, 0));
@@ -434,8 +482,10 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
                 my_row[half] < qrows && 32 * word < listed ? list_bits[my_row[half] * p.bits_sr + word] : 0u;
           }
         // This thread's copies of K_n (and V_{n-1}) landed, made visible to wgmma by the barrier.
-        cute::cp_async_wait<0>();
-        fence_async_shared();
+        if constexpr (kGatherAll) {
+          cute::cp_async_wait<0>();
+          fence_async_shared();
+        }
       }
       if constexpr (!kProducer) __syncthreads();  // tile n's bias is staged; every thread is done with iteration i - 1
       // The lock-step walks: K of next_n and V of n, into the buffers that
@@ -449,8 +499,11 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
           load(Int<kBlockN>{}, &maps.v, &v_full[buf], v_smem + buf * Config::kKvElems, blk.ks,
                kLists ? tile.key0 : std::int64_t{n} * kBlockN, hk);
       }
-      if constexpr (!kLists) Barrier::wait(&k_full[buf], (i >> 1) & 1);
-      if (kLists && tile.key0 >= 0) wait_loaded(k_full, k_parity, buf);
+      if constexpr (!kGatherAll) {
+        Barrier::wait(&k_full[buf], (i >> 1) & 1);
+        if constexpr (kLists) fence_async_shared();  // the producer's gathered rows, for wgmma
+      }
+      if (kGatherAll && tile.key0 >= 0) wait_loaded(k_full, k_parity, buf);
 
       // The warpgroups take turns (producer walks), across the CTA's blocks:
       // warpgroup 0 issues first, then each waits for the other's MMAs of the
@@ -465,10 +518,10 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       if constexpr (kPipelined) mma_pv(i - 1);
       if constexpr (kProducer)
         if (kPersistent || next_n >= tile_first || wg == 0) NamedBarrier::arrive(kConsumers, kTurn + 1 - wg);
-      if constexpr (kLists) {
+      if constexpr (kGatherAll) {
         if (next_n >= tile_first && !k_next_loads)
-          gather(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
-        if (!v_loads) gather(v_rows, p.v.sr, v_smem + buf * Config::kKvElems, i % 3);
+          gather_staged(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
+        if (!v_loads) gather_staged(v_rows, p.v.sr, v_smem + buf * Config::kKvElems, i % 3);
         cute::cp_async_fence();
         v_loaded = v_loads;
       }
@@ -576,7 +629,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
         row_sum[half] += sum;
       }
       store_bias(buf ^ 1, next_bias);
-      if constexpr (kLists) store_key((i + 2) % 3, after.key);
+      if constexpr (kGatherAll) store_key((i + 2) % 3, after.key);
 
       if constexpr (kPipelined) {
         warpgroup_wait<0>();
@@ -602,7 +655,7 @@ __global__ void __launch_bounds__(Config::threads(forward_sm90_warp_specialized<
       // Every S = Q K^T of the block is done: the producer may load the next Q.
       if constexpr (kPersistent) Barrier::arrive(q_empty), ++q_loads;
       // The last tile's P V.
-      if constexpr (kLists) {
+      if constexpr (kGatherAll) {
         cute::cp_async_wait<0>();
         fence_async_shared();
         __syncthreads();

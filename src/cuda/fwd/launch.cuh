@@ -88,7 +88,7 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
                                  : plan.key_lists  ? ForwardWalk::kKeyLists
                                  : plan.bias_tiles ? ForwardWalk::kRowBias
                                                    : ForwardWalk::kDense;
-        const bool producer = forward_sm90_warp_specialized<Config>(walk), persistent = plan.persistent_ctas > 0;
+        const bool producer = Config::kProducerThreads > 0, persistent = plan.persistent_ctas > 0;
         if (persistent && !producer)
           throw std::logic_error("dmattn: a persistent grid planned for a walk without a producer warpgroup");
         const auto pick = [&](auto in_turn) {  // the walk's kernel, persistent or a CTA a block
