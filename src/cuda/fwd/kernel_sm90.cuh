@@ -583,19 +583,32 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
           });
         }
       } else if (const bool bits = kLists || partial; !whole || bits) {
-        std::uint32_t allow[2][kWords];
+        // A whole tile whose bits are all set for the warp's 16 rows (a list
+        // tile where no row of the warp lacks a listed key) tests nothing.
+        bool every = false;
+        if (whole) {
+          std::uint32_t set = ~0u;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int qi = my_row[half];  // keys [from, to): qi + band.lo <= kj <= qi + band.hi; a whole tile: all
-          const int from = whole ? 0 : max(0, qi + band.lo);
-          const int to = whole ? kBlockN : (qi < qrows ? min(kcols, qi + band.hi + 1) : 0);
+          for (int half = 0; half < 2; ++half)
 #pragma unroll
-          for (int w = 0; w < kWords; ++w)
-            allow[half][w] = (span_bits(from, to, w) & (bits ? row_bits[half][w] : ~0u)) >> col_base;
+            for (int w = 0; w < kWords; ++w) set &= row_bits[half][w];
+          every = __all_sync(0xffffffff, set == ~0u);
         }
-        for_each([&](int e, int half, int) {
-          if (((allow[half][e / 16] >> column_bit(e)) & 1u) == 0) acc_s(e) = -kInf;
-        });
+        if (!every) {
+          std::uint32_t allow[2][kWords];
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int qi = my_row[half];  // keys [from, to): qi + band.lo <= kj <= qi + band.hi; a whole tile: all
+            const int from = whole ? 0 : max(0, qi + band.lo);
+            const int to = whole ? kBlockN : (qi < qrows ? min(kcols, qi + band.hi + 1) : 0);
+#pragma unroll
+            for (int w = 0; w < kWords; ++w)
+              allow[half][w] = (span_bits(from, to, w) & (bits ? row_bits[half][w] : ~0u)) >> col_base;
+          }
+          for_each([&](int e, int half, int) {
+            if (((allow[half][e / 16] >> column_bit(e)) & 1u) == 0) acc_s(e) = -kInf;
+          });
+        }
       }
       if constexpr (kProducer) Barrier::arrive(&k_empty[buf]);  // the thread is done with K_n and its bias
 
