@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .ops import attention, checked, varlen_attention
+from ._args import checked
+from .ops import attention, varlen_attention
 
 __all__ = ["flash_dmattn_func", "flash_dmattn_varlen_func"]
 

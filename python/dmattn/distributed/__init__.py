@@ -64,7 +64,8 @@ from typing import Optional, Tuple
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops import _broadcast_shape, _common, _reduce, checked
+from .._args import checked
+from ..ops import _broadcast_shape, _common, _reduce
 from ._base import MODES, _check_mode, _error, _process_group, gather_sequence, shard_sequence
 from ._ring import _Ring, _RingAttention, _selects
 from ._ulysses import _HeadPipeline, _UlyssesAttention

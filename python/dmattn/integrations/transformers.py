@@ -43,7 +43,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 from transformers.models.doge import modeling_doge
 
-from ..ops import attention, checked
+from .._args import checked
+from ..ops import attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "dmattn_attention_forward", "dmattn_mask", "use_dmattn_for_doge"]
 
