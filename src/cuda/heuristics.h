@@ -37,7 +37,7 @@ constexpr bool sm90_head_dim(int head_dim) { return head_dim == 64 || head_dim =
 // ---- Forward, Hopper kernel ----
 // 128 query rows a CTA (two warpgroups of 64), two K and two V buffers in
 // flight. D = 128: key tiles of 128 (O and S take 64 registers a thread each, P
-// 32: 240 a consumer thread, 255 in the key-list walk), one CTA an SM. D = 64:
+// 32: 240 a consumer thread, 232 in the key-list walk), one CTA an SM. D = 64:
 // key tiles of 64 in 128 registers (S 32, P 16, O 32), two CTAs an SM. At D =
 // 64 the exponentials cost as much as the MMAs (16 a cycle an SM either way),
 // so the overlap decides: against one CTA of 192 x 128 or 128 x 128 tiles (the
@@ -45,11 +45,11 @@ constexpr bool sm90_head_dim(int head_dim) { return head_dim == 64 || head_dim =
 constexpr int kForwardSm90BlockM = 128;
 constexpr int forward_sm90_block_n(int head_dim) { return head_dim <= 64 ? 64 : 128; }
 constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2 : 1; }
-// D = 128: the dense and mask walks are warp-specialized. A producer warpgroup
+// D = 128: every walk is warp-specialized. A producer warpgroup
 // issues every load (TMA of Q, K and V; the key-only bias) into the two K and
 // two V buffers, guarded by full and empty mbarriers, so that the consumer
 // warpgroups never meet at a CTA barrier; it hands its registers to them
-// (setmaxnreg: 24 and 240, persistent 40 and 232; 384 threads of one CTA an
+// (setmaxnreg: 24 and 240, persistent or gathering 40 and 232; 384 threads of one CTA an
 // SM). The consumers take turns at issuing their MMAs (named barriers), so
 // that one's softmax runs under the other's MMAs (ping-pong): 4.14 -> 3.43 ms
 // (0.93x cuDNN's) at B = 1, 32 / 8 heads, S = 16384, 1.34 -> 1.24 at B = 16,
