@@ -139,15 +139,15 @@ void expect_refused(const F& call, Error::Kind kind, const char* argument) {
 }
 
 // The Hopper forward on an H100, as `plan` names it: persistent (a CTA an SM)
-// where a producer warpgroup loads (D' = 128, not the key-list walk) rows of
-// at most 4096 keys.
+// where a producer warpgroup loads (D' = 128) key lists, or rows of at most
+// 4096 keys.
 void expect_sm90_forward(const ForwardPlan& plan, bool key_lists, bool mask_tiles, bool bias_tiles) {
   EXPECT_EQ(plan.kernel, ForwardKernel::kSm90);
   EXPECT_EQ(plan.key_lists, key_lists);
   EXPECT_EQ(plan.mask_tiles, mask_tiles);
   EXPECT_EQ(plan.bias_tiles, bias_tiles);
   EXPECT_EQ(plan.params.num_splits, 1);
-  const bool persistent = plan.head_dim == 128 && !key_lists && plan.params.seqlen_k <= 4096;
+  const bool persistent = plan.head_dim == 128 && (key_lists || plan.params.seqlen_k <= 4096);
   EXPECT_EQ(plan.persistent_ctas, persistent ? kH100.sms : 0) << "D' " << plan.head_dim;
 }
 
@@ -274,6 +274,7 @@ TEST_F(Dispatch, H100TopkOverIntervals) {
       EXPECT_EQ(f.selection, cuda::DeviceSelection::kIntervals);
       EXPECT_TRUE(f.key_lists);
       EXPECT_EQ(f.kernel, ForwardKernel::kSm90) << "D " << d << ", S " << s;
+      EXPECT_EQ(f.persistent_ctas, d == 128 ? kH100.sms : 0) << "D " << d << ", S " << s;
       const BackwardPlan b = c.backward(kH100);
       EXPECT_EQ(b.selection, cuda::DeviceSelection::kIntervals);
       EXPECT_EQ(b.dkv, DkvKernel::kSm90Groups) << "D " << d << ", S " << s;

@@ -73,7 +73,7 @@ constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2
 // S >= 16384, where the sm80 gathered walk had been as fast, S = 16384
 // 1.52 -> 1.21 and w = 2048, S = 131072 19.5 -> 15.3 against it).
 constexpr bool forward_sm90_producer(int head_dim) { return head_dim > 64; }
-// The warp-specialized walks (a producer warpgroup; not the key-list walk) of
+// The warp-specialized walks (a producer warpgroup) of
 // short rows are persistent: one CTA an SM takes a query block a round, and
 // the producer loads the next block's Q (once the consumers' last S = Q K^T of
 // a block is done) and first K and V tiles while the consumers finish a block
@@ -83,10 +83,15 @@ constexpr bool forward_sm90_producer(int head_dim) { return head_dim > 64; }
 // 1.227 -> 1.142; key bias, B = 8, S = 2048 0.825 -> 0.784, S = 4096
 // 0.310 -> 0.295. Longer rows keep a CTA a block: persistent there, key bias,
 // S = 8192 1.07 -> 1.13 and S = 16384 4.19 -> 4.55 (the static rounds of long
-// blocks drift apart, which the hardware's own order of CTAs avoids).
+// blocks drift apart, which the hardware's own order of CTAs avoids). The
+// key-list walk is persistent at every length: a block's list holds about w
+// keys whatever S is, so its blocks stay short (H100, key bias, forward ms, a
+// CTA a block against persistent, two rounds: w = 1024, S = 4096
+// 0.300 -> 0.295, S = 16384 1.20 -> 1.16, B = 4 x 8192 2.20 -> 2.08; w = 2048,
+// S = 65536 7.29 -> 7.10; S = 8192 within 1%).
 constexpr int kForwardPersistentKeys = 4096;
 constexpr bool forward_sm90_persistent(int head_dim, bool key_lists, std::int64_t seqlen_k) {
-  return forward_sm90_producer(head_dim) && !key_lists && seqlen_k <= kForwardPersistentKeys;
+  return forward_sm90_producer(head_dim) && (key_lists || seqlen_k <= kForwardPersistentKeys);
 }
 
 // ---- Top-k selection (sparse/select_intervals.cu) ----

@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
   constexpr bool kMasked = kWalk == ForwardWalk::kMasked, kLists = kWalk == ForwardWalk::kKeyLists;
   constexpr bool kRowBias = kWalk == ForwardWalk::kRowBias;
   constexpr bool kProducer = Config::kProducerThreads > 0;
-  static_assert((kProducer && !kLists) || !kPersistent, "a persistent walk has a producer warpgroup, not a list's");
+  static_assert(kProducer || !kPersistent, "a persistent walk has a producer warpgroup");
   constexpr int kConsumers = Config::kConsumerThreads, kProducers = Config::kProducerThreads;
   // The key-list walk without a producer (D = 64): every thread gathers, the
   // CTA meets at one barrier a tile.
@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
           if (j > first) load_v(j - 1, prev);
         }
         if (j > first) load_v(j - 1, prev);
-        if constexpr (kLists) cute::cp_async_wait<0>();  // no thread leaves copies in flight
+        if constexpr (kLists && !kPersistent) cute::cp_async_wait<0>();  // no thread leaves copies in flight
         return;
       }
       if constexpr (kRole == kEveryone) cutlass::arch::warpgroup_reg_alloc<Config::consumer_regs(kLists)>();
@@ -713,10 +713,11 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
   };
   if constexpr (kPersistent) {
     init_barriers();
-    if (warp_group == 0) {  // the producer: its first warp issues the loads
+    if (warp_group == 0) {  // the producer: its first warp issues the loads (a list's: all four)
       cutlass::arch::warpgroup_reg_dealloc<Config::producer_regs(true)>();
-      if (cutlass::canonical_warp_idx_sync() != 0) return;
+      if (!kLists && cutlass::canonical_warp_idx_sync() != 0) return;
       walk_rounds(std::integral_constant<Role, kProducing>{});
+      if constexpr (kLists) cute::cp_async_wait<0>();  // no thread leaves copies in flight
       return;
     }
     cutlass::arch::warpgroup_reg_alloc<Config::consumer_regs(true)>();

@@ -94,7 +94,7 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
         const auto pick = [&](auto in_turn) {  // the walk's kernel, persistent or a CTA a block
           constexpr bool kInTurn = decltype(in_turn)::value && Config::kProducerThreads > 0;
           return walk == ForwardWalk::kMasked     ? forward_kernel_sm90<Config, ForwardWalk::kMasked, kInTurn>
-                 : walk == ForwardWalk::kKeyLists ? forward_kernel_sm90<Config, ForwardWalk::kKeyLists, false>
+                 : walk == ForwardWalk::kKeyLists ? forward_kernel_sm90<Config, ForwardWalk::kKeyLists, kInTurn>
                  : walk == ForwardWalk::kRowBias  ? forward_kernel_sm90<Config, ForwardWalk::kRowBias, kInTurn>
                                                   : forward_kernel_sm90<Config, ForwardWalk::kDense, kInTurn>;
         };
