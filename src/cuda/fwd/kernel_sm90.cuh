@@ -60,7 +60,7 @@
 // barrier a tile: after iteration i's barrier, K_{i+1} and V_i load into the
 // buffers whose last readers (S_{i-1}, P V_{i-2}) finished in iteration i - 1.
 //
-// Persistent (a producer walk of short rows, heuristics.h
+// Persistent (a producer walk of short rows or of key lists, heuristics.h
 // forward_sm90_persistent): one CTA an SM walks a query block a round, the
 // buffers' phases and the warpgroups' turns running on across blocks; the
 // consumers release Q (q_empty) once the block's last S = Q K^T is done, so
