@@ -378,6 +378,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
           std::uint64_t* full = keys ? &k_full[s] : &v_full[s];
           Element* dst = (keys ? k_smem : v_smem) + s * Config::kKvElems;
           const int at = tile.n * kBlockN;
+          const auto key_of = [&](int r) { return at + r < listed ? list[at + r] : -1; };  // -1 past the list
           if (tile.key0 >= 0) {
             if (t == 0) {
               Barrier::expect_transaction(full, Config::kKvElems * int(sizeof(Element)));
@@ -385,12 +386,11 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
                                                std::pair{keys ? &maps.k : &maps.v, dst});
             }
           } else {
-            const auto key_of = [&](int r) { return at + r < listed ? list[at + r] : -1; };
             gather(Int<kProducers>{}, t, key_of, keys ? k_rows : v_rows, keys ? p.k.sr : p.v.sr, dst);
           }
           if (keys && key_bias)
             for (int r = t; r < kBlockN; r += kProducers)
-              bias_smem[s * kBlockN + r] = key_bias_of(at + r < listed ? list[at + r] : -1);
+              bias_smem[s * kBlockN + r] = key_bias_of(key_of(r));
           fence_async_shared();
           cp_async_arrive(full);
           Barrier::arrive(full);
