@@ -74,10 +74,15 @@ extern const char* const kTopkNanSweepName;
 // Wild given intervals: forward and backward finish and stay in bounds.
 Outcome wild_intervals(Rng& rng);
 extern const char* const kWildIntervalsName;
+// Top-k at long rows, checked on the slices the oracle computes (check_long.cpp).
+Outcome topk_long_rows(Rng& rng);
+extern const char* const kTopkLongRowsName;
 
 // ---- Shared by the forward and backward checks (check_forward.cpp).
 HostTensor dense_copy(const HostTensor& t, DType dtype);
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b);
+// lse error where both are finite; a mismatch of -inf (or any NaN) is an infinite error.
+double lse_error(const std::vector<double>& got, const std::vector<double>& ref);
 std::vector<std::int32_t> cumulative(const std::vector<std::int64_t>& lengths);
 // Shapes of q, k (and v) and lse: batched, or varlen (tokens of all sequences).
 struct CaseShapes {

@@ -44,9 +44,6 @@ std::vector<std::int32_t> cumulative(const std::vector<std::int64_t>& lengths) {
   return cu;
 }
 
-namespace {
-
-// lse error where both are finite; a mismatch of -inf (or any NaN) is an infinite error.
 double lse_error(const std::vector<double>& got, const std::vector<double>& ref) {
   double m = 0.0;
   for (std::size_t i = 0; i < got.size(); ++i) {
@@ -59,6 +56,8 @@ double lse_error(const std::vector<double>& got, const std::vector<double>& ref)
   }
   return m;
 }
+
+namespace {
 
 }  // namespace
 

@@ -141,6 +141,7 @@ TEST(FirstLaunch, Sm80ForwardFillingTheGpu) {
 
 TEST(FullTopk, NanSweep) { check_one(kTopkNanSweepName, topk_nan_sweep); }
 TEST(FullTopk, WildGivenIntervals) { check_one(kWildIntervalsName, wild_intervals); }
+TEST(FullTopk, LongRows) { check_one(kTopkLongRowsName, topk_long_rows); }
 TEST(SmallTopk, WildGivenIntervals) { check_one(kWildIntervalsName, wild_intervals); }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "../common/sm90.cuh"
 #include "../dispatch.h"
 #include "../sparse/key_lists.h"
+#include "finish.h"
 #include "kernel_sm80.cuh"
 #include "kernel_sm90.cuh"
 #include "postprocess.cuh"
@@ -133,8 +134,7 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   // rows to recompute); dk/dv the mask tile classes.
   if (err == cudaSuccess && plan.key_lists) {
     p.build_if = p.huge_rows;
-    const DType dtype = std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBFloat16 : DType::kFloat16;
-    build_key_lists(p, dtype, dq_rows, batch, p.heads, stream);
+    build_key_lists(p, dq_rows, batch, p.heads, stream);
     if constexpr (sm90_head_dim(kHeadDim)) {
       using Config = DkvSm90Config<Element, kHeadDim>;
       if (plan.mask_tiles && plan.dkv == DkvKernel::kSm90)
@@ -145,10 +145,7 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
       p.dkv_tiles = classify_mask_tiles(p, dkv_tile.step, dkv_rows, batch, p.heads, stream, &dkv_tiles);
   }
   const auto reduce = [&](int n) {
-    if (err != cudaSuccess || db_elements == 0) return;
-    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((db_elements + 255) / 256, 65536));
-    reduce_bias_grad<Element><<<blocks, 256, 0, stream>>>(p, n);
-    err = cudaGetLastError();
+    if (err == cudaSuccess) err = reduce_bias_grad(p, n, stream);
   };
   // Zero-fill what no tile writes: one memset where dbias is one dense block
   // (the reduction's zero pass divides by the extents an element: 3.4 ms for
@@ -184,12 +181,7 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   const std::int64_t dkv_blocks =
       p.group_rows == nullptr ? key_blocks : p.key_groups * (plan.dkv == DkvKernel::kSm80 ? kKeyGroupKeys / dkv_rows : 1);
   if (err == cudaSuccess && dkv_blocks > 0) err = launch_dkv_kernel<Element, kHeadDim>(plan, p, maps, dkv_blocks, stream);
-  if (err == cudaSuccess && p.key_pieces != nullptr) {
-    const std::int64_t keys = std::int64_t{batch} * kv_heads * p.seqlen_k;
-    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((keys + 7) / 8, 65536));  // 8 warps a block
-    zero_unselected<Element><<<blocks, 256, 0, stream>>>(p, batch);
-    err = cudaGetLastError();
-  }
+  if (err == cudaSuccess && p.key_pieces != nullptr) err = zero_unselected(p, batch, stream);
   if (plan.dbias_slices > 0) reduce(plan.dbias_slices);
   if (err == cudaSuccess && p.dq_acc != nullptr) {
     const std::int64_t heads = std::int64_t{batch} * p.heads, head_octets = dq_elements / 8 / std::max<std::int64_t>(heads, 1);

@@ -1,5 +1,6 @@
-// The backward's last passes: the dbias reduction, the zeros of keys no row
-// selects, and dq from the float32 sums of dq by atomics.
+// The backward's last pass of a head dim: dq from the float32 sums of dq by
+// atomics (the dbias reduction and the zeros of unselected keys, compiled
+// once: bwd/finish.cu).
 #pragma once
 
 #include <cstdint>
@@ -10,48 +11,6 @@
 #include "config.cuh"
 
 namespace dmattn::cuda {
-
-// dbias from the float32 slices: element e of the dense dbias is the sum over
-// slices s of scratch[s * elements + e] in order of s, rounded once; without
-// slices (scratch == nullptr) dbias is zero-filled.
-template <class Element>
-__global__ void __launch_bounds__(256) reduce_bias_grad(const BackwardParams p, int slices) {
-  const std::int64_t elements = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
-  for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < elements;
-       e += std::int64_t{gridDim.x} * blockDim.x) {
-    const std::int64_t j = e % p.db_cols, i = e / p.db_cols % p.db_rows;
-    const std::int64_t hb = e / (p.db_cols * p.db_rows) % p.db_heads, bb = e / (p.db_cols * p.db_rows * p.db_heads);
-    std::int64_t ks = 0;
-    if (p.cu_seqlens_k != nullptr) {  // varlen: a key-only bias, dense keys local to sequence bb
-      ks = p.cu_seqlens_k[bb];
-      if (j >= p.cu_seqlens_k[bb + 1] - ks) continue;
-    }
-    float x = 0.0f;
-    for (int s = 0; s < slices; ++s) x += p.scratch[s * elements + e];
-    store_float<Element>(p.dbias.data, p.bias_float32,
-                         bb * p.dbias.sb + hb * p.dbias.sh + i * p.dbias.sr + (ks + j) * p.dbias.sc, x);
-  }
-}
-
-// Sorted key groups hold only pieces: dk and dv of the keys that no row
-// selects are zeros, written here: a warp a key (b, kv head, j), the columns
-// over its lanes (the key's test and index arithmetic once, not per element).
-template <class Element>
-__global__ void __launch_bounds__(256) zero_unselected(const BackwardParams p, int batch) {
-  const int kv_heads = p.heads / p.group, lane = threadIdx.x % 32;
-  const std::int64_t keys = std::int64_t{batch} * kv_heads * p.seqlen_k;
-  for (std::int64_t key = (std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32; key < keys;
-       key += std::int64_t{gridDim.x} * blockDim.x / 32) {
-    if (p.key_pieces[key] != 0) continue;
-    const std::int64_t j = key % p.seqlen_k, slice = key / p.seqlen_k;
-    const int b = static_cast<int>(slice / kv_heads), kvh = static_cast<int>(slice % kv_heads);
-    const Sequence s(p, b);
-    if (j >= s.sk) continue;
-    auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh + (s.ks + j) * p.dk.sr;
-    auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh + (s.ks + j) * p.dv.sr;
-    for (int col = lane; col < p.head_dim; col += 32) dk[col] = Element(0.0f), dv[col] = Element(0.0f);
-  }
-}
 
 // dq by atomics: dq = scale * dq_acc in the dtype, for the rows of each
 // sequence, eight features of a row a thread, one 16-byte store where dq's

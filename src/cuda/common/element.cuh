@@ -1,8 +1,14 @@
 // Bias and dbias elements, float32 or the inputs' Element, as float; pairs of
-// output elements.
+// output elements; elements of a dtype known only at run time (the passes
+// compiled once for both input dtypes).
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
+
+#include "dmattn/dmattn.h"
 
 namespace dmattn::cuda {
 
@@ -19,6 +25,31 @@ __device__ inline void store_float(void* data, bool is_float32, std::int64_t at,
     static_cast<float*>(data)[at] = x;
   else
     static_cast<Element*>(data)[at] = static_cast<Element>(x);
+}
+
+// Element `at` of a float16, bfloat16 or float32 array as float, and x into it
+// (rounded once to nearest even), the dtype read at run time.
+__device__ inline float load_as_float(const void* data, DType dtype, std::int64_t at) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return __half2float(static_cast<const __half*>(data)[at]);
+    case DType::kBFloat16:
+      return __uint_as_float(std::uint32_t{static_cast<const std::uint16_t*>(data)[at]} << 16);
+    default:
+      return static_cast<const float*>(data)[at];
+  }
+}
+__device__ inline void store_rounded(void* data, DType dtype, std::int64_t at, float x) {
+  switch (dtype) {
+    case DType::kFloat16:
+      static_cast<__half*>(data)[at] = __float2half_rn(x);
+      break;
+    case DType::kBFloat16:
+      static_cast<__nv_bfloat16*>(data)[at] = __float2bfloat16_rn(x);
+      break;
+    default:
+      static_cast<float*>(data)[at] = x;
+  }
 }
 
 // Whether a strided output's runs of `run` elements (run e .. run e + run - 1)

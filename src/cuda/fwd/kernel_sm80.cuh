@@ -5,7 +5,7 @@
 // (sparse/key_lists.h) give per query block the keys that some row of the
 // block may see; the CTA then walks only those keys, gathered 64 a tile (a
 // top-k selection lets a block see a small, scattered part of the keys). Grids too small to fill the GPU (decode) split
-// the keys over several CTAs and merge them in a combine kernel (fwd/combine.cuh).
+// the keys over several CTAs and merge them in a combine kernel (fwd/combine.cu).
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -16,7 +16,7 @@
 #include "../common/sm90.cuh"
 #include "../dispatch.h"
 #include "../sparse/key_lists.h"
-#include "combine.cuh"
+#include "combine.h"
 #include "kernel_sm80.cuh"
 #include "kernel_sm90.cuh"
 
@@ -88,13 +88,16 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
                                  : plan.key_lists  ? ForwardWalk::kKeyLists
                                  : plan.bias_tiles ? ForwardWalk::kRowBias
                                                    : ForwardWalk::kDense;
-        const bool producer = Config::kProducerThreads > 0, persistent = plan.persistent_ctas > 0;
-        if (persistent && !producer)
-          throw std::logic_error("dmattn: a persistent grid planned for a walk without a producer warpgroup");
+        constexpr bool kProducer = Config::kProducerThreads > 0;
+        const bool persistent = plan.persistent_ctas > 0;
+        // A walk with a producer may be persistent; its key-list walk always is
+        // (heuristics.h forward_sm90_persistent), one kernel.
+        if (persistent ? !kProducer : kProducer && walk == ForwardWalk::kKeyLists)
+          throw std::logic_error("dmattn: a Hopper forward grid the heuristics do not plan");
         const auto pick = [&](auto in_turn) {  // the walk's kernel, persistent or a CTA a block
-          constexpr bool kInTurn = decltype(in_turn)::value && Config::kProducerThreads > 0;
+          constexpr bool kInTurn = decltype(in_turn)::value && kProducer;
           return walk == ForwardWalk::kMasked     ? forward_kernel_sm90<Config, ForwardWalk::kMasked, kInTurn>
-                 : walk == ForwardWalk::kKeyLists ? forward_kernel_sm90<Config, ForwardWalk::kKeyLists, kInTurn>
+                 : walk == ForwardWalk::kKeyLists ? forward_kernel_sm90<Config, ForwardWalk::kKeyLists, kProducer>
                  : walk == ForwardWalk::kRowBias  ? forward_kernel_sm90<Config, ForwardWalk::kRowBias, kInTurn>
                                                   : forward_kernel_sm90<Config, ForwardWalk::kDense, kInTurn>;
         };
@@ -104,7 +107,7 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
         if (err != cudaSuccess) return err;
         const unsigned blocks = ForwardBlock::count(p, Config::kBlockM);
         const unsigned ctas = persistent ? std::min(blocks, static_cast<unsigned>(plan.persistent_ctas)) : blocks;
-        kernel<<<ctas, Config::threads(producer), smem, stream>>>(p, maps);
+        kernel<<<ctas, Config::threads(kProducer), smem, stream>>>(p, maps);
         return cudaGetLastError();
       }
       break;
@@ -131,8 +134,7 @@ void ForwardInstance<Element, kHeadDim>::run(const ForwardPlan& plan, cudaStream
       plan.kernel == ForwardKernel::kSm90 ? forward_sm90_maps<Element, kHeadDim>(params, plan.bias_tiles)
                                           : ForwardSm90Maps{};
   if (plan.key_lists) {
-    const DType dtype = std::is_same_v<Element, cutlass::bfloat16_t> ? DType::kBFloat16 : DType::kFloat16;
-    build_key_lists(params, dtype, plan.block_m, params.batch, params.heads, stream);
+    build_key_lists(params, plan.block_m, params.batch, params.heads, stream);
   }
   std::uint8_t* mask_memory = nullptr;
   if constexpr (sm90_head_dim(kHeadDim)) {
@@ -149,12 +151,7 @@ void ForwardInstance<Element, kHeadDim>::run(const ForwardPlan& plan, cudaStream
     params.stat_partial = reinterpret_cast<float2*>(params.o_partial + partial_rows * params.head_dim);
   }
   if (err == cudaSuccess) err = launch_forward_kernel<Element, kHeadDim>(plan, params, maps, stream);
-  if (err == cudaSuccess && params.num_splits > 1) {
-    const auto rows = partial_rows / params.num_splits;
-    combine_splits<Element><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(params, params.batch,
-                                                                                      params.heads);
-    err = cudaGetLastError();
-  }
+  if (err == cudaSuccess && params.num_splits > 1) err = combine_splits(params, stream);
   if (params.o_partial != nullptr) cudaFreeAsync(params.o_partial, stream);
   if (params.mask_bits != nullptr) cudaFreeAsync(params.mask_bits, stream);
   if (mask_memory != nullptr) cudaFreeAsync(mask_memory, stream);

@@ -5,13 +5,11 @@
 // list_topk_keys (intervals) or mark_topk then list_topk_chunk (thresholds).
 #include "key_lists.h"
 
-#include <cute/tensor.hpp>
-#include <cutlass/numeric_types.h>
-
 #include <algorithm>
 #include <cstdint>
 
 #include "../common/check.h"
+#include "../common/element.cuh"
 #include "../common/warp.cuh"
 
 namespace dmattn::cuda {
@@ -191,14 +189,11 @@ __device__ inline TopkSlice topk_slice(const KeyListParams& p, int z) {
 
 // Thresholds: whether local row i, with key j in its key range, keeps j (the
 // mask, if any, and (bias_ij, j) >= the row's threshold).
-template <class Element>
 __device__ bool threshold_keeps(const KeyListParams& p, const TopkSlice& s, std::int64_t i, std::int64_t j) {
   if (p.mask.data != nullptr && static_cast<const std::uint8_t*>(p.mask.data)[s.mask + i * p.mask.sr + j * p.mask.sc] == 0)
     return false;
   const RowThreshold t = p.topk_thresholds[s.sel + i * s.sel_sr];
-  const std::int64_t at = s.bias + i * p.bias.sr + j * p.bias.sc;
-  const float value = p.bias_float32 ? static_cast<const float*>(p.bias.data)[at]
-                                     : static_cast<float>(static_cast<const Element*>(p.bias.data)[at]);
+  const float value = load_as_float(p.bias.data, p.bias.dtype, s.bias + i * p.bias.sr + j * p.bias.sc);
   return value > t.value || (value == t.value && j >= t.key);
 }
 
@@ -228,7 +223,7 @@ __device__ ListChunk list_chunk(const KeyListParams& p) {
 // a block). Row by row, a thread tests kItems keys, their loads issued at
 // once, then one warp ballot per word; rows whose key range misses the chunk
 // are skipped.
-template <class Element, int kBlockM, int kThreads>
+template <int kBlockM, int kThreads>
 __global__ void __launch_bounds__(kThreads) mark_topk(const KeyListParams p, std::int64_t any_sr, int chunks,
                                                       std::uint32_t* key_any, std::int32_t* chunk_counts) {
   constexpr int kWarps = kThreads / 32, kItems = 32 * kListChunkWords / kThreads;
@@ -248,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) mark_topk(const KeyListParams p, std
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {  // key j is bit `lane` of the chunk's word k * kWarps + warp
       const std::int64_t j = 32 * word0 + k * kThreads + threadIdx.x;
-      keep[k] = j >= keys.lo && j <= keys.hi && threshold_keeps<Element>(p, s, i, j);
+      keep[k] = j >= keys.lo && j <= keys.hi && threshold_keeps(p, s, i, j);
     }
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
@@ -270,7 +265,7 @@ __global__ void __launch_bounds__(kThreads) mark_topk(const KeyListParams p, std
 // (after the keys of the earlier chunks), the block's count from chunk 0, and
 // ORs each row's bits for them into mask_bits (zeroed before: a word of the
 // list can hold keys of two chunks).
-template <class Element, int kBlockM, int kThreads>
+template <int kBlockM, int kThreads>
 __global__ void __launch_bounds__(kThreads) list_topk_chunk(const KeyListParams p, std::int64_t any_sr, int chunks,
                                                             const std::uint32_t* key_any,
                                                             const std::int32_t* chunk_counts) {
@@ -319,7 +314,7 @@ __global__ void __launch_bounds__(kThreads) list_topk_chunk(const KeyListParams 
       const int t = t0 + lane;
       const std::int64_t slot = before + t;
       const bool ok = t < listed && slot < p.keys_stride && keys[t] >= row_keys.lo && keys[t] <= row_keys.hi &&
-                      threshold_keeps<Element>(p, s, i, keys[t]);
+                      threshold_keeps(p, s, i, keys[t]);
       const std::uint32_t bits = __ballot_sync(0xffffffff, ok);
       if (lane == 0 && bits != 0) {
         const std::int64_t first = before + t0;
@@ -460,7 +455,7 @@ inline std::int64_t topk_list_bound(const KeyListParams& p, int block_m) {
 // broadcast over batches) and full-width lists (bits are key-indexed before the
 // in-place rewrite); top-k keeps a slice per selection head and lists of at
 // most topk_list_bound keys: no (Sq, Sk) array for a key-only bias.
-template <class Element, int kBlockM>
+template <int kBlockM>
 void build_lists(KeyListParams& params, int batch, int heads, cudaStream_t stream) {
   constexpr int kThreads = kListThreads;
   const bool topk = params.topk_intervals != nullptr || params.topk_thresholds != nullptr;
@@ -509,20 +504,17 @@ void build_lists(KeyListParams& params, int batch, int heads, cudaStream_t strea
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(blocks), static_cast<unsigned>(slices));
   check_cuda(cudaMemsetAsync(params.mask_bits, 0, static_cast<std::size_t>(bits_words) * 4, stream),
              "cudaMemsetAsync (key-list bits)");
-  mark_topk<Element, kBlockM, kThreads><<<grid, kThreads, 0, stream>>>(params, any_sr, chunks, key_any, chunk_counts);
-  list_topk_chunk<Element, kBlockM, kThreads><<<grid, kThreads, 0, stream>>>(params, any_sr, chunks, key_any,
-                                                                             chunk_counts);
+  mark_topk<kBlockM, kThreads><<<grid, kThreads, 0, stream>>>(params, any_sr, chunks, key_any, chunk_counts);
+  list_topk_chunk<kBlockM, kThreads><<<grid, kThreads, 0, stream>>>(params, any_sr, chunks, key_any, chunk_counts);
 }
 
 }  // namespace
 
-void build_key_lists(KeyListParams& params, DType dtype, int block_m, int batch, int heads, cudaStream_t stream) {
-  const bool bf16 = dtype == DType::kBFloat16;
+void build_key_lists(KeyListParams& params, int block_m, int batch, int heads, cudaStream_t stream) {
   if (block_m == 64)
-    return bf16 ? build_lists<cutlass::bfloat16_t, 64>(params, batch, heads, stream)
-                : build_lists<cutlass::half_t, 64>(params, batch, heads, stream);
-  bf16 ? build_lists<cutlass::bfloat16_t, 128>(params, batch, heads, stream)
-       : build_lists<cutlass::half_t, 128>(params, batch, heads, stream);
+    build_lists<64>(params, batch, heads, stream);
+  else
+    build_lists<128>(params, batch, heads, stream);
 }
 
 }  // namespace dmattn::cuda

@@ -18,8 +18,8 @@ constexpr int kListThreads = 128;
 // buffer (params.mask_bits, the caller frees it after the kernels) and sets
 // the lists' fields. A mask alone keeps a slice per mask head (one for a mask
 // broadcast over batches); top-k a slice per selection head (or per kv head
-// with folded query heads). dtype: q's (a 16-bit bias is read in it).
-void build_key_lists(KeyListParams& params, DType dtype, int block_m, int batch, int heads, cudaStream_t stream);
+// with folded query heads).
+void build_key_lists(KeyListParams& params, int block_m, int batch, int heads, cudaStream_t stream);
 
 // Enqueues the classes of the block_m x block_n tiles of params' mask (the
 // dk/dv kernel's query step x its keys: 32 x 128, 32 x 64 or 64 x 128) for

@@ -3,12 +3,12 @@
 // they read it, the order of bias values, and the two selections' entry points.
 #pragma once
 
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "../common/check.h"
+#include "../common/element.cuh"
 #include "../common/geometry.h"
 #include "selection.h"
 
@@ -39,17 +39,6 @@ struct Params {
 // First row that may see key j (causal and right window, bottom-right aligned).
 __device__ inline std::int64_t first_row(const Params& p, const Sequence& s, std::int64_t j) {
   return min(queries_of_keys(p.band, s.offset(), s.sq, j, j).first, s.sq);
-}
-
-__device__ inline float load_bias(const Operand& bias, std::int64_t offset) {
-  switch (bias.dtype) {
-    case DType::kFloat16:
-      return __half2float(static_cast<const __half*>(bias.data)[offset]);
-    case DType::kBFloat16:
-      return __uint_as_float(std::uint32_t{static_cast<const std::uint16_t*>(bias.data)[offset]} << 16);
-    default:
-      return static_cast<const float*>(bias.data)[offset];
-  }
 }
 
 __device__ inline bool load_mask(const Operand& mask, std::int64_t offset) {

@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(kThreads) row_thresholds(Params p, int kbits, 
       const std::int64_t k = rank;
       for (std::int64_t j = r.lo + threadIdx.x; j < r.hi; j += kThreads) {
         if (!load_mask(p.mask, r.mask + j * p.mask.sc)) continue;
-        const std::uint64_t key = std::uint64_t{order_bits(load_bias(p.bias, r.bias + j * p.bias.sc))} << kbits |
-                                  static_cast<std::uint64_t>(j);
+        const float value = load_as_float(p.bias.data, p.bias.dtype, r.bias + j * p.bias.sc);
+        const std::uint64_t key = std::uint64_t{order_bits(value)} << kbits | static_cast<std::uint64_t>(j);
         if ((key & known) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
       }
       __syncthreads();
@@ -260,7 +260,8 @@ __global__ void __launch_bounds__(kThreads) search_ties(Params p, Search sc, Row
   Scan(scan_storage).InclusiveSum(flag, upto);
   if (flag != 0 && before + upto == rest) {
     const std::int64_t j = target.begin + std::int64_t{item} * kThreads + (kThreads - 1 - threadIdx.x);
-    out[row] = {load_bias(p.bias, target.span.bias + j * p.bias.sc), static_cast<std::int32_t>(j)};
+    const float value = load_as_float(p.bias.data, p.bias.dtype, target.span.bias + j * p.bias.sc);
+    out[row] = {value, static_cast<std::int32_t>(j)};
   }
   if (threadIdx.x == 0) state.ticket = 0;
 }

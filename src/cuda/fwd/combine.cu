@@ -1,13 +1,15 @@
-// Split-KV (ForwardParams::num_splits): the merge of the splits' partials.
-#pragma once
+// Split-KV (ForwardParams::num_splits): the merge of the splits' partials,
+// compiled once (the output's dtype read at run time).
+#include "combine.h"
 
 #include <cmath>
 #include <cstdint>
 
+#include "../common/element.cuh"
 #include "../common/softmax.cuh"
-#include "../params.h"
 
 namespace dmattn::cuda {
+namespace {
 
 // Merges the split-KV partials: one warp per (b, h, query row) of the grid
 // (B * H * seqlen_q rows). With split s's max m_s and sum z_s, its weight is
@@ -16,10 +18,10 @@ namespace dmattn::cuda {
 // and the lanes sum four neighbouring columns each over the splits, eight
 // splits' loads in flight (a loop over the splits one load at a time is a chain
 // of memory latencies that a decode call would wait on).
-template <class Element>
-__global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int batch, int heads) {
+__global__ void __launch_bounds__(128) merge_splits(const ForwardParams p) {
   const std::int64_t row = std::int64_t{blockIdx.x} * 4 + threadIdx.x / 32;  // (b * H + h) * seqlen_q + i
-  const std::int64_t rows = std::int64_t{batch} * heads * p.seqlen_q;
+  const int heads = p.heads;
+  const std::int64_t rows = std::int64_t{p.batch} * heads * p.seqlen_q;
   if (row >= rows) return;
   const std::int64_t i = row % p.seqlen_q;
   const int h = static_cast<int>(row / p.seqlen_q % heads), b = static_cast<int>(row / p.seqlen_q / heads);
@@ -40,7 +42,7 @@ __global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int
   if (top != -kInf)
     for (int s = lane; s < splits; s += 32) sum += weight_of(s);
   for (int w = 16; w >= 1; w /= 2) sum += __shfl_xor_sync(0xffffffff, sum, w);
-  auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (qs + i) * p.out.sr;
+  const std::int64_t out = b * p.out.sb + h * p.out.sh + (qs + i) * p.out.sr;
   for (int c0 = 0; c0 < d; c0 += 128) {
     float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int s0 = 0; s0 < splits && top != -kInf; s0 += 32) {
@@ -57,11 +59,20 @@ __global__ void __launch_bounds__(128) combine_splits(const ForwardParams p, int
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      if (c0 + 4 * lane + e < d) out[c0 + 4 * lane + e] = static_cast<Element>(o[e]);
+      if (c0 + 4 * lane + e < d) store_rounded(p.out.data, p.out.dtype, out + c0 + 4 * lane + e, o[e]);
   }
   if (p.lse.data != nullptr && lane == 0)
     static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (qs + i) * p.lse.sr] =
         top == -kInf ? -kInf : top + logf(sum);
+}
+
+}  // namespace
+
+cudaError_t combine_splits(const ForwardParams& p, cudaStream_t stream) {
+  const std::int64_t rows = std::int64_t{p.batch} * p.heads * p.seqlen_q;
+  if (rows == 0) return cudaSuccess;
+  merge_splits<<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace dmattn::cuda
