@@ -194,7 +194,7 @@ struct BackwardParams : KeyListParams {
   std::int64_t key_groups = 0, key_segments = 1, segment_rows = 0;
   // Pieces (key_segments > 1): the pieces of a key add their dK, dV (unscaled)
   // and key dbias sums in segment order through the float32 slot of the key
-  // (z * seqlen_k + j, 2 kHeadDim + 1 floats) in piece_acc, piece_turn of the
+  // (z * seqlen_k + j, piece_slot_floats(head dim) floats) in piece_acc, piece_turn of the
   // key the rank of the next piece; the last piece writes the gradients.
   float* piece_acc = nullptr;
   int* piece_turn = nullptr;

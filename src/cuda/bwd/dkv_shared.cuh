@@ -67,9 +67,12 @@ __device__ inline KeyRows segment_key_rows(const BackwardParams& p, int b, int s
 // segments, whose CTAs started before it: CTAs start in order), adds the slot,
 // and passes it on; the last piece writes the gradients. Row r of the CTA's
 // kRows holds key keys[r] (-1: none) with info[r] (info()).
+// A key's slot: dK, dV, key dbias, 32-byte aligned, so that a quad's eight
+// consecutive features (a pair a lane) are one sector.
+constexpr int piece_slot_floats(int head_dim) { return 2 * head_dim + 8; }
 template <int kHeadDim, int kRows>
 struct KeyPieces {
-  static constexpr int kSlot = 2 * kHeadDim + 1;  // dK, dV, key dbias
+  static constexpr int kSlot = piece_slot_floats(kHeadDim);
   float* slots;
   int* turns;
   const std::int32_t* keys;
@@ -96,6 +99,15 @@ struct KeyPieces {
       if (info > 1) x += __ldcg(slot + at);
       if (!(info & 1) && writes) __stcg(slot + at, x);
       return x;
+    }
+    // Features at, at + 1 (at even) as one 8-byte access.
+    __device__ void add_pair(int at, float& x, float& y, bool writes) const {
+      auto* pair = reinterpret_cast<float2*>(slot + at);
+      if (info > 1) {
+        const float2 got = __ldcg(pair);
+        x += got.x, y += got.y;
+      }
+      if (!(info & 1) && writes) __stcg(pair, make_float2(x, y));
     }
   };
   __device__ Row row(int r) const {

@@ -691,10 +691,10 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
       key_sum[half] = piece[half].add(2 * kHeadDim, quad_sum(key_sum[half]), lane % 4 == 0);
     }
 #pragma unroll
-    for (int e = 0; e < size(acc_dk); ++e) {
+    for (int e = 0; e < size(acc_dk); e += 2) {
       const int half = e / 2 % 2, f = get<1>(cO(e));
-      acc_dk(e) = piece[half].add(f, acc_dk(e), true);
-      acc_dv(e) = piece[half].add(kHeadDim + f, acc_dv(e), true);
+      piece[half].add_pair(f, acc_dk(e), acc_dk(e + 1), true);
+      piece[half].add_pair(kHeadDim + f, acc_dv(e), acc_dv(e + 1), true);
     }
     hand.pass();
 #pragma unroll

@@ -172,7 +172,7 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
     const std::int64_t keys = std::int64_t{batch} * kv_heads * p.seqlen_k;
     const std::int64_t turn_words = (keys + 63) / 64 * 64;
     err = cudaMallocAsync(reinterpret_cast<void**>(&piece_memory),
-                          static_cast<std::size_t>(turn_words + keys * (2 * kHeadDim + 1)) * 4, stream);
+                          static_cast<std::size_t>(turn_words + keys * piece_slot_floats(kHeadDim)) * 4, stream);
     if (err == cudaSuccess) err = cudaMemsetAsync(piece_memory, 0, static_cast<std::size_t>(keys) * 4, stream);
     p.piece_turn = piece_memory;
     p.piece_acc = reinterpret_cast<float*>(piece_memory + turn_words);
