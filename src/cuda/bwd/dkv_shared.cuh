@@ -90,24 +90,28 @@ struct KeyPieces {
     return 2 * rank + (key < 0 || rank + 1 == p.key_pieces[slice * p.seqlen_k + key]);
   }
   // One row's piece: x plus the sum its key's earlier pieces left at `at` of
-  // the slot, left there in turn for the later ones (where `writes`).
+  // the slot (take), left there in turn for the later ones (leave, where
+  // `writes`). A thread takes its sums (all of them; sm80: a row's, which
+  // keeps ptxas from spilling), then leaves them, so that its loads are in
+  // flight together: a store between two loads of slots, which the compiler
+  // cannot tell apart, serialises them (a round trip to L2 each).
+  // The pairs: features at, at + 1 (at even), one 8-byte access.
   struct Row {
     float* slot;
     int info;
     __device__ bool last() const { return info & 1; }
-    __device__ float add(int at, float x, bool writes) const {
-      if (info > 1) x += __ldcg(slot + at);
+    __device__ float take(int at, float x) const { return info > 1 ? x + __ldcg(slot + at) : x; }
+    __device__ void leave(int at, float x, bool writes) const {
       if (!(info & 1) && writes) __stcg(slot + at, x);
-      return x;
     }
-    // Features at, at + 1 (at even) as one 8-byte access.
-    __device__ void add_pair(int at, float& x, float& y, bool writes) const {
-      auto* pair = reinterpret_cast<float2*>(slot + at);
+    __device__ void take_pair(int at, float& x, float& y) const {
       if (info > 1) {
-        const float2 got = __ldcg(pair);
+        const float2 got = __ldcg(reinterpret_cast<const float2*>(slot + at));
         x += got.x, y += got.y;
       }
-      if (!(info & 1) && writes) __stcg(pair, make_float2(x, y));
+    }
+    __device__ void leave_pair(int at, float x, float y) const {
+      if (!(info & 1)) __stcg(reinterpret_cast<float2*>(slot + at), make_float2(x, y));
     }
   };
   __device__ Row row(int r) const {

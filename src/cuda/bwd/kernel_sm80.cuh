@@ -754,14 +754,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       for (int half = 0; half < 2; ++half) {
         piece[half] = hand.row(my_row[half]);
         my_store[half] = holder && piece[half].last();
-        x[half] = piece[half].add(2 * kHeadDim, x[half], lane % 4 == 0 && stager && holder);
+        x[half] = piece[half].take(2 * kHeadDim, x[half]);
+        piece[half].leave(2 * kHeadDim, x[half], lane % 4 == 0 && stager && holder);
       }
       // dK's sums, then dV's: interleaved, ptxas for sm_80 / 86 / 89 spilled
       // the column split's walk (576 / 720 bytes, some of it every step).
       const auto add_pieces = [&](auto& acc, int at) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-          for_each_feature(half, [&](auto e, int f) { acc(e) = piece[half].add(at + f, acc(e), holder); });
+        for (int half = 0; half < 2; ++half) {
+          for_each_feature(half, [&](auto e, int f) { acc(e) = piece[half].take(at + f, acc(e)); });
+          for_each_feature(half, [&](auto e, int f) { piece[half].leave(at + f, acc(e), holder); });
+        }
       };
       add_pieces(acc_a, 0);
       add_pieces(acc_b, kHeadDim);

@@ -688,13 +688,20 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     for (int half = 0; half < 2; ++half) {
       piece[half] = hand.row(my_key[half]);
       stores[half] = piece[half].last();
-      key_sum[half] = piece[half].add(2 * kHeadDim, quad_sum(key_sum[half]), lane % 4 == 0);
+      key_sum[half] = piece[half].take(2 * kHeadDim, quad_sum(key_sum[half]));
+      piece[half].leave(2 * kHeadDim, key_sum[half], lane % 4 == 0);
     }
 #pragma unroll
     for (int e = 0; e < size(acc_dk); e += 2) {
       const int half = e / 2 % 2, f = get<1>(cO(e));
-      piece[half].add_pair(f, acc_dk(e), acc_dk(e + 1), true);
-      piece[half].add_pair(kHeadDim + f, acc_dv(e), acc_dv(e + 1), true);
+      piece[half].take_pair(f, acc_dk(e), acc_dk(e + 1));
+      piece[half].take_pair(kHeadDim + f, acc_dv(e), acc_dv(e + 1));
+    }
+#pragma unroll
+    for (int e = 0; e < size(acc_dk); e += 2) {
+      const int half = e / 2 % 2, f = get<1>(cO(e));
+      piece[half].leave_pair(f, acc_dk(e), acc_dk(e + 1));
+      piece[half].leave_pair(kHeadDim + f, acc_dv(e), acc_dv(e + 1));
     }
     hand.pass();
 #pragma unroll
