@@ -694,13 +694,24 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
     }
     // A thread's pairs (f, f + 1) start at even features: one 32-bit store each
     // where out's strides allow; a pair is whole or padding (past a head dim of
-    // whole 8-feature chunks).
+    // whole 8-feature chunks). Each of the thread's two rows has its pointer at
+    // the thread's first feature, so that a store's address is that pointer and
+    // a constant (an address computed for each store into one register had
+    // each store wait for the one before it to read that register).
     const bool aligned = pairs_aligned(p.out.data, p.out.sb, p.out.sh, p.out.sr);
+    const int f0 = get<1>(cO(0));
+    Element* row_out[2];
+    bool row_in[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int qi = get<0>(cO(2 * half));
+      row_out[half] = out + qi * p.out.sr + f0, row_in[half] = row0 + qi < sq;
+    }
 #pragma unroll
     for (int e = 0; e < size(acc_o); e += 2) {
-      const int half = e / 2 % 2, qi = get<0>(cO(e)), f = get<1>(cO(e));
-      if (row0 + qi < sq && f < p.head_dim)
-        store_pair(out + qi * p.out.sr + f, acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
+      const int half = e / 2 % 2, f = get<1>(cO(e));
+      if (row_in[half] && f < p.head_dim)
+        store_pair(row_out[half] + (f - f0), acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
     }
   };
   // The persistent CTA's blocks, round by round, in one role.
