@@ -703,10 +703,8 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
     Element* row_out[2];
     bool row_in[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int qi = get<0>(cO(2 * half));
-      row_out[half] = out + qi * p.out.sr + f0, row_in[half] = row0 + qi < sq;
-    }
+    for (int half = 0; half < 2; ++half)
+      row_out[half] = out + my_row[half] * p.out.sr + f0, row_in[half] = row0 + my_row[half] < sq;
 #pragma unroll
     for (int e = 0; e < size(acc_o); e += 2) {
       const int half = e / 2 % 2, f = get<1>(cO(e));
