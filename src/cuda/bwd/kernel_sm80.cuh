@@ -1,44 +1,29 @@
 // The sm80-class backward (mma.sync through CuTe, cp.async loads). dk, dv and
 // dbias without atomic arithmetic: every output element is written by one CTA
-// (the pieces of a top-k key add their float32 sums in segment order, handing
-// a turn counter on), so they are bitwise reproducible; so is dq with
-// Problem::deterministic. Without it (head dims of 64s) the dk/dv kernel also
-// adds dQ = dS^T K of each step into float32 scratch by atomics, the dq kernel
-// only recomputes the row statistics that need it, and finish_dq rounds dq.
-//   row_stats:       delta_i = <do_i, o_i> and the row statistics from lse.
+// (the pieces of a top-k key add their float32 sums in segment order), so they
+// are bitwise reproducible; so is dq with Problem::deterministic. Without it
+// the dk/dv kernel also adds dQ = dS^T K of each step into float32 scratch by
+// atomics (dq_atomic_sm80.cuh), and the dq kernel only recomputes the row
+// statistics of rows whose |lse| float32 cannot hold (a bias of -1e30).
 //   backward_kernel<Config>, Config::kKeyRows false (dq): one CTA owns 128
-//                    query rows of one (batch, head) (64 with the feature split)
-//                    and walks their key blocks, or with a mask or top-k the
-//                    block's key list (the forward's pre-passes: keys gathered
-//                    64 or 32 a step, one bit per allowed pair); it first
-//                    recomputes the row max and sum where |lse| is too large for
-//                    float32 to hold them (a bias of -1e30), for itself and dk/dv.
+//     query rows of one (batch, head) (64 with the feature split) and walks
+//     their key blocks, or with a mask or top-k the block's key list.
 //   backward_kernel<Config>, Config::kKeyRows true (dk, dv, dbias): one CTA owns
-//                    128 keys (64 with the feature split) of one
-//                    (batch, kv head) and walks the query blocks of the G query
-//                    heads of the group; dbias is reduced inside the CTA in its
-//                    fixed loop order, across CTAs through float32 slices. Top-k
-//                    intervals: the 128 keys are a group of pieces of keys (their
-//                    row intervals cut at row segments) sorted by their rows
-//                    (selection.h KeyGroups), gathered, tested per element against
-//                    their intervals in the segment, and a key's pieces add up in
-//                    segment order; thresholds: the dense walk with the threshold
-//                    test.
-//   dkv_kernel_sm90 (bwd/kernel_sm90.cuh): on sm_90 devices, the dk/dv kernel of
-//                    the common training case (no mask or softcap, D = 128, dq
-//                    by atomics) and of top-k key groups with warpgroup MMAs.
-//   reduce_bias_grad: sums the dbias slices in order (or zero-fills dbias).
-//   finish_dq:       dq = scale * the atomic float32 sums (deterministic = false).
-// Both walks use the same kind of tile (BackwardConfig: a large one and one
-// that fits sm_86's shared memory): each warp owns 16 rows (its accumulators),
-// the columns stream through double-buffered shared memory (with a split, above
-// 128 features and in the small tiles, a CTA owns 64 rows, two warps a row
-// block, and a top-k group is two CTAs: BackwardConfig::kSplit; the two warps
-// share the features, or in the small dk/dv tile the step's columns), and
+//     128 keys (64 with the feature split) of one (batch, kv head) and walks
+//     the query blocks of the G query heads of the group; dbias is reduced in
+//     the CTA in its fixed loop order, across CTAs through float32 slices.
+//     Top-k intervals: the keys are a group of pieces of keys (selection.h
+//     KeyGroups), each element tested against its key's interval; thresholds:
+//     the dense walk with the threshold test.
+// Each warp owns 16 rows (its accumulators); the columns stream through
+// double-buffered shared memory (BackwardConfig: a large tile and one that
+// fits sm_86's shared memory; with a split two warps share a row block: the
+// features, or in the small dk/dv tile the step's columns), and
 //   S  = A0 B0^T, dP = A1 B1^T          (dq: Q K^T, dO V^T;  dk/dv: K Q^T, V dO^T)
 //   acc_a += dS B0, acc_b += P B1        (dq: dQ += dS K;     dk/dv: dK += dS^T Q, dV += P^T dO)
-// with P and dS going from the accumulators to the next MMA in registers.
-// The passes around them: bwd/preprocess.cuh, bwd/postprocess.cuh.
+// with P and dS going from the accumulators to the next MMA in registers. The
+// passes around them: bwd/preprocess.cuh, bwd/postprocess.cuh, bwd/finish.h;
+// the Hopper dk/dv kernel: bwd/kernel_sm90.cuh.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -58,40 +43,11 @@
 #include "config.cuh"
 #include "dkv_shared.cuh"
 #include "dq_atomic_sm80.cuh"
+#include "epilogue_sm80.cuh"
 #include "preprocess.cuh"
+#include "terms_sm80.cuh"
 
 namespace dmattn::cuda {
-
-// acc += A B^T with A already in registers. B spans the whole head dim here, so
-// one k-slice of it is live at a time (the other warps hide the ldmatrix latency).
-template <class Mma, class Acc, class RA, class CopyB, class SB, class RB, class RBv>
-__device__ __forceinline__ void gemm_rs(Mma& mma, Acc& acc, const RA& rA, const CopyB& copy_b, const SB& sB, RB& rB,
-                                        RBv& rBv) {
-  using namespace cute;
-#pragma unroll
-  for (int kk = 0; kk < size<2>(rA); ++kk) {
-    copy(copy_b, sB(_, _, kk), rBv(_, _, kk));
-    gemm(mma, rA(_, _, kk), rB(_, _, kk), acc);
-  }
-}
-
-// Row statistics of queries [i0, i0 + n) of (b, h) into dst[0 .. 3n): max, inv,
-// delta (0 past the sequence's sq rows), by cp.async so that no thread waits
-// for them; commits the group.
-template <int kThreads>
-__device__ void load_row_stats(const BackwardParams& p, float* dst, int b, int h, std::int64_t i0, int n, std::int64_t sq) {
-  for (int r = threadIdx.x; r < 3 * n; r += kThreads) {
-    const int which = r / n, i = r % n;
-    if (i0 + i >= sq) {
-      dst[r] = 0.0f;
-      continue;
-    }
-    const float* src = p.query_stats + 4 * ((std::int64_t{b} * p.heads + h) * p.seqlen_q + i0 + i) + which;
-    const auto smem_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst + r));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_dst), "l"(src));
-  }
-  cute::cp_async_fence();
-}
 
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const BackwardParams p) {
@@ -435,29 +391,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     const bool key_bias = !staged && has_bias;
     const std::int64_t bias_rows = b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + seq.ks * p.bias.sc;
     if (staged) {
-      const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - k0);
-      const TileBand band(p.band, offset, q0, k0);
-      const std::uint8_t* mask_tile = nullptr;
-      if (!mask_full)
-        mask_tile = static_cast<const std::uint8_t*>(p.mask.data) + b * p.mask.sb + (h / p.mask_group) * p.mask.sh +
-                    (seq.qs + q0) * p.mask.sr + (seq.ks + k0) * p.mask.sc;
-#pragma unroll 4
-      for (int e = tid; e < kBlockRows * kStep; e += Config::kThreads) {
-        const int r = e / kStep, c = e % kStep;
-        const int qi = kKeyRows ? c : r, kj = kKeyRows ? r : c;
-        const std::int64_t key = lists ? (c0 + kj < list_count ? list_keys[c0 + kj] : -1) : k0 + kj;
-        const bool ok = lists ? qi < qrows && key >= 0
-                              : qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi &&
-                                    (mask_full || mask_tile[qi * p.mask.sr + kj * p.mask.sc] != 0);
-        float x = ok ? 0.0f : -kInf;
-        if (has_bias && ok) x = load_float<Element>(p.bias.data, p.bias_float32, bias_rows + qi * p.bias.sr + key * p.bias.sc);
-        if (thresholds && ok) {  // (bias_ij, j) >= the row's threshold (SPEC 3)
-          const RowThreshold thr =
-              p.topk_thresholds[(std::int64_t{b} * p.topk_heads + h / p.topk_group) * p.seqlen_q + q0 + qi];
-          if (!(x > thr.value || (x == thr.value && key >= thr.key))) x = -kInf;
-        }
-        tile_add[r * kAddLd + c] = x;
-      }
+      stage_tile_terms<Config>(p, seq, b, h, q0, k0, c0, offset, mask_full, lists, list_keys, list_count,
+                               has_bias, thresholds, bias_rows, tile_add, tid);
     } else if (key_bias) {
       if constexpr (kKeyRows) {  // the CTA's keys: read again only when the bias head changes
         if (hb != key_bias_head) {
@@ -571,26 +506,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       with_add(std::false_type{});
 
     if (stats_only) {  // online max and sum of the rows (dq: rows are queries)
-#pragma unroll
-      for (int m = 0; m < kM; ++m)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = 2 * m + half;
-          float mx = run_max[r];
-#pragma unroll
-          for (int nn = 0; nn < kN; ++nn)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) mx = fmaxf(mx, acc_s(make_coord(c, half), m, nn));
-          mx = quad_max(mx);
-          const float base = mx == -kInf ? 0.0f : mx;
-          float sum = 0.0f;
-#pragma unroll
-          for (int nn = 0; nn < kN; ++nn)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) sum += exp2_ftz((acc_s(make_coord(c, half), m, nn) - base) * kLog2e);
-          run_sum[r] = run_sum[r] * exp2_ftz((run_max[r] - base) * kLog2e) + sum;
-          run_max[r] = mx;
-        }
+      add_row_stats(acc_s, run_max, run_sum);
       return;
     }
 
@@ -668,115 +584,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     cp_async_wait<0>();
     __syncthreads();
     flush_dq(dq_pending, buf ^ 1);
-    if (stats_only) {
-#pragma unroll
-      for (int m = 0; m < kM; ++m)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = 2 * m + half, row = get<0>(cS(make_coord(make_coord(0, half), m, 0)));
-          const float sum = quad_sum(run_sum[r]);
-          if (lane % 4 != 0 || row0 + row >= sq || !stager) continue;
-          const std::int64_t at = (std::int64_t{b} * p.heads + h_first) * p.seqlen_q + row0 + row;
-          const float mx = run_max[r] == -kInf ? 0.0f : run_max[r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-          stats[row] = p.query_stats[4 * at] = mx;
-          stats[kBlockRows + row] = p.query_stats[4 * at + 1] = inv;
-        }
-    }
+    if (stats_only)
+      store_row_stats<kBlockRows>(p, cS, run_max, run_sum, stats, b, h_first, row0, sq, lane, stager);
   }
 
   if (dq_stats) return;
 
-  // Epilogue: dq = scale * acc_a; dk = scale * acc_a, dv = acc_b.
-  Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kBlockRows>, Int<kAccDim>>{}));
-  // The rows of a dk/dv CTA stored: all but the pieces that hand their sums on
-  // (column split: by the holders).
-  const int my_row[2] = {get<0>(cS(make_coord(make_coord(0, 0), 0, 0))), get<0>(cS(make_coord(make_coord(0, 1), 0, 0)))};
-  bool my_store[2] = {holder, holder};
-  constexpr int kAccN = decltype(size<2>(acc_a))::value;
-  // f(e, feature) for the thread's accumulator elements e of row `half` (a
-  // key's pieces; the stores below keep their loop: as a call, the bf16 dq
-  // kernel's SASS changes).
-  const auto for_each_feature = [&](int half, auto&& f) {
-#pragma unroll
-    for (int nn = 0; nn < kAccN; ++nn)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const auto e = make_coord(make_coord(c, half), 0, nn);
-        f(e, feature0 + get<1>(cO(e)));
-      }
-  };
-  auto store = [&](auto& acc, const Operand& o, int head, std::int64_t start, float factor) {
-    auto* dst = static_cast<Element*>(o.data) + b * o.sb + head * o.sh + start * o.sr;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = my_row[half];
-      const std::int64_t at = kKeyRows ? own_keys[row] : (row0 + row < own_len ? row0 + row : -1);  // dk/dv: by key
-      if (at < 0 || !my_store[half]) continue;
-#pragma unroll
-      for (int nn = 0; nn < kAccN; ++nn)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const auto e = make_coord(make_coord(c, half), 0, nn);
-          const int col = feature0 + get<1>(cO(e));
-          if (col < d) dst[at * o.sr + col] = static_cast<Element>(acc(e) * factor);
-        }
-    }
-  };
-  if constexpr (kKeyRows) {
-    if constexpr (Config::kColumnSplit) {  // the second warp's dK and dV added into the first's through the column buffers
-      auto* sums = reinterpret_cast<float*>(cols_smem);
-      const auto add_parts = [&](auto& acc) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          for_each_feature(half, [&](auto e, int f) {
-            if (!holder) sums[my_row[half] * kHeadDim + f] = acc(e);
-          });
-        __syncthreads();
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          for_each_feature(half, [&](auto e, int f) {
-            if (holder) acc(e) += sums[my_row[half] * kHeadDim + f];
-          });
-        __syncthreads();
-      };
-      add_parts(acc_a);
-      add_parts(acc_b);
-    }
-    if (pieces) {  // the key's earlier pieces' sums added, handed on unless the last piece
-      const KeyPieces<kHeadDim, kBlockRows> hand(p, b, kvh, own_keys, piece_info);
-      float x[2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]);
-      add_key_sum_parts(x);
-      hand.wait();
-      typename KeyPieces<kHeadDim, kBlockRows>::Row piece[2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        piece[half] = hand.row(my_row[half]);
-        my_store[half] = holder && piece[half].last();
-        x[half] = piece[half].take(2 * kHeadDim, x[half]);
-        piece[half].leave(2 * kHeadDim, x[half], lane % 4 == 0 && stager && holder);
-      }
-      // dK's sums, then dV's: interleaved, ptxas for sm_80 / 86 / 89 spilled
-      // the column split's walk (576 / 720 bytes, some of it every step).
-      const auto add_pieces = [&](auto& acc, int at) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          for_each_feature(half, [&](auto e, int f) { acc(e) = piece[half].take(at + f, acc(e)); });
-          for_each_feature(half, [&](auto e, int f) { piece[half].leave(at + f, acc(e), holder); });
-        }
-      };
-      add_pieces(acc_a, 0);
-      add_pieces(acc_b, kHeadDim);
-      hand.pass();
-      if (p.bias_grad == BiasGrad::kPerKey)
-        store_key_sums(h_first / p.bias_group, x, unsigned{my_store[0]} | unsigned{my_store[1]} << 1);
-    }
-    store(acc_a, p.dk, kvh, seq.ks, scale);
-    store(acc_b, p.dv, kvh, seq.ks, 1.0f);
-  } else {
-    store(acc_a, p.dq, h_first, seq.qs, scale);
-  }
+  store_backward<Config>(p, seq, b, kvh, h_first, acc_a, acc_b, thr, cS, own_keys, piece_info, row0, own_len, feature0,
+                         holder, stager, pieces, key_sum, add_key_sum_parts, store_key_sums, cols_smem, lane, d, scale);
 }
 
 }  // namespace dmattn::cuda

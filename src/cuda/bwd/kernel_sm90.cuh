@@ -2,65 +2,39 @@
 // of the common training case and the top-k key groups (intervals), dq by
 // bulk reductions (deterministic: in key-block order, on the dense walk),
 // batched or varlen. The dispatch plans it where it applies (dispatch.cu
-// dkv_sm90_refusal: an sm_90a device, TMA can address Q and dO); everything
-// else (top-k thresholds, softcap with a mask or top-k, deterministic dq over
-// key groups, masks or varlen, head dims above 128, a bias with rows together
-// with a mask, top-k, softcap or deterministic dq) runs backward_kernel<..,
-// true> (bwd/kernel_sm80.cuh).
-//
-// Varlen: K and V rows, the key-only bias, dk and dv from the sequence's
-// first key; Q and dO by TMA over the packed rows (TokenExtent), a step's
-// rows past the sequence (the next sequence's, or zeros past the packed rows)
-// masked as those past a batched length: their P and dS are 0, so their dQ
-// rows add zeros to the sequence's own dq_acc rows, which finish_dq never
-// stores.
+// dkv_sm90_refusal); everything else runs backward_kernel<.., true>
+// (bwd/kernel_sm80.cuh). docs/kernels.md "The Hopper dk/dv kernel" tells how
+// it works and what each choice measured.
 //
 // One CTA of two warpgroups owns 128 keys of one (batch, kv head), 64 a
-// warpgroup, and walks steps of kBlockM queries (64 at D = 128, 128 at
-// D = 64: heuristics.h) over the G query heads of the group
-// (heads outermost, the causal / window range of query blocks inside). Top-k
-// key groups (BackwardParams::group_rows): the 128 keys are a group's entries
-// of key_order (rows of absent keys zero), the query range the group's rows,
-// each element tested against its key's rows within the group's segment, and
-// the pieces of a key add up in segment order (KeyPieces), as in
-// backward_kernel. The user's mask (dense walk): packed by key
-// (BackwardParams::dkv_packed) with the classes of its kBlockM x 128 tiles
-// (dkv_tiles); empty steps are skipped, loads included, full ones test
-// nothing, partial ones each element against its bit (the thread's two keys'
-// words of the step load while the S and dP MMAs run). A bias with rows
-// (kRowBias): its elements by global loads; a full bias TMA can load
-// (kBiasTiles): its tile into the step's dS buffer with Q and dO, read and
-// overwritten with dS in place (transposed ldmatrix / stmatrix), dQ taking
-// dS K-major from there, and dbias tiles stored by TMA from that buffer.
-// Each walk (DkvWalk) is
-// a kernel of its own, so that the dense one keeps its registers: key groups
-// and the dense walk in one kernel spilled 160 bytes instead of 80 and 88 at
-// 1335552 and the dense backward took 10% longer; softcap as a branch of the
-// dense walk doubled its code and spills at D = 64; the mask's tests cost the
-// walk without one 5-7%, ordered dq's run-time test 3%. A step:
-//   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands, 64 x kBlockM a warpgroup)
+// warpgroup, and walks steps of kBlockM queries (64 at D = 128, 128 at D =
+// 64) over the G query heads of the group. A step:
+//   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands)
 //   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
 //                                    (softcap: its tanh, and its factor in dS^T)
-//   dQ   = dS K                      (dS^T through shared memory, 64 queries x
-//                                     D / 2 features or 64 queries x D a
-//                                     warpgroup: DqBlocks; after the
+//   dQ   = dS K                      (dS^T through shared memory, after the
 //                                     step's one barrier, where one thread issues
 //                                     the TMA copies of the next step's Q, dO and
 //                                     row statistics into the other buffer), then
 //   dV  += P^T dO, dK += dS^T Q      (P^T and dS^T from registers: the
 //                                     accumulators' layout is the A operand's)
-// and while the dV and dK MMAs run, each warp stores its dQ accumulators to
-// shared memory in register order and one of its threads adds them to dq_acc
-// by one bulk reduction (DqBlocks); deterministic (kOrdered,
-// BackwardParams::dq_turns), the warps hand the block to a dQ-writer warp
-// (a third warpgroup's; named barriers, two dQ buffers where they fit), which
-// adds it by one bulk reduction after the key block before has added it and
-// passes the block's turn on once its reduction is complete, so that neither
-// the turn's wait nor its release fence holds up the MMA warps. The key-only
-// dbias sums dS^T over the queries of a bias head in registers, in the
-// walk's order: bitwise reproducible, as dk and dv. (Keeping dQ's
-// accumulators across the next step's S / dP MMAs instead makes ptxas
-// serialize the warpgroup MMAs for want of registers, C7511.)
+// and while the dV and dK MMAs run, each warp adds its dQ accumulators to
+// dq_acc by one bulk reduction (DqBlocks), or (kOrdered) hands them to the
+// dQ-writer warp (dq_ordered_sm90.cuh). The key-only dbias sums dS^T over the
+// queries of a bias head in registers, in the walk's order: bitwise
+// reproducible, as dk and dv.
+//
+// The walks (DkvWalk), a kernel each so that the dense one keeps its
+// registers: top-k key groups (BackwardParams::group_rows: the 128 keys are a
+// group's entries of key_order, each element tested against its key's rows
+// within the group's segment, a key's pieces added up in segment order); the
+// user's mask (packed by key with the classes of its kBlockM x 128 tiles:
+// empty steps skipped, full ones untested, partial ones tested by bit); a bias
+// with rows (its elements by global loads; kBiasTiles: a full bias's tile by
+// TMA into the step's dS buffer, overwritten with dS in place, dbias tiles
+// stored by TMA from there). Varlen: K, V, the key-only bias, dk and dv from
+// the sequence's first key; Q and dO by TMA over the packed rows, a step's
+// rows past the sequence masked as those past a batched length.
 #pragma once
 
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -83,6 +57,8 @@
 #include "../params.h"
 #include "config.cuh"
 #include "dkv_shared.cuh"
+#include "dq_ordered_sm90.cuh"
+#include "epilogue_sm90.cuh"
 
 namespace dmattn::cuda {
 
@@ -329,12 +305,9 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     return p.dq_acc + ((std::int64_t{b} * p.heads + h) * q_blocks + blk) * Config::kQElems;
   };
   const auto turn = [&](int h, int blk) { return p.dq_turns + (std::int64_t{b} * p.heads + h) * q_blocks + blk; };
-  // Ordered: named barriers (the writer warpgroup is in none of the CTA's
-  // __syncthreads after the walk starts): the MMA warps' step barrier, and
-  // for dQ buffer i, kDqFull + i (the MMA warps have stored their parts of a
-  // step's block) and kDqEmpty + i (the writer's reduction has read it), each
-  // the MMA threads' and the writer warp's.
-  constexpr int kStepBarrier = 0, kDqFull = 1, kDqEmpty = 3, kHandOff = Config::kThreads + 32;
+  // Ordered: the named barriers (dq_ordered_sm90.cuh), kHandOff's the MMA threads' and the writer warp's.
+  constexpr int kStepBarrier = OrderedDqBarriers::kStep, kDqFull = OrderedDqBarriers::kDqFull;
+  constexpr int kDqEmpty = OrderedDqBarriers::kDqEmpty, kHandOff = Config::kThreads + 32;
 
   cp_async_wait<0>();
   fence_async_shared();
@@ -343,29 +316,8 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     if (!mma_thread) {
       cutlass::arch::warpgroup_reg_dealloc<Config::kWriterRegs>();
       if (warp > Config::Dq::kWarps) return;
-      // The writer warp: step s's dQ block (the ordered walk skips no step),
-      // once key block key_block - 1 has added it, by one bulk reduction from
-      // its buffer; the buffer freed once read, the turn passed on once the
-      // reduction is complete (release). Neither wait holds up the MMA warps
-      // unless the buffer is needed again.
-      for (int s = 0; s < total; ++s) {
-        const int buf = s % kDqBuffers, h = step_head(s), blk = step_block(s);
-        int* const block_turn = turn(h, blk);
-        NamedBarrier::sync(kHandOff, kDqFull + buf);
-        if (lane == 0) {
-          if (blk < before_end) wait_turn(block_turn, key_block);
-          fence_async_global();
-          bulk_reduce_add(dq_block(h, blk), dq_buffer(buf), Config::kQElems * int(sizeof(float)));
-          tma_store_arrive();
-          tma_store_wait<0>();
-        }
-        __syncwarp();
-        if (s + kDqBuffers < total) NamedBarrier::arrive(kHandOff, kDqEmpty + buf);
-        if (lane == 0) {
-          bulk_wait_complete<0>();
-          pass_turn(block_turn, key_block + 1);
-        }
-      }
+      write_ordered_dq<kDqBuffers, kHandOff, Config::kQElems>(total, key_block, before_end, lane, step_head, step_block,
+                                                              dq_block, turn, dq_buffer);
       return;
     }
     cutlass::arch::warpgroup_reg_alloc<Config::kMmaRegs>();
@@ -631,35 +583,10 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     warpgroup_wait<0>();
     warpgroup_fence_operand(rP);
     warpgroup_fence_operand(rDs);
-    if (db_store) {  // the dbias tile out of dS buffer buf (db_close is the CTA's)
-      if constexpr (Config::kDbSums) {
-        if (db_summed) {  // the sums over dS, once both warpgroups' dQ MMAs have read it, as dS was written
-          __syncthreads();
-          using Pair = cutlass::NumericArrayConverter<Element, float, 2>;
-#pragma unroll
-          for (int c = 0; c < kAccS / 8; ++c) {
-            std::uint32_t pairs[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              cutlass::Array<float, 2> two;
-              two[0] = db_sum[(8 * c + 2 * i) * Config::kThreads];
-              two[1] = db_sum[(8 * c + 2 * i + 1) * Config::kThreads];
-              const cutlass::Array<Element, 2> rounded = Pair{}(two);
-              pairs[i] = reinterpret_cast<const std::uint32_t&>(rounded);
-            }
-            stsm_x4_trans(tile_at(buf, c), pairs);
-          }
-        }
-      }
-      fence_async_shared();
-      __syncthreads();
-      if (tid == 0) {
-        tma_bias_tile<kBlockM, kBlockN, true>(&maps.dbias, nullptr, ds_smem + buf * Config::kDsElems,
-                                              static_cast<int>(seq.qs + q0), static_cast<int>(seq.ks + row0),
-                                              make_int2(hb, b));
-        tma_store_arrive();
-      }
-    }
+    if (db_store)  // the dbias tile out of dS buffer buf (db_close is the CTA's)
+      store_dbias_tile<Config, kAccS>(
+          db_summed, db_sum, [&](int c) { return tile_at(buf, c); }, &maps.dbias, ds_smem + buf * Config::kDsElems,
+          static_cast<int>(seq.qs + q0), static_cast<int>(seq.ks + row0), make_int2(hb, b), tid);
 
     // Key-only dbias: a bias head's sums are complete when the next step has
     // another (pieces of keys: in the epilogue, one bias head).
@@ -678,54 +605,8 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
 
   // dk = scale * acc_dk, dv = acc_dv by key, the pieces of a key added up first.
   if (kKeyGroups) __syncthreads();  // own_keys, where the walk had no step
-  Tensor cO = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  bool stores[2] = {true, true};
-  if (pieces) {
-    const KeyPieces<kHeadDim, kBlockN> hand(p, b, kvh, own_keys, piece_info);
-    hand.wait();
-    typename KeyPieces<kHeadDim, kBlockN>::Row piece[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      piece[half] = hand.row(my_key[half]);
-      stores[half] = piece[half].last();
-      key_sum[half] = piece[half].take(2 * kHeadDim, quad_sum(key_sum[half]));
-      piece[half].leave(2 * kHeadDim, key_sum[half], lane % 4 == 0);
-    }
-#pragma unroll
-    for (int e = 0; e < size(acc_dk); e += 2) {
-      const int half = e / 2 % 2, f = get<1>(cO(e));
-      piece[half].take_pair(f, acc_dk(e), acc_dk(e + 1));
-      piece[half].take_pair(kHeadDim + f, acc_dv(e), acc_dv(e + 1));
-    }
-#pragma unroll
-    for (int e = 0; e < size(acc_dk); e += 2) {
-      const int half = e / 2 % 2, f = get<1>(cO(e));
-      piece[half].leave_pair(f, acc_dk(e), acc_dk(e + 1));
-      piece[half].leave_pair(kHeadDim + f, acc_dv(e), acc_dv(e + 1));
-    }
-    hand.pass();
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const std::int64_t key = thread_key(half);
-      if (key_sums && stores[half] && lane % 4 == 0 && key >= 0)
-        db_out.add(p, h_first / p.bias_group, 0, key, key_sum[half]);
-    }
-  }
-  auto* dk = static_cast<Element*>(p.dk.data) + b * p.dk.sb + kvh * p.dk.sh + seq.ks * p.dk.sr;
-  auto* dv = static_cast<Element*>(p.dv.data) + b * p.dv.sb + kvh * p.dv.sh + seq.ks * p.dv.sr;
-  const std::int64_t store_key[2] = {stores[0] ? thread_key(0) : -1, stores[1] ? thread_key(1) : -1};
-  // A thread's pairs (f, f + 1) start at even features: whole or padding (past
-  // a head dim of whole 8-feature chunks).
-  const bool dk_pairs = pairs_aligned(p.dk.data, p.dk.sb, p.dk.sh, p.dk.sr);
-  const bool dv_pairs = pairs_aligned(p.dv.data, p.dv.sb, p.dv.sh, p.dv.sr);
-#pragma unroll
-  for (int e = 0; e < size(acc_dk); e += 2) {
-    const std::int64_t key = store_key[e / 2 % 2];
-    const int f = get<1>(cO(e));
-    if (key < 0 || f >= d) continue;
-    store_pair(dk + key * p.dk.sr + f, acc_dk(e) * scale, acc_dk(e + 1) * scale, dk_pairs);
-    store_pair(dv + key * p.dv.sr + f, acc_dv(e), acc_dv(e + 1), dv_pairs);
-  }
+  store_dkv<Config>(p, b, kvh, seq, acc_dk, acc_dv, thr_dkv, my_key, thread_key, own_keys, piece_info, pieces, key_sums,
+                    key_sum, db_out, h_first, lane, d, scale);
 #endif
 }
 

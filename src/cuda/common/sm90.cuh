@@ -78,6 +78,35 @@ __device__ __forceinline__ unsigned sw128_offset(int row, int col) {
   return linear ^ ((linear >> 3) & 0x70u);
 }
 
+// Rows of `rows` (`stride` elements apart) gathered into a tile of kTileRows
+// rows laid out as TMA writes it (boxes of 64 features, 128-byte swizzled
+// rows: what a wgmma descriptor reads): tile row r gets row key_of(r) (-1:
+// none), by kThreads threads with 16-byte cp.async; thread t copies chunk
+// t % (kHeadDim / 8) of rows t / (kHeadDim / 8) + kRowStep j; zeros past the
+// head dim and where there is no row. The caller commits or tracks the copies.
+template <int kThreads, int kTileRows, int kHeadDim, class Element, class KeyOf>
+__device__ __forceinline__ void gather_rows_sw128(int t, const KeyOf& key_of, const Element* rows, std::int64_t stride,
+                                                  Element* dst, int head_dim) {
+  constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks;
+  // kRowStep rows on keeps a chunk's swizzle (a multiple of 8 rows).
+  static_assert(kThreads % kChunks == 0 && kTileRows % kRowStep == 0 && kRowStep % 8 == 0, "whole rows a pass");
+  const int c = t % kChunks, r0 = t / kChunks;
+  const unsigned base =
+      static_cast<unsigned>(__cvta_generic_to_shared(dst)) + c / 8 * (kTileRows * 128) + sw128_offset(r0, 8 * (c % 8));
+  const bool feature = 8 * c < head_dim;
+#pragma unroll
+  for (int j = 0; j < kTileRows / kRowStep; ++j) {
+    const int r = r0 + kRowStep * j, key = key_of(r);
+    const unsigned to = base + 128u * kRowStep * j;
+    if (feature && key >= 0) {
+      const Element* src = rows + std::int64_t{key} * stride + 8 * c;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
+    } else {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(to), "r"(0));
+    }
+  }
+}
+
 // Adds `bytes` (a multiple of 16) of float32 from shared memory at `from` into
 // global memory at `to` (both 16-byte aligned) as one bulk reduction of the
 // calling thread's current bulk group.

@@ -100,6 +100,19 @@ __device__ __forceinline__ void gemm_ss(Mma& mma, Acc& acc, const CopyA& copy_a,
   }
 }
 
+// acc += A B^T with A already in registers. B spans the whole head dim here, so
+// one k-slice of it is live at a time (the other warps hide the ldmatrix latency).
+template <class Mma, class Acc, class RA, class CopyB, class SB, class RB, class RBv>
+__device__ __forceinline__ void gemm_rs(Mma& mma, Acc& acc, const RA& rA, const CopyB& copy_b, const SB& sB, RB& rB,
+                                        RBv& rBv) {
+  using namespace cute;
+#pragma unroll
+  for (int kk = 0; kk < size<2>(rA); ++kk) {
+    copy(copy_b, sB(_, _, kk), rBv(_, _, kk));
+    gemm(mma, rA(_, _, kk), rB(_, _, kk), acc);
+  }
+}
+
 // An accumulator tile (MMA C layout, float) rounded to Element in the A-operand
 // register layout of the next MMA: C tiles 2k and 2k + 1 along N form the 16
 // columns of k-step k.

@@ -7,7 +7,10 @@
 #include <cuda.h>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
+
+#include <cstdint>
 
 #include <type_traits>
 
@@ -114,6 +117,26 @@ struct ForwardSm90Config {
   static constexpr int kTileSmemBytes = kTileBarriersAt + 10 * 8;
   static_assert(kBiasAt % 1024 == 0 && kTileSmemBytes * kCtasPerSm <= kSmemSm90,
                 "bias tiles at a swizzle atom's alignment, within the shared memory of an SM");
+  // The barriers at barriers_at(): Q full, the K and V buffers' full ones,
+  // their empty ones (producer walks), Q empty (persistent walks). A producer
+  // walk's K buffer's full barrier takes an arrival from each lane of the
+  // producer's warp (after its bias stores; a key list's K and V buffers' two
+  // from each producer thread, one when its gathers land), its empty one from
+  // each consumer thread (after its bias reads); a V buffer's empty barrier
+  // one from each consumer warp (wgmma reads V).
+  template <bool kLists>
+  static __device__ void init_barriers(std::uint64_t* q_full) {
+    using Barrier = cutlass::arch::ClusterTransactionBarrier;
+    constexpr bool kProducer = kProducerThreads > 0;
+    constexpr int kListArrivals = 2 * kProducerThreads;
+    Barrier::init(q_full, 1), Barrier::init(q_full + 9, kConsumerThreads);
+    for (int s = 0; s < 2; ++s) {
+      Barrier::init(q_full + 1 + s, kLists && kProducer ? kListArrivals : kProducer ? 32 : 1);
+      Barrier::init(q_full + 3 + s, kLists && kProducer ? kListArrivals : 1);
+      Barrier::init(q_full + 5 + s, kConsumerThreads), Barrier::init(q_full + 7 + s, kConsumerThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
   static constexpr int barriers_at(bool tiles) { return tiles ? kTileBarriersAt : kBarriersAt; }
   static constexpr int smem_bytes(bool tiles) { return tiles ? kTileSmemBytes : kSmemBytes; }
 };

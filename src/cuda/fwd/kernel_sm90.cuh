@@ -1,71 +1,29 @@
-// The Hopper forward (sm_90a): warpgroup MMAs (wgmma) for the query blocks of
-// head dims up to 64 and 128 (zero-padded) without split-KV, batched or
-// varlen, with no bias or a key-only one, softcap, the user's mask and top-k;
-// or batched with a full bias (rows and keys) and no mask or top-k. The
-// dispatch plans it where it applies (dispatch.cu forward_sm90_refusal: an
-// sm_90a device, TMA can address Q, K, V and a full bias); everything else
-// (decode tiles, split-KV, per-row or float32 full biases, a full bias with a
-// mask or top-k, head dims above 128) runs forward_kernel (fwd/kernel_sm80.cuh).
-//
-// Varlen: the TMA maps span the packed rows (TokenExtent), a sequence's tiles
-// start at its first row; a tile's rows or keys past the sequence (the next
-// sequence's, or zeros past the packed rows) are masked like those past a
-// batched length and never stored.
-//
-// The walks (ForwardWalk), a kernel each, so that the dense walk keeps its
-// registers. kRowBias: the dense walk with a full bias, whose kBlockM x
-// kBlockN tile of a key tile loads by TMA with its K (on the same barrier,
-// into a buffer the K buffer's release frees), 128-byte swizzled as Q, so that
-// each ldmatrix of a thread's elements (8 rows of 8 keys a matrix) is
-// conflict-free. kMasked (a mask without top-k; batched: a mask and varlen exclude
-// each other): the mask comes packed (ForwardParams::packed, bits by query
-// row) with the classes of its 128-row x kBlockN-key tiles
-// (ForwardParams::tiles). The walk skips empty tiles, loads
-// included, tests nothing on full ones, and on a partial one tests each
-// element against its bit (a thread's two rows' words of the tile load while
-// S = Q K^T runs).
-// kKeyLists: the block's key list (KeyLists, built for query blocks of 128
-// rows: a top-k selection, with a mask or not) walked kBlockN positions a
-// tile, the last first, each element tested against its row's bit of the
-// list position (the pre-pass folded causal, the window and the keys into the
-// bits; 0 past the list), the key-only bias read by key. A tile of
-// consecutive keys (a dense stretch of the list) loads by TMA as the dense
-// walk's; any other has its K and V rows gathered by key with 16-byte cp.async
-// into the layout TMA writes (so that the wgmma descriptors stay): at D = 128
-// by the producer warpgroup's four warps, each thread's copies arriving on the
-// buffer's full barrier when they land (cp.async.mbarrier.arrive), the
-// consumers fencing (fence.proxy.async) before their wgmma; at D = 64 by every
-// thread, issued after the MMAs of the iteration before the one that reads
-// them: the copies land, then fence.proxy.async, then that iteration's barrier.
+// The Hopper forward (sm_90a): warpgroup MMAs (wgmma) and TMA loads for the
+// query blocks of head dims up to 64 and 128 (zero-padded) without split-KV,
+// batched or varlen, with no bias, a key-only one or (batched, no mask or
+// top-k) a full one, softcap, the user's mask and top-k. The dispatch plans it
+// where it applies (dispatch.cu forward_sm90_refusal); everything else runs
+// forward_kernel (fwd/kernel_sm80.cuh). docs/kernels.md "The Hopper forward"
+// tells how it works and what each choice measured.
 //
 // Two consumer warpgroups own a CTA's 128 query rows, 64 each, and walk key
-// tiles of kBlockN (the last first, as forward_kernel): 128 at D = 128; 64 at
-// D = 64, where two CTAs share an SM (heuristics.h). Tile i's S = Q K^T is
-// issued together with the previous tile's O += P V, so that the softmax of
-// tile i runs while the tensor cores do P V of tile i - 1:
-//   iteration i:  S_i = Q K_i^T  and  O += P_{i-1} V_{i-1}   (both in flight)
-//                 wait for S_i; logits, online softmax -> P_i (float)
-//                 wait for P V; O *= the correction of tile i; P_i to Element
-// K and V have two buffers each, each with an mbarrier that its load
-// completes. Warp-specialized (D = 128, every walk; heuristics.h
-// forward_sm90_producer): a producer warpgroup (one warp of it issuing; a key
-// list's gathers: all four) loads Q, then tile j's K (its key-only bias first,
-// staged by the warp) and tile j - 1's V, each into a buffer that the consumers released:
-// every consumer thread arrives on a K buffer's empty barrier once its S and
-// the logits that read the bias are done, every consumer warp on a V buffer's
-// once its P V is done. The consumers take turns
-// at issuing the MMAs of an iteration (named barriers, warpgroup 0 first), so
-// that one warpgroup's softmax overlaps the other's MMAs. Otherwise (D = 64)
-// one thread issues the TMA loads and the CTA meets at one
-// barrier a tile: after iteration i's barrier, K_{i+1} and V_i load into the
-// buffers whose last readers (S_{i-1}, P V_{i-2}) finished in iteration i - 1.
+// tiles of kBlockN (128; 64 at D = 64, two CTAs an SM), the last first. Tile
+// i's S = Q K^T is issued with tile i - 1's O += P V, so that the softmax of
+// one runs under the other's MMAs. K and V have two buffers each, an mbarrier
+// each that its load completes. At D = 128 a producer warpgroup issues every
+// load into buffers the consumers released (empty barriers) and the consumers
+// take turns at issuing their MMAs (named barriers); at D = 64 one thread
+// issues the loads and the CTA meets at one barrier a tile. Persistent walks
+// (heuristics.h forward_sm90_persistent) take a query block a round, the
+// producer loading the next block's Q and first tiles under the last ones.
 //
-// Persistent (a producer walk of short rows or of key lists, heuristics.h
-// forward_sm90_persistent): one CTA an SM walks a query block a round, the
-// buffers' phases and the warpgroups' turns running on across blocks; the
-// consumers release Q (q_empty) once the block's last S = Q K^T is done, so
-// that the producer loads the next block's Q and first K and V tiles while
-// they finish the block (its last P V and the epilogue).
+// The walks (ForwardWalk), a kernel each so that the dense walk keeps its
+// registers: kDense; kRowBias, a full bias whose tile loads by TMA with its K;
+// kMasked, the user's mask by tile class (empty tiles skipped, full ones
+// untested) and bit; kKeyLists, a block's key list (top-k, with a mask or not),
+// a run of consecutive keys loaded by TMA, other keys gathered by cp.async into
+// the layout TMA writes. Varlen: the TMA maps span the packed rows; a tile's
+// rows or keys past its sequence are masked as past a batched length.
 #pragma once
 
 #include <cute/atom/mma_atom.hpp>
@@ -87,6 +45,7 @@
 #include "../params.h"
 #include "block.cuh"
 #include "config.cuh"
+#include "tile_sm90.cuh"
 
 namespace dmattn::cuda {
 
@@ -146,23 +105,9 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
   auto stage_vt = [&](int s) {
     return make_tensor(make_smem_ptr(v_smem + s * Config::kKvElems), typename Config::LayoutVt{});
   };
-  // The barriers, once a CTA (and what the threads staged before): a producer
-  // walk's K buffer's full barrier takes an arrival from each lane of the
-  // producer's warp (after its bias stores; a key list's K and V buffers' two
-  // from each producer thread, one when its gathers land), its empty one from
-  // each consumer thread (after its bias reads); a V buffer's empty barrier
-  // one from each consumer warp (wgmma reads V).
+  // The barriers, once a CTA (and what the threads staged before).
   auto init_barriers = [&] {
-    if (threadIdx.x == 0) {
-      Barrier::init(q_full, 1), Barrier::init(q_empty, kConsumers);
-      constexpr int kListArrivals = 2 * kProducers;
-      for (int s = 0; s < 2; ++s) {
-        Barrier::init(&k_full[s], kLists && kProducer ? kListArrivals : kProducer ? 32 : 1);
-        Barrier::init(&v_full[s], kLists && kProducer ? kListArrivals : 1);
-        Barrier::init(&k_empty[s], kConsumers), Barrier::init(&v_empty[s], kConsumers / 32);
-      }
-      cutlass::arch::fence_barrier_init();
-    }
+    if (threadIdx.x == 0) Config::template init_barriers<kLists>(q_full);
     __syncthreads();
   };
   // The CTA's query blocks (persistent: one a round of gridDim.x blocks,
@@ -214,30 +159,9 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
     [[maybe_unused]] const int listed = blk.mask_count;
     [[maybe_unused]] const std::uint32_t* list_bits =
         kLists ? p.mask_bits + (blk.mask_block / p.mask_blocks * p.seqlen_q + row0) * p.bits_sr : nullptr;
-    // The K or V rows (`rows`: the sequence's first, `stride` apart) of the keys
-    // key_of(r) of a tile's rows r (-1: none) into dst as TMA lays them out
-    // (64-feature boxes of kBlockN 128-byte swizzled rows), by kThreads threads:
-    // thread t copies chunk t % kChunks of rows t / kChunks + kRowStep j; zeros
-    // past the list and the head dim. The caller commits or tracks the copies.
-    auto gather = [&](auto threads, int t, auto key_of, const Element* rows, std::int64_t stride, Element* dst) {
-      constexpr int kThreads = decltype(threads)::value, kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks;
-      // kRowStep rows on keeps a chunk's swizzle (a multiple of 8 rows).
-      static_assert(kThreads % kChunks == 0 && kBlockN % kRowStep == 0 && kRowStep % 8 == 0, "whole rows a pass");
-      const int c = t % kChunks, r0 = t / kChunks;
-      const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst)) + c / 8 * (kBlockN * 128) +
-                            sw128_offset(r0, 8 * (c % 8));
-      const bool feature = 8 * c < p.head_dim;
-#pragma unroll
-      for (int j = 0; j < kBlockN / kRowStep; ++j) {
-        const int r = r0 + kRowStep * j, key = key_of(r);
-        const unsigned to = base + 128u * kRowStep * j;
-        if (feature && key >= 0) {
-          const Element* src = rows + std::int64_t{key} * stride + 8 * c;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
-        } else {
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(to), "r"(0));
-        }
-      }
+    // The K or V rows of keys key_of(r) of a tile's rows r into dst (gather_rows_sw128).
+    auto gather = [&](auto threads, int t, const auto& key_of, const Element* rows, std::int64_t stride, Element* dst) {
+      gather_rows_sw128<decltype(threads)::value, kBlockN, kHeadDim>(t, key_of, rows, stride, dst, p.head_dim);
     };
     // The lock-step walk's gathers: the keys staged in buffer s, by the consumers.
     auto gather_staged = [&](const Element* rows, std::int64_t stride, Element* dst, int s) {
@@ -543,13 +467,9 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       const TileBand band(p.band, offset, row0, col0);
       const float* bias_cols = bias_smem + buf * kBlockN;
       // Each condition is tested once a tile, outside the element loops.
-      const auto for_each = [&](auto&& f) {
-#pragma unroll
-        for (int e = 0; e < kAccS; ++e) f(e, e / 2 % 2, col_base + 8 * (e / 4) + e % 2);
-      };
       if (softcap > 0.0f) {
         const float inner = scale / softcap * kTanhArg;
-        for_each([&](int e, int, int) { acc_s(e) = softcap_ex2(acc_s(e) * inner, softcap); });
+        for_each_element<kAccS>(col_base, [&](int e, int, int) { acc_s(e) = softcap_ex2(acc_s(e) * inner, softcap); });
       }
       if (has_bias) {
         const float pre = softcap > 0.0f ? 1.0f : scale;
@@ -569,7 +489,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
             }
           }
         } else {
-          for_each([&](int e, int, int kj) { acc_s(e) = fmaf(acc_s(e), pre, bias_cols[kj]); });
+          for_each_element<kAccS>(col_base, [&](int e, int, int kj) { acc_s(e) = fmaf(acc_s(e), pre, bias_cols[kj]); });
         }
       }
       // A tested tile: the band's test; the mask and list walks (most of whose
@@ -577,7 +497,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       // one word a row and 32 keys (allowed.cuh), one bit test an element.
       if constexpr (!kMasked && !kLists) {
         if (!whole) {
-          for_each([&](int e, int half, int kj) {
+          for_each_element<kAccS>(col_base, [&](int e, int half, int kj) {
             const int qi = my_row[half];
             if (!(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) acc_s(e) = -kInf;
           });
@@ -605,42 +525,16 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
             for (int w = 0; w < kWords; ++w)
               allow[half][w] = (span_bits(from, to, w) & (bits ? row_bits[half][w] : ~0u)) >> col_base;
           }
-          for_each([&](int e, int half, int) {
+          for_each_element<kAccS>(col_base, [&](int e, int half, int) {
             if (((allow[half][e / 16] >> column_bit(e)) & 1u) == 0) acc_s(e) = -kInf;
           });
         }
       }
       if constexpr (kProducer) Barrier::arrive(&k_empty[buf]);  // the thread is done with K_n and its bias
 
-      // Online softmax (forward_kernel's): lazily moved maxima (move_row_max), the
-      // exact exponent for large logits.
       float correction[2];
-      bool moved = false, far = false;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float mx = row_max[half];
-#pragma unroll
-        for (int e = 2 * half; e < kAccS; e += 4) mx = fmaxf(mx, fmaxf(acc_s(e), acc_s(e + 1)));
-        correction[half] = move_row_max(quad_max(mx), c_log2, row_max[half], row_sum[half], moved, far);
-      }
-      const bool exact = logits && __any_sync(0xffffffff, far);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float base = row_max[half] == -kInf ? 0.0f : row_max[half], base_c = base * c_log2;
-        float sum = 0.0f;
-        if (exact) {
-#pragma unroll
-          for (int e = 2 * half; e < kAccS; e += 4)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) sum += acc_s(e + c) = exp2_ftz((acc_s(e + c) - base) * c_log2);
-        } else {
-#pragma unroll
-          for (int e = 2 * half; e < kAccS; e += 4)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) sum += acc_s(e + c) = exp2_ftz(fmaf(acc_s(e + c), c_log2, -base_c));
-        }
-        row_sum[half] += sum;
-      }
+      bool moved = false;
+      tile_softmax(acc_s, row_max, row_sum, correction, moved, c_log2, logits);
       store_bias(buf ^ 1, next_bias);
       if constexpr (kGatherAll) store_key((i + 2) % 3, after.key);
 
@@ -679,38 +573,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       if (kPersistent && lane == 0) Barrier::arrive(&v_empty[(walked - 1) & 1]);
     }
 
-    // Epilogue: o = acc / sum (0 for a row with no allowed key), lse = max + log(sum).
-    auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (blk.qs + row0) * p.out.sr;
-    Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    float inv[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float sum = quad_sum(row_sum[half]);
-      inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const std::int64_t row = row0 + my_row[half];
-      if (p.lse.data != nullptr && lane % 4 == 0 && row < sq)
-        static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (blk.qs + row) * p.lse.sr] =
-            sum > 0.0f ? row_max[half] * unit + logf(sum) : -kInf;
-    }
-    // A thread's pairs (f, f + 1) start at even features: one 32-bit store each
-    // where out's strides allow; a pair is whole or padding (past a head dim of
-    // whole 8-feature chunks). Each of the thread's two rows has its pointer at
-    // the thread's first feature, so that a store's address is that pointer and
-    // a constant (an address computed for each store into one register had
-    // each store wait for the one before it to read that register).
-    const bool aligned = pairs_aligned(p.out.data, p.out.sb, p.out.sh, p.out.sr);
-    const int f0 = get<1>(cO(0));
-    Element* row_out[2];
-    bool row_in[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-      row_out[half] = out + my_row[half] * p.out.sr + f0, row_in[half] = row0 + my_row[half] < sq;
-#pragma unroll
-    for (int e = 0; e < size(acc_o); e += 2) {
-      const int half = e / 2 % 2, f = get<1>(cO(e));
-      if (row_in[half] && f < p.head_dim)
-        store_pair(row_out[half] + (f - f0), acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
-    }
+    store_block<Config>(p, blk, acc_o, thr_o, row_max, row_sum, my_row, unit, lane);
   };
   // The persistent CTA's blocks, round by round, in one role.
   auto walk_rounds = [&](auto role) {

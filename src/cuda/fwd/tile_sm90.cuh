@@ -1,0 +1,111 @@
+// What a consumer thread of the Hopper forward (fwd/kernel_sm90.cuh) does with
+// its elements of a key tile's S = Q K^T besides the walk's own tests (the
+// logits and the allowed set stay in the walk, whose register allocation is
+// sensitive to them): the loop over its elements, the online softmax; and a
+// block's epilogue.
+// The thread's elements of S: two rows (my_row[0] and my_row[1], 8 apart in
+// its warp's 16), pairs of adjacent keys, kBlockN / 8 groups of 8 keys;
+// element e lies in row half e / 2 % 2 at key col_base + 8 (e / 4) + e % 2.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../common/allowed.cuh"
+#include "../common/geometry.h"
+#include "../common/sm90.cuh"
+#include "../common/softmax.cuh"
+#include "../params.h"
+#include "block.cuh"
+
+namespace dmattn::cuda {
+
+// f(e, its row half, its key in the tile) for each of the thread's kAccS elements.
+template <int kAccS, class F>
+__device__ __forceinline__ void for_each_element(int col_base, F&& f) {
+#pragma unroll
+  for (int e = 0; e < kAccS; ++e) f(e, e / 2 % 2, col_base + 8 * (e / 4) + e % 2);
+}
+
+// The online softmax of the tile (forward_kernel's): each row's max moved
+// lazily (move_row_max; `moved`: some row's did, correction[half] rescales
+// its O), acc_s turned into exp(l - max) with the exact exponent where a
+// logit lies far from the max, the row sums added.
+template <class AccS>
+__device__ __forceinline__ void tile_softmax(AccS& acc_s, float (&row_max)[2], float (&row_sum)[2], float (&correction)[2],
+                                             bool& moved, float c_log2, bool logits) {
+  constexpr int kAccS = decltype(cute::size(acc_s))::value;
+  bool far = false;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float mx = row_max[half];
+#pragma unroll
+    for (int e = 2 * half; e < kAccS; e += 4) mx = fmaxf(mx, fmaxf(acc_s(e), acc_s(e + 1)));
+    correction[half] = move_row_max(quad_max(mx), c_log2, row_max[half], row_sum[half], moved, far);
+  }
+  const bool exact = logits && __any_sync(0xffffffff, far);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float base = row_max[half] == -kInf ? 0.0f : row_max[half], base_c = base * c_log2;
+    float sum = 0.0f;
+    if (exact) {
+#pragma unroll
+      for (int e = 2 * half; e < kAccS; e += 4)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) sum += acc_s(e + c) = exp2_ftz((acc_s(e + c) - base) * c_log2);
+    } else {
+#pragma unroll
+      for (int e = 2 * half; e < kAccS; e += 4)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) sum += acc_s(e + c) = exp2_ftz(fmaf(acc_s(e + c), c_log2, -base_c));
+    }
+    row_sum[half] += sum;
+  }
+}
+
+// The block's epilogue: o = acc / sum (0 for a row with no allowed key), lse
+// = max + log(sum). A thread's pairs (f, f + 1) start at even features: one
+// 32-bit store each where out's strides allow; a pair is whole or padding
+// (past a head dim of whole 8-feature chunks). Each of the thread's two rows
+// has its pointer at the thread's first feature, so that a store's address is
+// that pointer and a constant (an address computed for each store into one
+// register had each store wait for the one before it to read that register).
+template <class Config, class AccO, class ThrO>
+__device__ __forceinline__ void store_block(const ForwardParams& p, const ForwardBlock& blk, const AccO& acc_o,
+                                            const ThrO& thr_o, const float (&row_max)[2], const float (&row_sum)[2],
+                                            const int (&my_row)[2], float unit, int lane) {
+  using namespace cute;
+  using Element = typename Config::Element;
+  const int h = blk.h, b = blk.b;
+  const std::int64_t row0 = blk.row0, sq = blk.sq;
+  auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (blk.qs + row0) * p.out.sr;
+  Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<Config::kBlockM>, Int<Config::kHeadDim>>{}));
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float sum = quad_sum(row_sum[half]);
+    inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const std::int64_t row = row0 + my_row[half];
+    if (p.lse.data != nullptr && lane % 4 == 0 && row < sq)
+      static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (blk.qs + row) * p.lse.sr] =
+          sum > 0.0f ? row_max[half] * unit + logf(sum) : -kInf;
+  }
+  const bool aligned = pairs_aligned(p.out.data, p.out.sb, p.out.sh, p.out.sr);
+  const int f0 = get<1>(cO(0));
+  Element* row_out[2];
+  bool row_in[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+    row_out[half] = out + my_row[half] * p.out.sr + f0, row_in[half] = row0 + my_row[half] < sq;
+#pragma unroll
+  for (int e = 0; e < size(acc_o); e += 2) {
+    const int half = e / 2 % 2, f = get<1>(cO(e));
+    if (row_in[half] && f < p.head_dim)
+      store_pair(row_out[half] + (f - f0), acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
+  }
+}
+
+}  // namespace dmattn::cuda
