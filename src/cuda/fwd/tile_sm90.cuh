@@ -9,14 +9,11 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/array.h>
 
 #include <cmath>
 #include <cstdint>
 
-#include "../common/allowed.cuh"
-#include "../common/geometry.h"
-#include "../common/sm90.cuh"
+#include "../common/element.cuh"
 #include "../common/softmax.cuh"
 #include "../params.h"
 #include "block.cuh"
