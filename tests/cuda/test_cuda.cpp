@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cctype>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <ostream>
@@ -137,6 +138,27 @@ TEST(FirstLaunch, Sm80ForwardFillingTheGpu) {
   c.B = 4, c.H = 128, c.Hk = 32, c.Sq = c.Sk = 128, c.D = 128;
   c.options.causal = true;
   check(c, run_forward_case);
+}
+
+// After a call, the device's default memory pool (where the core's
+// stream-ordered scratch comes from) keeps at least 1 GiB of freed memory
+// across synchronizations (backend.cu keep_scratch_cached): at CUDA's default,
+// none, a call after every synchronization mapped its scratch anew (twice the
+// host time of a small fwd+bwd).
+TEST(FullScratch, PoolKeepsScratchAcrossSynchronizations) {
+  if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  Case c;
+  c.name = "scratch pool: forward, D=64";
+  c.B = 1, c.H = 4, c.Hk = 2, c.Sq = c.Sk = 96, c.D = 64;
+  c.options.causal = true;
+  check(c, run_forward_case);
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  cudaMemPool_t pool = nullptr;
+  check_cuda(cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool");
+  std::uint64_t threshold = 0;
+  check_cuda(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), "cudaMemPoolGetAttribute");
+  EXPECT_GE(threshold, std::uint64_t{1} << 30);
 }
 
 TEST(FullTopk, NanSweep) { check_one(kTopkNanSweepName, topk_nan_sweep); }
