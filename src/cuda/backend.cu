@@ -44,23 +44,27 @@ class DeviceGuard {
 // and 0.64; top-k at S = 16384 2.59 and 1.71). So the pool keeps up to
 // kScratchCached bytes across synchronizations, set once a device; a
 // threshold already higher (the application's or another library's) is left
-// as it is, and free scratch beyond it is still returned.
+// as it is, and free scratch beyond it is still returned. Best effort: a
+// device whose pool cannot be queried keeps CUDA's behaviour (its error
+// cleared, so that no later check reports it).
 constexpr std::uint64_t kScratchCached = std::uint64_t{1} << 30;
 void keep_scratch_cached(int device) {
   static std::mutex mutex;
   static std::vector<bool> done;
   const std::lock_guard<std::mutex> lock(mutex);
   if (static_cast<std::size_t>(device) < done.size() && done[device]) return;
-  cudaMemPool_t pool = nullptr;
-  check_cuda(cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool");
-  std::uint64_t threshold = 0;
-  check_cuda(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), "cudaMemPoolGetAttribute");
-  if (threshold < kScratchCached) {
-    threshold = kScratchCached;
-    check_cuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), "cudaMemPoolSetAttribute");
-  }
   if (done.size() <= static_cast<std::size_t>(device)) done.resize(device + 1, false);
   done[device] = true;
+  cudaMemPool_t pool = nullptr;
+  std::uint64_t threshold = 0;
+  if (cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess ||
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  if (threshold >= kScratchCached) return;
+  threshold = kScratchCached;
+  if (cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold) != cudaSuccess) cudaGetLastError();
 }
 
 // A second stream for work that needs none of the caller's stream's recent
