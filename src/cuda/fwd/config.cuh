@@ -103,37 +103,39 @@ struct ForwardSm90Config {
 
   static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
   // Q, two buffers of K, two of V, two of the key-only bias (floats, a K
-  // buffer's tile), three of a key list's keys (ints), then the barriers: Q,
-  // the K and V buffers full, the K and V buffers empty, Q empty.
+  // buffer's tile), three of a key list's keys (ints), then the barriers (at
+  // these indices): Q full, the K and V buffers full, the K and V buffers
+  // empty, Q empty.
+  static constexpr int kQFull = 0, kKFull = 1, kVFull = 3, kKEmpty = 5, kVEmpty = 7, kQEmpty = 9, kBarriers = 10;
   static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
   static constexpr int kKeysAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
   static constexpr int kBarriersAt = kKeysAt + 3 * kBlockN * int(sizeof(int));
-  static constexpr int kSmemBytes = kBarriersAt + 10 * 8;
+  static constexpr int kSmemBytes = kBarriersAt + kBarriers * 8;
   // The walk of a bias with rows (ForwardWalk::kRowBias) has two buffers of
   // its kBlockM x kBlockN tiles (Element, boxes of 64 keys laid out as Q's
   // atoms) where the others keep the key-only bias and the list's keys.
   static constexpr int kBiasTileElems = kBlockM * kBlockN;
   static constexpr int kTileBarriersAt = kBiasAt + 2 * kBiasTileElems * int(sizeof(Element));
-  static constexpr int kTileSmemBytes = kTileBarriersAt + 10 * 8;
+  static constexpr int kTileSmemBytes = kTileBarriersAt + kBarriers * 8;
   static_assert(kBiasAt % 1024 == 0 && kTileSmemBytes * kCtasPerSm <= kSmemSm90,
                 "bias tiles at a swizzle atom's alignment, within the shared memory of an SM");
-  // The barriers at barriers_at(): Q full, the K and V buffers' full ones,
-  // their empty ones (producer walks), Q empty (persistent walks). A producer
+  // The barriers from `bars` (barriers_at()): the K and V buffers' empty ones
+  // serve producer walks, Q empty persistent ones. A producer
   // walk's K buffer's full barrier takes an arrival from each lane of the
   // producer's warp (after its bias stores; a key list's K and V buffers' two
   // from each producer thread, one when its gathers land), its empty one from
   // each consumer thread (after its bias reads); a V buffer's empty barrier
   // one from each consumer warp (wgmma reads V).
   template <bool kLists>
-  static __device__ void init_barriers(std::uint64_t* q_full) {
+  static __device__ void init_barriers(std::uint64_t* bars) {
     using Barrier = cutlass::arch::ClusterTransactionBarrier;
     constexpr bool kProducer = kProducerThreads > 0;
     constexpr int kListArrivals = 2 * kProducerThreads;
-    Barrier::init(q_full, 1), Barrier::init(q_full + 9, kConsumerThreads);
+    Barrier::init(bars + kQFull, 1), Barrier::init(bars + kQEmpty, kConsumerThreads);
     for (int s = 0; s < 2; ++s) {
-      Barrier::init(q_full + 1 + s, kLists && kProducer ? kListArrivals : kProducer ? 32 : 1);
-      Barrier::init(q_full + 3 + s, kLists && kProducer ? kListArrivals : 1);
-      Barrier::init(q_full + 5 + s, kConsumerThreads), Barrier::init(q_full + 7 + s, kConsumerThreads / 32);
+      Barrier::init(bars + kKFull + s, kLists && kProducer ? kListArrivals : kProducer ? 32 : 1);
+      Barrier::init(bars + kVFull + s, kLists && kProducer ? kListArrivals : 1);
+      Barrier::init(bars + kKEmpty + s, kConsumerThreads), Barrier::init(bars + kVEmpty + s, kConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
   }

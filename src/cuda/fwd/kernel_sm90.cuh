@@ -92,12 +92,13 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
   // The list's keys of iteration j's tile in buffer j % 3 (-1 past the list),
   // staged one iteration ahead of their gathers.
   auto* keys_smem = reinterpret_cast<int*>(smem + Config::kKeysAt);
-  auto* q_full = reinterpret_cast<std::uint64_t*>(smem + Config::barriers_at(kRowBias));
-  std::uint64_t* k_full = q_full + 1;  // two
-  std::uint64_t* v_full = q_full + 3;  // two
-  std::uint64_t* k_empty = q_full + 5;  // two (producer walks)
-  std::uint64_t* v_empty = q_full + 7;  // two (producer walks)
-  std::uint64_t* q_empty = q_full + 9;  // producer walks: the consumers are done with Q's S = Q K^T
+  auto* bars = reinterpret_cast<std::uint64_t*>(smem + Config::barriers_at(kRowBias));
+  std::uint64_t* q_full = bars + Config::kQFull;
+  std::uint64_t* k_full = bars + Config::kKFull;    // two
+  std::uint64_t* v_full = bars + Config::kVFull;    // two
+  std::uint64_t* k_empty = bars + Config::kKEmpty;  // two (producer walks)
+  std::uint64_t* v_empty = bars + Config::kVEmpty;  // two (producer walks)
+  std::uint64_t* q_empty = bars + Config::kQEmpty;  // producer walks: the consumers are done with Q's S = Q K^T
   Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Config::LayoutQ{});
   auto stage_k = [&](int s) {
     return make_tensor(make_smem_ptr(k_smem + s * Config::kKvElems), typename Config::LayoutKV{});
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
   };
   // The barriers, once a CTA (and what the threads staged before).
   auto init_barriers = [&] {
-    if (threadIdx.x == 0) Config::template init_barriers<kLists>(q_full);
+    if (threadIdx.x == 0) Config::template init_barriers<kLists>(bars);
     __syncthreads();
   };
   // The CTA's query blocks (persistent: one a round of gridDim.x blocks,
