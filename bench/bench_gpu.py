@@ -77,6 +77,7 @@ class Spec:
     window: Optional[Tuple[int, int]] = None
     api: str = "attention"  # or "flash_dmattn_func" (the seed's entry point)
     smem_cap: int = 0  # KiB: dmattn's sm80-class kernels forced, the shared memory capped (0: the device's own)
+    graph: bool = False  # dmattn also timed as a replayed CUDA graph (the GPU's time, without the host's)
     systems: Tuple[str, ...] = ALL
 
     @property
@@ -132,10 +133,15 @@ SHAPES = [  # the Hopper issue's table, in its order
     Spec("sliding window (1023, 0) + key bias, S=16384", bias="key", window=(1023, 0),
          systems=("dmattn", "FlexAttention")),
 ]
+# Rows that are short enough for the host to bound a call (its Python, autograd and CUDA calls take longer than
+# its kernels) are also timed as a replayed CUDA graph, as torch.compile(mode="reduce-overhead") or a captured
+# training step runs them: the GPU's time alone.
+GRAPH_KEYS = 4096
 TOPK = [
-    *(Spec(f"key bias, keep {w}, S={s}", sq=s, bias="key", keep=w, systems=("dmattn",))
+    *(Spec(f"key bias, keep {w}, S={s}", sq=s, bias="key", keep=w, systems=("dmattn",), graph=s <= GRAPH_KEYS)
       for s in (2048, 4096, 8192, 16384, 65536) for w in (256, 1024, 2048)),
-    *(Spec(f"key bias, S={s}", sq=s, bias="key", systems=("dmattn",)) for s in (2048, 4096, 8192, 16384, 65536)),
+    *(Spec(f"key bias, S={s}", sq=s, bias="key", systems=("dmattn",), graph=s <= GRAPH_KEYS)
+      for s in (2048, 4096, 8192, 16384, 65536)),
     Spec("key bias, keep 1024, B=4, S=8192", batch=4, sq=8192, bias="key", keep=1024, systems=("dmattn",)),
     Spec("key bias, B=4, S=8192", batch=4, sq=8192, bias="key", systems=("dmattn",)),
     Spec("key bias, keep 1024, varlen 4 x 8192", sq=8192, varlen=4, bias="key", keep=1024, systems=("dmattn",)),
@@ -433,6 +439,22 @@ def median_ms(torch, fn, budget_ms=400.0, min_reps=3, max_reps=20):
     return statistics.median(a.elapsed_time(b) for a, b in events), reps
 
 
+def graph_ms(torch, fn):
+    """median_ms of fn captured once in a CUDA graph and replayed (warmed up on a side stream first, as torch's
+    capture recipe asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms, _ = median_ms(torch, graph.replay)
+    del graph
+    return ms
+
+
 def short(err):
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0][:200] if text else ''}"
@@ -454,6 +476,8 @@ def measure(torch, case, system, grad, reference):
         result["tflops"] = flops / ms / 1e9
         if case.spec.decode:
             result["gbps"] = case.bytes_kv() / ms / 1e6
+        if case.spec.graph and system == "dmattn":
+            result["graph_ms"] = graph_ms(torch, fn)
         if not grad and system == "dmattn":
             kept = out
         elif not grad and reference is not None:

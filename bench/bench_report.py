@@ -8,8 +8,8 @@ from the suites' results ({name: {meta, rows}}, as performance.json holds them).
 import dataclasses
 from pathlib import Path
 
-from bench_gpu import (ALL, DECODE_BATCH, DECODE_KEYS, FILL_KEYS, FILL_ROWS, FWD_BWD_FLOP_FACTOR, PORTABLE,
-                       PORTABLE_SHAPES, SCALING_W, SHAPES, SUITES, TOP_K, TOPK, allowed_per_row)
+from bench_gpu import (ALL, DECODE_BATCH, DECODE_KEYS, FILL_KEYS, FILL_ROWS, FWD_BWD_FLOP_FACTOR, GRAPH_KEYS,
+                       PORTABLE, PORTABLE_SHAPES, SCALING_W, SHAPES, SUITES, TOP_K, TOPK, allowed_per_row)
 
 # DESIGN.md: one H200, B=1, 32/8 heads, D=128, bf16, causal, S=16384, fwd ms / fwd+bwd ms; measured by
 # others on the seed project (flash-dmattn) and its peers, not re-run here.
@@ -238,18 +238,24 @@ def topk_report(suite):
         "call. fraction: top-k time / dense time of the same shape (target: <= 1 everywhere). ideal: allowed "
         "pairs under the keep window / allowed causal pairs (the work ratio a perfect sparse kernel reaches). "
         f"fill: the selected pairs / the pairs of the key tiles the forward walks (each {FILL_ROWS}-row query "
-        f"block on the union of its rows' selected keys in tiles of {FILL_KEYS}; bench_gpu.py forward_fill).",
+        f"block on the union of its rows' selected keys in tiles of {FILL_KEYS}; bench_gpu.py forward_fill). "
+        f"graph: the fractions, fwd / fwd+bwd, of both calls timed as replayed CUDA graphs (rows of at most "
+        f"{GRAPH_KEYS} keys, whose calls the host bounds: the GPU's time without the host's).",
         "", "| case | fwd ms | dense fwd ms | fwd fraction | fwd+bwd ms | dense fwd+bwd ms | fwd+bwd fraction "
-        "| ideal | fill | fwd+bwd peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"])
+        "| graph fractions | ideal | fill | fwd+bwd peak MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"])
     for spec, dense in topk_pairs():
         ideal = float(allowed_per_row(torch, spec).sum() / allowed_per_row(torch, dataclasses.replace(
             spec, keep=None)).sum())
-        cells = []
+        cells, graphed = [], []
         for mode in ("fwd", "fwd+bwd"):
             a = rows.get(spec, "dmattn", mode)
             b = None if dense is None else rows.get(dense, "dmattn", mode)
             cells += ["" if a is None else f"{a:.2f}", "" if b is None else f"{b:.2f}",
                       "" if a is None or b is None else f"{a / b:.2f}"]
+            a = rows.get(spec, "dmattn", mode, "graph_ms")
+            b = None if dense is None else rows.get(dense, "dmattn", mode, "graph_ms")
+            graphed.append(None if a is None or b is None else a / b)
+        cells.append(" / ".join(f"{r:.2f}" for r in graphed) if None not in graphed else "")
         peak, fill = rows.get(spec, "dmattn", "fwd+bwd", "peak_mib"), rows.get(spec, "dmattn", "fwd", "fill")
         cells += [f"{ideal:.3f}", "" if fill is None else f"{fill:.3f}", "" if peak is None else f"{peak:.0f}"]
         lines.append(f"| {spec.case} | " + " | ".join(cells) + " |")

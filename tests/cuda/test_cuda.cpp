@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "check.h"
+#include "cuda/common/scratch.h"
 #include "device.h"
 #include "harness.h"
 
@@ -159,6 +160,59 @@ TEST(FullScratch, PoolKeepsScratchAcrossSynchronizations) {
   std::uint64_t threshold = 0;
   check_cuda(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), "cudaMemPoolGetAttribute");
   EXPECT_GE(threshold, std::uint64_t{1} << 30);
+}
+
+// A call's scratch in one allocation (common/scratch.h): each part 256-byte
+// aligned, none overlapping another, the zeroed ones zero (the pool likely
+// hands back the memory filled with ones just before); no allocation where
+// every part is empty.
+TEST(FullScratch, OneAllocationZeroesItsZeroedParts) {
+  if (!gpu_available()) GTEST_SKIP() << "no CUDA device";
+  const cudaStream_t stream = nullptr;
+  char* used = nullptr;
+  const std::size_t used_bytes = std::size_t{1} << 20;
+  check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&used), used_bytes, stream), "cudaMallocAsync");
+  check_cuda(cudaMemsetAsync(used, 0xff, used_bytes, stream), "cudaMemsetAsync");
+  check_cuda(cudaFreeAsync(used, stream), "cudaFreeAsync");
+
+  float* a = nullptr;
+  std::int32_t* b = nullptr;
+  char* c = nullptr;
+  double* d = nullptr;
+  const std::size_t counts[] = {3, 1000, 257, 5};
+  dmattn::cuda::Scratch scratch;
+  scratch.add(a, counts[0], true);
+  scratch.add(b, counts[1], false);
+  scratch.add(c, counts[2], true);
+  scratch.add(d, counts[3], true);
+  check_cuda(scratch.allocate(stream), "Scratch::allocate");
+  const std::uintptr_t at[] = {reinterpret_cast<std::uintptr_t>(a), reinterpret_cast<std::uintptr_t>(b),
+                               reinterpret_cast<std::uintptr_t>(c), reinterpret_cast<std::uintptr_t>(d)};
+  const std::size_t bytes[] = {counts[0] * 4, counts[1] * 4, counts[2], counts[3] * 8};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_NE(at[i], 0u) << "part " << i;
+    EXPECT_EQ(at[i] % 256, 0u) << "part " << i;
+    for (int j = 0; j < i; ++j)
+      EXPECT_TRUE(at[i] + bytes[i] <= at[j] || at[j] + bytes[j] <= at[i]) << "parts " << j << " and " << i << " overlap";
+  }
+  for (int i : {0, 2, 3}) {
+    std::vector<unsigned char> host(bytes[i], 0xff);
+    check_cuda(cudaMemcpyAsync(host.data(), reinterpret_cast<void*>(at[i]), bytes[i], cudaMemcpyDeviceToHost, stream),
+               "cudaMemcpyAsync");
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    std::size_t nonzero = 0;
+    for (unsigned char byte : host) nonzero += byte != 0;
+    EXPECT_EQ(nonzero, 0u) << "zeroed part " << i;
+  }
+  scratch.release(stream);
+
+  float* none = nullptr;
+  dmattn::cuda::Scratch empty;
+  empty.add(none, 0, true);
+  check_cuda(empty.allocate(stream), "Scratch::allocate (empty)");
+  EXPECT_EQ(none, nullptr);
+  empty.release(stream);
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 }
 
 TEST(FullTopk, NanSweep) { check_one(kTopkNanSweepName, topk_nan_sweep); }

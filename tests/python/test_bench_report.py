@@ -44,6 +44,8 @@ def _results(suite, ours_over_peers):
                     ms *= ours_over_peers
                 rows.append(dict(case=spec.case, batch=spec.batch, sq=spec.sq, sk=spec.keys, system=system, mode=mode,
                                  ms=ms, tflops=1.0, peak_mib=1.0))
+                if spec.graph and system == "dmattn":
+                    rows[-1]["graph_ms"] = ms
     meta = dict(date="d", device="gpu", torch="t", cuda="c", commit="abc", copy_gbps=1000.0,
                 dmattn=dict(version="v", cuda_architectures="90a", head_dims="64,128"))
     return dict(meta=meta, rows=rows)
@@ -68,17 +70,22 @@ def test_peer_targets_follow_the_timings(monkeypatch, tmp_path, factor, met):
 
 def test_topk_fraction_and_ideal():
     suite = _results("topk", 1.0)
-    for row in suite["rows"]:  # top-k at a quarter of dense
+    for row in suite["rows"]:  # top-k at a quarter of dense, a fifth as CUDA graphs
         if "keep" in row["case"]:
             row["ms"] /= 4
+            if "graph_ms" in row:
+                row["graph_ms"] /= 5
     text = "\n".join(bench_report.topk_report(suite))
     line = next(line for line in text.splitlines() if line.startswith("| key bias, keep 1024, S=4096 |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[3] == "0.25" and cells[6] == "0.25"
+    assert cells[3] == "0.25" and cells[6] == "0.25" and cells[7] == "0.20 / 0.20", cells
     spec = next(s for s in bench_gpu.TOPK if s.case == "key bias, keep 1024, S=4096")
     kept = bench_gpu.allowed_per_row(torch, spec).sum()
     causal = bench_gpu.allowed_per_row(torch, dataclasses.replace(spec, keep=None)).sum()
-    assert cells[7] == f"{float(kept / causal):.3f}"
+    assert cells[8] == f"{float(kept / causal):.3f}"
+    # Longer rows are not graphed: no graph fractions.
+    line = next(line for line in text.splitlines() if line.startswith("| key bias, keep 1024, S=16384 |"))
+    assert [c.strip() for c in line.strip("|").split("|")][7] == ""
 
 
 def test_topk_fill_column():
@@ -89,7 +96,7 @@ def test_topk_fill_column():
     text = "\n".join(bench_report.topk_report(suite))
     line = next(line for line in text.splitlines() if line.startswith("| key bias, keep 1024, S=4096 |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[8] == "0.625" and cells[9] == "1", cells
+    assert cells[9] == "0.625" and cells[10] == "1", cells
 
 
 @pytest.mark.parametrize("rows,block_m,block_n", [(300, 128, 64), (257, 32, 16), (64, 128, 64), (1000, 128, 1)])

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "../common/check.h"
+#include "../common/scratch.h"
 #include "../common/sm90.cuh"
 #include "../dispatch.h"
 #include "../sparse/key_lists.h"
@@ -100,28 +101,29 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   const std::int64_t query_blocks = (p.seqlen_q + dq_rows - 1) / dq_rows;
   const std::int64_t db_elements = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
 
-  std::uint8_t* dkv_tiles = nullptr;
-  cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&p.query_stats), static_cast<std::size_t>(4 * rows + 1) * 4, stream);
-  // dq_acc: room for either layout (finish_dq), rows of (b, h) padded to DqBlocks' rows;
-  // ordered, the turn counters of its blocks behind it (zeroed with it).
+  // The call's scratch (common/scratch.h): the row statistics; dq_acc, room
+  // for either layout (finish_dq), rows of (b, h) padded to DqBlocks' rows,
+  // ordered: the turn counters of its blocks behind it; the flag of rows whose
+  // lse float32 cannot hold (dq by atomics); the dbias slices; a key's pieces
+  // (key groups cut at row segments): a turn counter and a float32 slot.
+  Scratch scratch;
+  scratch.add(p.query_stats, static_cast<std::size_t>(4 * rows), false);
   constexpr std::int64_t kDqRows = DqBlocks<kHeadDim>::kRows;
   const std::int64_t dq_blocks = std::int64_t{batch} * p.heads * ((p.seqlen_q + kDqRows - 1) / kDqRows);
   const std::int64_t dq_elements = dq_blocks * kDqRows * kHeadDim;
-  const std::int64_t dq_words = dq_elements + (plan.ordered_dq ? dq_blocks : 0);
-  if (err == cudaSuccess && p.atomic_dq) {
-    err = cudaMallocAsync(reinterpret_cast<void**>(&p.dq_acc), static_cast<std::size_t>(dq_words) * 4, stream);
-    if (err == cudaSuccess) err = cudaMemsetAsync(p.dq_acc, 0, static_cast<std::size_t>(dq_words) * 4, stream);
-    if (plan.ordered_dq) p.dq_turns = reinterpret_cast<int*>(p.dq_acc + dq_elements);
-    p.huge_rows = reinterpret_cast<int*>(p.query_stats + 4 * rows);
-    if (err == cudaSuccess) err = cudaMemsetAsync(p.huge_rows, 0, 4, stream);
+  if (p.atomic_dq) {
+    scratch.add(p.dq_acc, static_cast<std::size_t>(dq_elements + (plan.ordered_dq ? dq_blocks : 0)), true);
+    scratch.add(p.huge_rows, 1, true);
   }
-  if (err == cudaSuccess) {
-    if (plan.dbias_slices > 0) {
-      const std::size_t bytes = static_cast<std::size_t>(plan.dbias_slices * db_elements) * 4;
-      err = cudaMallocAsync(reinterpret_cast<void**>(&p.scratch), bytes, stream);
-      if (err == cudaSuccess) err = cudaMemsetAsync(p.scratch, 0, bytes, stream);
-    }
+  if (plan.dbias_slices > 0) scratch.add(p.scratch, static_cast<std::size_t>(plan.dbias_slices * db_elements), true);
+  if (p.key_segments > 1) {
+    const auto keys = static_cast<std::size_t>(std::int64_t{batch} * kv_heads * p.seqlen_k);
+    scratch.add(p.piece_turn, keys, true);
+    scratch.add(p.piece_acc, keys * piece_slot_floats(kHeadDim), false);
   }
+  cudaError_t err = scratch.allocate(stream);
+  if (plan.ordered_dq && p.dq_acc != nullptr) p.dq_turns = reinterpret_cast<int*>(p.dq_acc + dq_elements);
+  std::uint8_t* dkv_tiles = nullptr;
   if (err == cudaSuccess && rows > 0) {
     constexpr int kRowsABlock = RowStatsLanes<kHeadDim>::kBlockRows;
     const dim3 grid(static_cast<unsigned>((p.seqlen_q + kRowsABlock - 1) / kRowsABlock),
@@ -165,18 +167,6 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
     err = plan.small_dq ? launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, false, true>>(p, grid, stream)
                         : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, false, false>>(p, grid, stream);
   }
-  // Pieces of keys (key groups cut at row segments): a float32 slot and a turn
-  // counter a key.
-  std::int32_t* piece_memory = nullptr;
-  if (err == cudaSuccess && p.key_segments > 1) {
-    const std::int64_t keys = std::int64_t{batch} * kv_heads * p.seqlen_k;
-    const std::int64_t turn_words = (keys + 63) / 64 * 64;
-    err = cudaMallocAsync(reinterpret_cast<void**>(&piece_memory),
-                          static_cast<std::size_t>(turn_words + keys * piece_slot_floats(kHeadDim)) * 4, stream);
-    if (err == cudaSuccess) err = cudaMemsetAsync(piece_memory, 0, static_cast<std::size_t>(keys) * 4, stream);
-    p.piece_turn = piece_memory;
-    p.piece_acc = reinterpret_cast<float*>(piece_memory + turn_words);
-  }
   // dk/dv CTAs: the key blocks, or the key groups (a CTA a group's dkv_rows keys on the sm80 kernel).
   const std::int64_t dkv_blocks =
       p.group_rows == nullptr ? key_blocks : p.key_groups * (plan.dkv == DkvKernel::kSm80 ? kKeyGroupKeys / dkv_rows : 1);
@@ -190,8 +180,8 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
     finish_dq<Element, kHeadDim><<<grid, 256, 0, stream>>>(p, batch);
     err = cudaGetLastError();
   }
-  for (void* ptr : {static_cast<void*>(p.query_stats), static_cast<void*>(p.scratch), static_cast<void*>(p.mask_bits),
-                    static_cast<void*>(dkv_tiles), static_cast<void*>(piece_memory), static_cast<void*>(p.dq_acc)})
+  scratch.release(stream);
+  for (void* ptr : {static_cast<void*>(p.mask_bits), static_cast<void*>(dkv_tiles)})
     if (ptr != nullptr) cudaFreeAsync(ptr, stream);
   check_cuda(err, "backward launch (head dim " + std::to_string(kHeadDim) + ")");
 }
