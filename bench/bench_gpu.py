@@ -137,8 +137,9 @@ SHAPES = [  # the Hopper issue's table, in its order
 # its kernels) are also timed as a replayed CUDA graph, as torch.compile(mode="reduce-overhead") or a captured
 # training step runs them: the GPU's time alone.
 GRAPH_KEYS = 4096
-# Each dense row is measured right before the top-k rows of its shape, so that a slow stretch of the host
-# weighs on both sides of a fraction (the S = 2048 rows are bound by the host).
+ROUNDS = 3  # rounds of such a shape's rows (shape_groups)
+# Each dense row comes right before the top-k rows of its shape: those of at most GRAPH_KEYS keys are measured
+# together in rounds (shape_groups).
 TOPK = [
     *(spec for s in (2048, 4096, 8192, 16384, 65536) for spec in (
         Spec(f"key bias, S={s}", sq=s, bias="key", systems=("dmattn",), graph=s <= GRAPH_KEYS),
@@ -441,18 +442,6 @@ def median_ms(torch, fn, budget_ms=400.0, min_reps=3, max_reps=50):
     return statistics.median(a.elapsed_time(b) for a, b in events), reps
 
 
-def warm_up(torch, seconds=3.0):
-    """Seconds of small dmattn fwd+bwd calls before the first measurement: in a fresh process the first calls
-    bound by the host measured up to 1.5x slower than the same calls later in the run (the topk suite's
-    "keep 2048, S=2048" row, whose call is the dense one: a keep window of S keys keeps every key)."""
-    fn, _ = make_dmattn(torch, Case(torch, Spec("warm-up", sq=2048, bias="key", keep=256)), True)
-    end = time.time() + seconds
-    while time.time() < end:
-        fn()
-        torch.cuda.synchronize()
-    free(torch)
-
-
 def graph_ms(torch, fn):
     """median_ms of fn captured once in a CUDA graph and replayed (warmed up on a side stream first, as torch's
     capture recipe asks)."""
@@ -535,6 +524,60 @@ def load(path):
     return data["suites"] if "suites" in data else {"main": data}
 
 
+def shape_groups(specs):
+    """The specs in order as lists measured together: consecutive specs of one shape whose calls the host
+    bounds (`graph`) form one list, measured in ROUNDS interleaved rounds; any other spec is a list of its own."""
+    groups = []
+    for spec in specs:
+        if spec.graph and groups and groups[-1][0].graph and _shape(groups[-1][0]) == _shape(spec):
+            groups[-1].append(spec)
+        else:
+            groups.append([spec])
+    return groups
+
+
+def _shape(spec):
+    return spec.batch, spec.sq, spec.keys, spec.varlen, spec.head_dim, spec.heads, spec.kv_heads
+
+
+def measure_group(torch, suite, group, deadline):
+    """The rows of a group of shape_groups: each (case, system, mode) measured once a round, rounds interleaving
+    the group's cases (so that a slow stretch of the host weighs on every case of a fraction alike), the row of
+    the round with the median time kept."""
+    cases = [Case(torch, spec) for spec in group]
+    fills = [topk_fill(torch, case) if suite == "topk" and case.spec.keep is not None else None for case in cases]
+    rounds = ROUNDS if len(group) > 1 else 1
+    results = {}
+    for _ in range(rounds):
+        for case in cases:
+            reference = None
+            for system in case.spec.systems:
+                for grad in (False, True):
+                    if grad and case.spec.decode:
+                        continue  # inference only
+                    if deadline and time.time() > deadline:
+                        result = {"skip": "not run: deadline reached"}
+                    else:
+                        result, kept = measure(torch, case, system, grad, reference)
+                        reference = kept if kept is not None else reference
+                    results.setdefault((case.spec.case, system, grad), []).append(result)
+    rows = []
+    for case, fill in zip(cases, fills):
+        s = case.spec
+        where = dict(case=s.case, batch=s.batch, sq=s.sq, sk=s.keys) | ({} if fill is None else dict(fill=fill))
+        for system in s.systems:
+            for grad in (False, True):
+                if (s.case, system, grad) not in results:
+                    continue
+                timed = sorted((r for r in results[s.case, system, grad] if "ms" in r), key=lambda r: r["ms"])
+                result = timed[len(timed) // 2] if timed else results[s.case, system, grad][0]
+                if rounds > 1:
+                    result = dict(result, rounds=rounds)
+                rows.append(dict(where, allowed=case.allowed, system=system, mode="fwd+bwd" if grad else "fwd",
+                                 **result))
+    return rows
+
+
 def run(args):
     import torch
 
@@ -548,7 +591,6 @@ def run(args):
                 commit=args.commit or git_commit(Path(__file__).resolve().parent.parent),
                 dmattn=dmattn.build_info())
     print(f"benchmark: {meta}", flush=True)
-    warm_up(torch)
     for name in args.suite.split(","):
         # --only re-measures some cases: the suite's other rows stay, each row keeps the device and date it was
         # measured on (the report names those that differ from the suite's).
@@ -556,34 +598,18 @@ def run(args):
         results = suites[name] = dict(meta=dict(suites[name]["meta"] if kept else meta), rows=kept)
         if name == "shapes":
             results["meta"]["copy_gbps"] = copy_gbps(torch)
-        for spec in SUITES[name]:
-            if args.only and args.only not in spec.case:
-                continue
-            where = dict(case=spec.case, batch=spec.batch, sq=spec.sq, sk=spec.keys)
+        for group in shape_groups([spec for spec in SUITES[name] if not args.only or args.only in spec.case]):
             if args.deadline and time.time() > args.deadline:
-                results["rows"].append(dict(where, skip="not run: deadline reached"))
+                results["rows"] += [dict(case=spec.case, batch=spec.batch, sq=spec.sq, sk=spec.keys,
+                                         skip="not run: deadline reached") for spec in group]
                 continue
             started = time.time()
-            case = Case(torch, spec)
-            if name == "topk" and spec.keep is not None:
-                where["fill"] = topk_fill(torch, case)
-            reference = None
-            for system in spec.systems:
-                for grad in (False, True):
-                    if grad and spec.decode:
-                        continue  # inference only
-                    if args.deadline and time.time() > args.deadline:
-                        result = {"skip": "not run: deadline reached"}
-                    else:
-                        result, kept = measure(torch, case, system, grad, reference)
-                        reference = kept if kept is not None else reference
-                    row = dict(where, allowed=case.allowed, system=system, mode="fwd+bwd" if grad else "fwd",
-                               measured=f"{meta['device']}, {meta['date']}, {meta['commit']}", **result)
-                    results["rows"].append(row)
-                    print(json.dumps(row), flush=True)
-            del case, reference
+            for row in measure_group(torch, name, group, args.deadline):
+                row["measured"] = f"{meta['device']}, {meta['date']}, {meta['commit']}"
+                results["rows"].append(row)
+                print(json.dumps(row), flush=True)
             free(torch)
-            print(f"{name}: {spec.case} S={spec.sq}/{spec.keys}: {time.time() - started:.1f} s", flush=True)
+            print(f"{name}: {', '.join(spec.case for spec in group)}: {time.time() - started:.1f} s", flush=True)
             (out_dir / "performance.json").write_text(json.dumps(dict(suites=suites), indent=1))
     from bench_report import report  # the report reads this module's suites
 

@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from bench_gpu import (ALL, DECODE_BATCH, DECODE_KEYS, FILL_KEYS, FILL_ROWS, FWD_BWD_FLOP_FACTOR, GRAPH_KEYS,
-                       PORTABLE, PORTABLE_SHAPES, SCALING_W, SHAPES, SUITES, TOP_K, TOPK, allowed_per_row)
+                       PORTABLE, PORTABLE_SHAPES, ROUNDS, SCALING_W, SHAPES, SUITES, TOP_K, TOPK, allowed_per_row)
 
 # DESIGN.md: one H200, B=1, 32/8 heads, D=128, bf16, causal, S=16384, fwd ms / fwd+bwd ms; measured by
 # others on the seed project (flash-dmattn) and its peers, not re-run here.
@@ -239,8 +239,9 @@ def topk_report(suite):
         "pairs under the keep window / allowed causal pairs (the work ratio a perfect sparse kernel reaches). "
         f"fill: the selected pairs / the pairs of the key tiles the forward walks (each {FILL_ROWS}-row query "
         f"block on the union of its rows' selected keys in tiles of {FILL_KEYS}; bench_gpu.py forward_fill). "
-        f"graph: the fractions, fwd / fwd+bwd, of both calls timed as replayed CUDA graphs (rows of at most "
-        f"{GRAPH_KEYS} keys, whose calls the host bounds: the GPU's time without the host's).",
+        f"Rows of at most {GRAPH_KEYS} keys, whose calls the host bounds, are measured with their dense row in "
+        f"{ROUNDS} interleaved rounds (the round of median time kept), and also as replayed CUDA graphs: graph, "
+        "the fractions fwd / fwd+bwd of those times (the GPU's time without the host's).",
         "", "| case | fwd ms | dense fwd ms | fwd fraction | fwd+bwd ms | dense fwd+bwd ms | fwd+bwd fraction "
         "| graph fractions | ideal | fill | fwd+bwd peak MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"])
     for spec, dense in topk_pairs():

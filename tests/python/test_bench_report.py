@@ -138,3 +138,34 @@ def test_load_reads_the_single_table_format(tmp_path):
     (tmp_path / "performance.json").write_text(json.dumps(old))
     assert bench_gpu.load(tmp_path / "performance.json") == {"main": old}
     assert bench_gpu.load(tmp_path / "missing.json") == {}
+
+
+def test_shape_groups_gather_the_host_bound_rows_of_a_shape():
+    groups = bench_gpu.shape_groups(bench_gpu.TOPK)
+    expected = ["key bias, S=2048"] + [f"key bias, keep {w}, S=2048" for w in (256, 1024, 2048)]
+    assert [s.case for s in groups[0]] == expected
+    assert all(len(g) == 1 for g in groups if not g[0].graph)
+    assert [s.case for g in groups for s in g] == [s.case for s in bench_gpu.TOPK]
+
+
+def test_measure_group_interleaves_rounds_and_keeps_the_median(monkeypatch):
+    """A group's cases are measured round robin, ROUNDS times, and each row is the round of median time."""
+    group = bench_gpu.shape_groups(bench_gpu.TOPK)[0][:2]
+    calls, times = [], iter([5.0, 6.0, 1.0, 2.0, 9.0, 8.0, 7.0, 3.0, 4.0, 4.5, 0.5, 1.5])
+    monkeypatch.setattr(bench_gpu, "Case", lambda torch, spec: type("C", (), dict(spec=spec, allowed=1))())
+    monkeypatch.setattr(bench_gpu, "topk_fill", lambda torch, case: 0.5)
+
+    def fake_measure(torch, case, system, grad, reference):
+        calls.append((case.spec.case, grad))
+        return dict(ms=next(times)), None
+
+    monkeypatch.setattr(bench_gpu, "measure", fake_measure)
+    rows = bench_gpu.measure_group(torch, "topk", group, None)
+    names = [s.case for s in group]
+    assert calls == [(n, g) for _ in range(bench_gpu.ROUNDS) for n in names for g in (False, True)]
+    # per (case, mode) the rounds' times: dense fwd 5, 9, 4 -> 5; dense fwd+bwd 6, 8, 4.5 -> 6;
+    # keep fwd 1, 7, 0.5 -> 1; keep fwd+bwd 2, 3, 1.5 -> 2
+    assert [(r["case"], r["mode"], r["ms"], r["rounds"]) for r in rows] == [
+        (names[0], "fwd", 5.0, 3), (names[0], "fwd+bwd", 6.0, 3),
+        (names[1], "fwd", 1.0, 3), (names[1], "fwd+bwd", 2.0, 3)]
+    assert "fill" not in rows[0] and rows[2]["fill"] == 0.5
