@@ -605,7 +605,8 @@ def run(args):
                 continue
             started = time.time()
             for row in measure_group(torch, name, group, args.deadline):
-                row["measured"] = f"{meta['device']}, {meta['date']}, {meta['commit']}"
+                row["measured"] = (f"{meta['device']}, {meta['date']}, {meta['commit']}, head dims "
+                                   f"{meta['dmattn']['head_dims']}")
                 results["rows"].append(row)
                 print(json.dumps(row), flush=True)
             free(torch)

@@ -58,10 +58,12 @@ def header(title, meta, lines):
 
 
 def measured_apart(suite):
-    """Lines naming the rows measured on another device, date or commit than the suite's header."""
+    """Lines naming the rows measured on another device, date, commit or build than the suite's header (rows
+    measured before the build's head dims were recorded name the first three)."""
     meta = suite["meta"]
     here = f"{meta['device']}, {meta['date']}, {meta['commit']}"
-    apart = sorted({f"- {r['case']}: {r['measured']}" for r in suite["rows"] if r.get("measured", here) != here})
+    heres = {here, f"{here}, head dims {meta['dmattn']['head_dims']}"}
+    apart = sorted({f"- {r['case']}: {r['measured']}" for r in suite["rows"] if r.get("measured", here) not in heres})
     return ["", "Measured apart from the header's run:", ""] + apart if apart else []
 
 

@@ -169,3 +169,12 @@ def test_measure_group_interleaves_rounds_and_keeps_the_median(monkeypatch):
         (names[0], "fwd", 5.0, 3), (names[0], "fwd+bwd", 6.0, 3),
         (names[1], "fwd", 1.0, 3), (names[1], "fwd+bwd", 2.0, 3)]
     assert "fill" not in rows[0] and rows[2]["fill"] == 0.5
+
+
+def test_measured_apart_names_rows_of_another_build():
+    suite = _results("topk", 1.0)
+    here = "gpu, d, abc"
+    for row, measured in zip(suite["rows"], (here, f"{here}, head dims 64,128", f"{here}, head dims 64,128,192,256")):
+        row["measured"] = measured
+    lines = bench_report.measured_apart(suite)
+    assert lines[3:] == [f"- {suite['rows'][2]['case']}: {here}, head dims 64,128,192,256"], lines
