@@ -78,31 +78,51 @@ __device__ __forceinline__ unsigned sw128_offset(int row, int col) {
   return linear ^ ((linear >> 3) & 0x70u);
 }
 
-// Rows of `rows` (`stride` elements apart) gathered into a tile of kTileRows
-// rows laid out as TMA writes it (boxes of 64 features, 128-byte swizzled
-// rows: what a wgmma descriptor reads): tile row r gets row key_of(r) (-1:
-// none), by kThreads threads with 16-byte cp.async; thread t copies chunk
-// t % (kHeadDim / 8) of rows t / (kHeadDim / 8) + kRowStep j; zeros past the
-// head dim and where there is no row. The caller commits or tracks the copies.
-template <int kThreads, int kTileRows, int kHeadDim, class Element, class KeyOf>
-__device__ __forceinline__ void gather_rows_sw128(int t, const KeyOf& key_of, const Element* rows, std::int64_t stride,
-                                                  Element* dst, int head_dim) {
-  constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks;
-  // kRowStep rows on keeps a chunk's swizzle (a multiple of 8 rows).
-  static_assert(kThreads % kChunks == 0 && kTileRows % kRowStep == 0 && kRowStep % 8 == 0, "whole rows a pass");
-  const int c = t % kChunks, r0 = t / kChunks;
-  const unsigned base =
-      static_cast<unsigned>(__cvta_generic_to_shared(dst)) + c / 8 * (kTileRows * 128) + sw128_offset(r0, 8 * (c % 8));
-  const bool feature = 8 * c < head_dim;
+// The threads that gather_rows_sw128 gives a row: kPerRow of them (at least
+// 2, so that a row's threads read whole 32-byte sectors), and its rows: thread
+// t takes tile rows t / kPerRow + kRowsAPass p, pass p < kPasses.
+template <int kThreads, int kTileRows>
+struct GatheredRows {
+  static constexpr int kPerRow = kThreads / kTileRows > 2 ? kThreads / kTileRows : 2;
+  static constexpr int kRowsAPass = kThreads / kPerRow, kPasses = kTileRows / kRowsAPass;
+  static_assert(kThreads % kPerRow == 0 && kTileRows % kRowsAPass == 0 && kRowsAPass % 8 == 0 && 8 % kPerRow == 0,
+                "whole rows a pass, a thread's rows in one swizzle phase");
+  __device__ static int row(int t, int pass) { return t / kPerRow + kRowsAPass * pass; }
+};
+
+// Rows gathered into a tile of kTileRows rows laid out as TMA writes it
+// (boxes of 64 features, 128-byte swizzled rows: what a wgmma descriptor
+// reads): tile row r gets the row at row_of(pass, r) (nullptr: none), by
+// kThreads threads with 16-byte cp.async; zeros past the head dim and where
+// there is no row. Thread t copies chunks t % kPerRow + kPerRow i of its rows
+// (GatheredRows): the threads of a row read adjacent chunks, a thread's chunks
+// lie at constant offsets from its row's address, and since kPerRow divides 8
+// chunk c = a + q (a = kPerRow i, q = t % kPerRow) of row r lands in chunk
+// (c % 8) ^ (r % 8) = (a % 8) ^ (q ^ r % 8): one xor with a constant a chunk.
+// The caller commits or tracks the copies.
+template <int kThreads, int kTileRows, int kHeadDim, class Element, class RowOf>
+__device__ __forceinline__ void gather_rows_sw128(int t, const RowOf& row_of, Element* dst, int head_dim) {
+  using Rows = GatheredRows<kThreads, kTileRows>;
+  constexpr int kPerRow = Rows::kPerRow, kChunks = kHeadDim / 8;
+  static_assert(kChunks % kPerRow == 0, "whole chunks a thread");
+  const int q = t % kPerRow;
+  const auto tile = static_cast<unsigned>(__cvta_generic_to_shared(dst));
 #pragma unroll
-  for (int j = 0; j < kTileRows / kRowStep; ++j) {
-    const int r = r0 + kRowStep * j, key = key_of(r);
-    const unsigned to = base + 128u * kRowStep * j;
-    if (feature && key >= 0) {
-      const Element* src = rows + std::int64_t{key} * stride + 8 * c;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src));
-    } else {
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(to), "r"(0));
+  for (int pass = 0; pass < Rows::kPasses; ++pass) {
+    const int r = Rows::row(t, pass);
+    const Element* row = row_of(pass, r);
+    const int chunks = row != nullptr ? head_dim / 8 - q : 0;  // chunks a + q < head_dim / 8 are copied
+    const Element* src = row != nullptr ? row + 8 * q : row;
+    const unsigned at = tile + 128u * r + 16u * (q ^ (r % 8));
+#pragma unroll
+    for (int i = 0; i < kChunks / kPerRow; ++i) {
+      const int a = kPerRow * i;
+      const unsigned to = (at + a / 8 * (kTileRows * 128u)) ^ (16u * (a % 8));
+      if (a < chunks) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src + 8 * a));
+      } else {
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(to), "r"(0));
+      }
     }
   }
 }

@@ -160,13 +160,18 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
     [[maybe_unused]] const int listed = blk.mask_count;
     [[maybe_unused]] const std::uint32_t* list_bits =
         kLists ? p.mask_bits + (blk.mask_block / p.mask_blocks * p.seqlen_q + row0) * p.bits_sr : nullptr;
-    // The K or V rows of keys key_of(r) of a tile's rows r into dst (gather_rows_sw128).
+    // The K or V rows (`stride` elements apart from `rows`) of keys
+    // key_of(pass, r) of a tile's rows r (-1: none) into dst (gather_rows_sw128).
     auto gather = [&](auto threads, int t, const auto& key_of, const Element* rows, std::int64_t stride, Element* dst) {
-      gather_rows_sw128<decltype(threads)::value, kBlockN, kHeadDim>(t, key_of, rows, stride, dst, p.head_dim);
+      const auto row_of = [&](int pass, int r) {
+        const int key = key_of(pass, r);
+        return key >= 0 ? rows + std::int64_t{key} * stride : nullptr;
+      };
+      gather_rows_sw128<decltype(threads)::value, kBlockN, kHeadDim>(t, row_of, dst, p.head_dim);
     };
     // The lock-step walk's gathers: the keys staged in buffer s, by the consumers.
     auto gather_staged = [&](const Element* rows, std::int64_t stride, Element* dst, int s) {
-      gather(Int<kConsumers>{}, tid, [&](int r) { return keys_smem[s * kBlockN + r]; }, rows, stride, dst);
+      gather(Int<kConsumers>{}, tid, [&](int, int r) { return keys_smem[s * kBlockN + r]; }, rows, stride, dst);
     };
     const auto* k_rows = static_cast<const Element*>(p.k.data) + b * p.k.sb + hk * p.k.sh + blk.ks * p.k.sr;
     [[maybe_unused]] const auto* v_rows =
@@ -184,6 +189,18 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       int key0 = -1;  // a list's tile of the consecutive keys [key0, key0 + kBlockN) (TMA); -1: gathered
       int key = -1;   // the lock-step list walk's key at position t of the tile (thread t < kBlockN), -1 past the list
     };
+    // A list tile's first and last keys (first -1: no whole tile n), loaded
+    // apart from their test, so that a reader may load them a tile ahead: the
+    // list ascends, so the tile is a run of consecutive keys (start(), its
+    // first) iff last - first == kBlockN - 1.
+    struct ListRun {
+      int first = -1, last = -1;
+      __device__ int start() const { return first >= 0 && last - first == kBlockN - 1 ? first : -1; }
+    };
+    [[maybe_unused]] auto list_run = [&](int n) {
+      const int at = n * kBlockN;
+      return n >= tile_first && at + kBlockN <= listed ? ListRun{list[at], list[at + kBlockN - 1]} : ListRun{};
+    };
     // The walk's tile after tile n (n < tile_first: none), 32 classes a look by each warp.
     auto next_tile = [&](int n) {
       if constexpr (kMasked) {
@@ -198,15 +215,10 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
           }
         }
         return Tile{tile_first - 1, false};
-      } else if constexpr (kLists) {  // the list is ascending: its first and last key tell a run
+      } else if constexpr (kLists) {
         const int at = (n - 1) * kBlockN;
-        int key0 = -1;
-        if (n - 1 >= tile_first && at + kBlockN <= listed) {
-          const int first = list[at];
-          if (list[at + kBlockN - 1] - first == kBlockN - 1) key0 = first;
-        }
         const bool mine = kGatherAll && tid < kBlockN && n - 1 >= tile_first && at + tid < listed;
-        return Tile{n - 1, false, key0, mine ? list[at + tid] : -1};
+        return Tile{n - 1, false, list_run(n - 1).start(), mine ? list[at + tid] : -1};
       } else {
         return Tile{n - 1, false};
       }
@@ -294,16 +306,38 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
         auto acquire = [&](std::uint64_t* empty, int j) {
           if (j >= 2) Barrier::wait(&empty[j & 1], ((j >> 1) & 1) ^ 1);
         };
+        // A list walk's producer thread holds the keys of its rows of each
+        // tile (GatheredRows: two, and one of them a bias to load), loaded a
+        // tile ahead, so that a tile's K and V gathers load no list entry
+        // (ncu, S = 16384, w = 1024: the producer, 16 dependent list loads and
+        // ~18 instructions a gathered row and thread before, kept the
+        // consumers waiting on full barriers).
+        using Held = GatheredRows<kProducers, kBlockN>;
+        static_assert(!kLists || (Held::kPasses == 2 && Held::kPerRow == 2), "two rows a thread, one bias");
+        struct Keys {
+          int of[Held::kPasses];
+        };
+        [[maybe_unused]] auto list_keys = [&](int n) {
+          Keys keys;
+#pragma unroll
+          for (int pass = 0; pass < Held::kPasses; ++pass) {
+            const int at = n * kBlockN + Held::row(t, pass);
+            keys.of[pass] = n >= tile_first && at < listed ? list[at] : -1;
+          }
+          return keys;
+        };
         // A list's tile into K (with its bias) or V buffer s, by the whole
-        // warpgroup: a run of consecutive keys by TMA (thread 0), any other
-        // gathered (each thread's copies arrive on the buffer's full barrier
-        // once they land); then each thread's bias and zero stores, made
-        // visible to the consumers and their wgmma by its arrival.
-        auto fill_list = [&](const Tile& tile, int s, bool keys) {
+        // warpgroup (`key`: the thread's of the tile): a run of consecutive
+        // keys by TMA (thread 0), any other gathered (each thread's copies
+        // arrive on the buffer's full barrier once they land); then each
+        // thread's bias and zero stores, made visible to the consumers and
+        // their wgmma by its arrival.
+        auto fill_list = [&](const Tile& tile, int s, bool keys, const Keys& held) {
           std::uint64_t* full = keys ? &k_full[s] : &v_full[s];
           Element* dst = (keys ? k_smem : v_smem) + s * Config::kKvElems;
-          const int at = tile.n * kBlockN;
-          const auto key_of = [&](int r) { return at + r < listed ? list[at + r] : -1; };  // -1 past the list
+          // The bias of the thread's row of pass t % 2, loaded under the gathers.
+          const float bias = keys && key_bias ? key_bias_of(t % 2 ? held.of[1] : held.of[0]) : 0.0f;
+          const auto key_of = [&](int pass, int) { return held.of[pass]; };
           if (tile.key0 >= 0) {
             if (t == 0) {
               Barrier::expect_transaction(full, Config::kKvElems * int(sizeof(Element)));
@@ -313,17 +347,15 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
           } else {
             gather(Int<kProducers>{}, t, key_of, keys ? k_rows : v_rows, keys ? p.k.sr : p.v.sr, dst);
           }
-          if (keys && key_bias)
-            for (int r = t; r < kBlockN; r += kProducers)
-              bias_smem[s * kBlockN + r] = key_bias_of(key_of(r));
+          if (keys && key_bias) bias_smem[s * kBlockN + Held::row(t, t % 2)] = bias;
           fence_async_shared();
           cp_async_arrive(full);
           Barrier::arrive(full);
         };
-        auto load_v = [&](int j, const Tile& tile) {
+        auto load_v = [&](int j, const Tile& tile, const Keys& held) {
           acquire(v_empty, j);
           if constexpr (kLists)
-            fill_list(tile, j & 1, false);
+            fill_list(tile, j & 1, false, held);
           else if (t == 0)
             load(Int<kBlockN>{}, &maps.v, &v_full[j & 1], v_smem + (j & 1) * Config::kKvElems, blk.ks,
                  std::int64_t{tile.n} * kBlockN, hk);
@@ -339,10 +371,16 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
         const int first = walked;
         int& j = walked;
         Tile prev{0, false};
-        for (Tile tile = cur; tile.n >= tile_first; prev = tile, tile = next_tile(tile.n), ++j) {
+        // A list's: the thread's keys of the tile and of the one before.
+        [[maybe_unused]] Keys keys = kLists ? list_keys(cur.n) : Keys{}, prev_keys{};
+        for (Tile tile = cur; tile.n >= tile_first; ++j) {
+          // A list's next tile: its run and the thread's keys loaded here,
+          // tested and used after this tile's gathers.
+          [[maybe_unused]] const ListRun run = kLists ? list_run(tile.n - 1) : ListRun{};
+          [[maybe_unused]] const Keys next_keys = kLists ? list_keys(tile.n - 1) : Keys{};
           acquire(k_empty, j);
           if constexpr (kLists) {
-            fill_list(tile, j & 1, true);
+            fill_list(tile, j & 1, true, keys);
           } else {
             if (key_bias) {  // the tile's loads first, then its stores: one load latency a tile
               float x[kBlockN / 32];
@@ -356,9 +394,14 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
             else
               Barrier::arrive(&k_full[j & 1]);
           }
-          if (j > first) load_v(j - 1, prev);
+          if (j > first) load_v(j - 1, prev, prev_keys);
+          prev = tile, prev_keys = keys, keys = next_keys;
+          if constexpr (kLists)
+            tile = Tile{tile.n - 1, false, run.start()};
+          else
+            tile = next_tile(tile.n);
         }
-        if (j > first) load_v(j - 1, prev);
+        if (j > first) load_v(j - 1, prev, prev_keys);
         if constexpr (kLists && !kPersistent) cute::cp_async_wait<0>();  // no thread leaves copies in flight
         return;
       }
