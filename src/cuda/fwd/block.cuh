@@ -57,4 +57,36 @@ struct ForwardBlock {
   }
 };
 
+// Readings of a block's key list (its tiles of kBlockN positions) loaded apart
+// from their use, so that a walk may load them a tile ahead (the Hopper
+// forward's producer). ListRun: a tile's first and last keys (first -1: no
+// whole tile n); the list ascends, so the tile is a run of consecutive keys
+// (start(): its first) iff last - first == kBlockN - 1.
+template <int kBlockN>
+struct ListRun {
+  int first = -1, last = -1;
+  __device__ static ListRun of(const ForwardBlock& blk, int n) {
+    const int at = n * kBlockN;
+    return n >= blk.tile_first && at + kBlockN <= blk.mask_count
+               ? ListRun{blk.mask_keys[at], blk.mask_keys[at + kBlockN - 1]}
+               : ListRun{};
+  }
+  __device__ int start() const { return first >= 0 && last - first == kBlockN - 1 ? first : -1; }
+};
+
+// Thread t's keys of tile n, those of the rows Rows::row(t, pass) (-1 past the list).
+template <int kBlockN, class Rows>
+struct HeldKeys {
+  int of[Rows::kPasses];
+  __device__ static HeldKeys of_tile(const ForwardBlock& blk, int n, int t) {
+    HeldKeys keys;
+#pragma unroll
+    for (int pass = 0; pass < Rows::kPasses; ++pass) {
+      const int at = n * kBlockN + Rows::row(t, pass);
+      keys.of[pass] = n >= blk.tile_first && at < blk.mask_count ? blk.mask_keys[at] : -1;
+    }
+    return keys;
+  }
+};
+
 }  // namespace dmattn::cuda

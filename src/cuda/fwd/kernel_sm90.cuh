@@ -189,18 +189,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       int key0 = -1;  // a list's tile of the consecutive keys [key0, key0 + kBlockN) (TMA); -1: gathered
       int key = -1;   // the lock-step list walk's key at position t of the tile (thread t < kBlockN), -1 past the list
     };
-    // A list tile's first and last keys (first -1: no whole tile n), loaded
-    // apart from their test, so that a reader may load them a tile ahead: the
-    // list ascends, so the tile is a run of consecutive keys (start(), its
-    // first) iff last - first == kBlockN - 1.
-    struct ListRun {
-      int first = -1, last = -1;
-      __device__ int start() const { return first >= 0 && last - first == kBlockN - 1 ? first : -1; }
-    };
-    [[maybe_unused]] auto list_run = [&](int n) {
-      const int at = n * kBlockN;
-      return n >= tile_first && at + kBlockN <= listed ? ListRun{list[at], list[at + kBlockN - 1]} : ListRun{};
-    };
+    using Run = ListRun<kBlockN>;
     // The walk's tile after tile n (n < tile_first: none), 32 classes a look by each warp.
     auto next_tile = [&](int n) {
       if constexpr (kMasked) {
@@ -218,7 +207,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       } else if constexpr (kLists) {
         const int at = (n - 1) * kBlockN;
         const bool mine = kGatherAll && tid < kBlockN && n - 1 >= tile_first && at + tid < listed;
-        return Tile{n - 1, false, list_run(n - 1).start(), mine ? list[at + tid] : -1};
+        return Tile{n - 1, false, Run::of(blk, n - 1).start(), mine ? list[at + tid] : -1};
       } else {
         return Tile{n - 1, false};
       }
@@ -307,27 +296,13 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
           if (j >= 2) Barrier::wait(&empty[j & 1], ((j >> 1) & 1) ^ 1);
         };
         // A list walk's producer thread holds the keys of its rows of each
-        // tile (GatheredRows: two, and one of them a bias to load), loaded a
-        // tile ahead, so that a tile's K and V gathers load no list entry
-        // (ncu, S = 16384, w = 1024: the producer, 16 dependent list loads and
-        // ~18 instructions a gathered row and thread before, kept the
-        // consumers waiting on full barriers).
+        // tile (GatheredRows: two, and the bias of one), loaded a tile ahead:
+        // a tile's gathers load no list entry (docs/kernels.md).
         using Held = GatheredRows<kProducers, kBlockN>;
         static_assert(!kLists || (Held::kPasses == 2 && Held::kPerRow == 2), "two rows a thread, one bias");
-        struct Keys {
-          int of[Held::kPasses];
-        };
-        [[maybe_unused]] auto list_keys = [&](int n) {
-          Keys keys;
-#pragma unroll
-          for (int pass = 0; pass < Held::kPasses; ++pass) {
-            const int at = n * kBlockN + Held::row(t, pass);
-            keys.of[pass] = n >= tile_first && at < listed ? list[at] : -1;
-          }
-          return keys;
-        };
+        using Keys = HeldKeys<kBlockN, Held>;
         // A list's tile into K (with its bias) or V buffer s, by the whole
-        // warpgroup (`key`: the thread's of the tile): a run of consecutive
+        // warpgroup (`held`: the thread's keys of the tile): a run of consecutive
         // keys by TMA (thread 0), any other gathered (each thread's copies
         // arrive on the buffer's full barrier once they land); then each
         // thread's bias and zero stores, made visible to the consumers and
@@ -372,12 +347,12 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
         int& j = walked;
         Tile prev{0, false};
         // A list's: the thread's keys of the tile and of the one before.
-        [[maybe_unused]] Keys keys = kLists ? list_keys(cur.n) : Keys{}, prev_keys{};
+        [[maybe_unused]] Keys keys = kLists ? Keys::of_tile(blk, cur.n, t) : Keys{}, prev_keys{};
         for (Tile tile = cur; tile.n >= tile_first; ++j) {
           // A list's next tile: its run and the thread's keys loaded here,
           // tested and used after this tile's gathers.
-          [[maybe_unused]] const ListRun run = kLists ? list_run(tile.n - 1) : ListRun{};
-          [[maybe_unused]] const Keys next_keys = kLists ? list_keys(tile.n - 1) : Keys{};
+          [[maybe_unused]] const Run run = kLists ? Run::of(blk, tile.n - 1) : Run{};
+          [[maybe_unused]] const Keys next_keys = kLists ? Keys::of_tile(blk, tile.n - 1, t) : Keys{};
           acquire(k_empty, j);
           if constexpr (kLists) {
             fill_list(tile, j & 1, true, keys);
