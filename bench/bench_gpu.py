@@ -524,6 +524,12 @@ def load(path):
     return data["suites"] if "suites" in data else {"main": data}
 
 
+def measured_at(meta, build=True):
+    """Where a row was measured: device, date, commit and (build) the build's head dims."""
+    here = f"{meta['device']}, {meta['date']}, {meta['commit']}"
+    return f"{here}, head dims {meta['dmattn']['head_dims']}" if build else here
+
+
 def shape_groups(specs):
     """The specs in order as lists measured together: consecutive specs of one shape whose calls the host
     bounds (`graph`) form one list, measured in ROUNDS interleaved rounds; any other spec is a list of its own."""
@@ -605,8 +611,7 @@ def run(args):
                 continue
             started = time.time()
             for row in measure_group(torch, name, group, args.deadline):
-                row["measured"] = (f"{meta['device']}, {meta['date']}, {meta['commit']}, head dims "
-                                   f"{meta['dmattn']['head_dims']}")
+                row["measured"] = measured_at(meta)
                 results["rows"].append(row)
                 print(json.dumps(row), flush=True)
             free(torch)

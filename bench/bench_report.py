@@ -9,7 +9,8 @@ import dataclasses
 from pathlib import Path
 
 from bench_gpu import (ALL, DECODE_BATCH, DECODE_KEYS, FILL_KEYS, FILL_ROWS, FWD_BWD_FLOP_FACTOR, GRAPH_KEYS,
-                       PORTABLE, PORTABLE_SHAPES, ROUNDS, SCALING_W, SHAPES, SUITES, TOP_K, TOPK, allowed_per_row)
+                       PORTABLE, PORTABLE_SHAPES, ROUNDS, SCALING_W, SHAPES, SUITES, TOP_K, TOPK, allowed_per_row,
+                       measured_at)
 
 # DESIGN.md: one H200, B=1, 32/8 heads, D=128, bf16, causal, S=16384, fwd ms / fwd+bwd ms; measured by
 # others on the seed project (flash-dmattn) and its peers, not re-run here.
@@ -61,9 +62,8 @@ def measured_apart(suite):
     """Lines naming the rows measured on another device, date, commit or build than the suite's header (rows
     measured before the build's head dims were recorded name the first three)."""
     meta = suite["meta"]
-    here = f"{meta['device']}, {meta['date']}, {meta['commit']}"
-    heres = {here, f"{here}, head dims {meta['dmattn']['head_dims']}"}
-    apart = sorted({f"- {r['case']}: {r['measured']}" for r in suite["rows"] if r.get("measured", here) not in heres})
+    here = {None, measured_at(meta), measured_at(meta, build=False)}  # None: rows that name no place
+    apart = sorted({f"- {r['case']}: {r['measured']}" for r in suite["rows"] if r.get("measured") not in here})
     return ["", "Measured apart from the header's run:", ""] + apart if apart else []
 
 

@@ -23,8 +23,8 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
     check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
     changed_ = previous_ != device;
+    if (changed_) check_cuda(cudaSetDevice(device), "cudaSetDevice");
   }
   ~DeviceGuard() {
     if (changed_) cudaSetDevice(previous_);
