@@ -118,6 +118,8 @@ bool compiled(int d) {
   return false;
 }
 
+bool has(const std::string& text, const char* words) { return text.find(words) != std::string::npos; }
+
 // The cases below are written for the default head dims, 64 and 128.
 class Dispatch : public ::testing::Test {
  protected:
@@ -139,7 +141,7 @@ void expect_refused(const F& call, Error::Kind kind, const char* argument) {
 }
 
 // The Hopper forward on an H100, as `plan` names it: persistent (a CTA an SM)
-// where a producer warpgroup loads (D' = 128) key lists, or rows of at most
+// where a producer warpgroup loads (D' >= 128) key lists, or rows of at most
 // 4096 keys.
 void expect_sm90_forward(const ForwardPlan& plan, bool key_lists, bool mask_tiles, bool bias_tiles) {
   EXPECT_EQ(plan.kernel, ForwardKernel::kSm90);
@@ -147,7 +149,7 @@ void expect_sm90_forward(const ForwardPlan& plan, bool key_lists, bool mask_tile
   EXPECT_EQ(plan.mask_tiles, mask_tiles);
   EXPECT_EQ(plan.bias_tiles, bias_tiles);
   EXPECT_EQ(plan.params.num_splits, 1);
-  const bool persistent = plan.head_dim == 128 && (key_lists || plan.params.seqlen_k <= 4096);
+  const bool persistent = plan.head_dim >= 128 && (key_lists || plan.params.seqlen_k <= 4096);
   EXPECT_EQ(plan.persistent_ctas, persistent ? kH100.sms : 0) << "D' " << plan.head_dim;
 }
 
@@ -163,6 +165,30 @@ TEST_F(Dispatch, H100DenseRunsHopperBothWaysAtEachHeadDim) {
     const BackwardPlan b = c.backward(kH100);
     EXPECT_EQ(b.dkv, DkvKernel::kSm90) << "D " << d;
     EXPECT_TRUE(b.params.atomic_dq && b.params.dq_blocks && !b.ordered_dq) << "D " << d;
+  }
+}
+
+// Above D = 128 the forward runs the Hopper kernel (128-row blocks where the
+// sm80 kernel's are 64), a key-only bias, top-k or a mask included; the
+// backward the sm80-class kernels (no Hopper dk/dv kernel there).
+TEST_F(Dispatch, H100WideHeadsRunTheHopperForward) {
+  if (!compiled(192) || !compiled(256)) GTEST_SKIP() << "head dims 192 and 256 not both compiled";
+  for (std::int64_t d : {192, 256, 160}) {
+    Call c;
+    c.head_dim = d;
+    const ForwardPlan f = c.forward(kH100);
+    expect_sm90_forward(f, false, false, false);
+    EXPECT_EQ(f.block_m, 128) << "D " << d;
+    EXPECT_EQ(f.head_dim, d <= 192 ? 192 : 256) << "D " << d;
+    Call biased = c;
+    biased.bias = Shape{1, 8, 1, 8192}, biased.keep = 1024;
+    expect_sm90_forward(biased.forward(kH100), true, false, false);
+    Call masked = c;
+    masked.mask = Shape{1, 1, 8192, 8192};
+    expect_sm90_forward(masked.forward(kH100), false, true, false);
+    const BackwardPlan b = c.backward(kH100);
+    EXPECT_EQ(b.dkv, DkvKernel::kSm80) << "D " << d;
+    EXPECT_TRUE(has(b.why_not_sm90, "no Hopper kernel at this head dim")) << "D " << d;
   }
 }
 
@@ -356,7 +382,6 @@ TEST_F(Dispatch, Sm80BackwardTilesBySharedMemory) {
 
 // ---- Why not the Hopper kernel, and the plan in words ----
 
-bool has(const std::string& text, const char* words) { return text.find(words) != std::string::npos; }
 
 // The plan names `words` as the reason its step is not on the Hopper kernel, and so does its description.
 template <class Plan>
@@ -473,7 +498,7 @@ TEST_F(Dispatch, RefusalsOlderGpuHeadDimAndSharedMemory) {
     d256.head_dim = 256;
     EXPECT_EQ(d256.backward(kA100).dkv, DkvKernel::kSm80);
     expect_refused([&] { d256.backward(kRtx4090); }, Error::Kind::kUnsupported, "q.shape[-1]");
-    EXPECT_TRUE(has(d256.forward(kH100).why_not_sm90, "no Hopper kernel at this head dim"));
+    EXPECT_EQ(d256.forward(kH100).why_not_sm90, nullptr);
   }
   constexpr DeviceInfo kSmall{80, 108, 48 * 1024, true, false};  // DMATTN_SMEM_LIMIT=48
   expect_refused([&] { c.forward(kSmall); }, Error::Kind::kUnsupported, "q.shape[-1]");

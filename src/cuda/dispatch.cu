@@ -137,7 +137,7 @@ struct Instance {
   // Bytes of shared memory of a CTA of the sm80 dq and dk/dv kernels: large tile, small tile.
   int dq_smem[2] = {}, dkv_smem[2] = {};
   // Of a CTA of the Hopper forward and dk/dv kernels; 0: none at this head
-  // dim (sm90_head_dim).
+  // dim (sm90_forward_head_dim, sm90_backward_head_dim).
   int forward_sm90_smem = 0, dkv_sm90_smem = 0;
   int forward_sm90_tile_smem = 0;  // ... of the Hopper forward's walk of full-bias tiles
   // ... of its walk of a bias with rows, and whether that walk sums dbias over
@@ -166,9 +166,11 @@ Instance make_instance() {
     i.dkv_smem[0] = BackwardKernelConfig<half_t, kHeadDim, true, false>::kSmemBytes;
     i.dkv_smem[1] = BackwardKernelConfig<half_t, kHeadDim, true, true>::kSmemBytes;
   }
-  if constexpr (sm90_head_dim(kHeadDim)) {
+  if constexpr (sm90_forward_head_dim(kHeadDim)) {
     i.forward_sm90_smem = ForwardSm90Config<half_t, kHeadDim>::kSmemBytes;
     i.forward_sm90_tile_smem = ForwardSm90Config<half_t, kHeadDim>::kTileSmemBytes;
+  }
+  if constexpr (sm90_backward_head_dim(kHeadDim)) {
     i.dkv_sm90_smem = DkvSm90Config<half_t, kHeadDim>::kSmemBytes;
     i.dkv_sm90_row_bias_smem = DkvSm90Config<half_t, kHeadDim>::kRowBiasSmemBytes;
     i.dkv_sm90_db_sums = DkvSm90Config<half_t, kHeadDim>::kDbSums;
@@ -301,11 +303,12 @@ void plan_selection(const Problem& p, Plan& plan) {
 // why_not_sm90, shown by DMATTN_LOG_PLAN), or nullptr where it does.
 
 constexpr const char* kNoSm90a = "not an sm_90a device and build (or DMATTN_PORTABLE=1)";
-constexpr const char* kNoSm90HeadDim = "no Hopper kernel at this head dim (D' = 64 and 128 have one)";
+constexpr const char* kNoSm90HeadDim = "no Hopper kernel at this head dim (see heuristics.h sm90_*_head_dim)";
 constexpr const char* kSm90Smem = "its CTA needs more shared memory than the device gives (DMATTN_SMEM_LIMIT?)";
 
-// The Hopper forward: written for the training shapes at D' = 64 and 128 (TMA
-// fills the features past a smaller head dim with zeros), a top-k selection
+// The Hopper forward: written for the training shapes at D' = 64 to 256 (TMA
+// fills the features past a smaller head dim with zeros; its 128-row blocks
+// where the sm80 kernel's are 64 above D = 128), a top-k selection
 // walked over the key lists, a mask alone by tile class and bit, a full bias
 // by tiles (`tiles`: ForwardWalk::kRowBias, without a mask or top-k, whose
 // walks take none, where TMA can load it); the 128-row sm80 walk otherwise.
@@ -314,7 +317,7 @@ const char* forward_sm90_refusal(const ForwardPlan& plan, const Instance& i, con
   const BiasKind bias = p.bias_kind();
   if (!device.sm90a) return kNoSm90a;
   if (plan.kernel != ForwardKernel::kSm80) return "at most 64 query rows: the sm80 decode tile";
-  if (i.forward_sm90_smem == 0 || plan.block_m != kForwardSm90BlockM) return kNoSm90HeadDim;
+  if (i.forward_sm90_smem == 0) return kNoSm90HeadDim;
   if (p.num_splits != 1) return "split-KV (the grid leaves SMs idle): the sm80 kernel";
   if (!p.vector_q || !p.vector_k || !p.vector_v) return "q, k or v rows not in 16-byte chunks";
   if (bias == BiasKind::kPerRow) return "a per-row bias (the Hopper forward takes key-only and full ones)";
@@ -436,6 +439,7 @@ ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device) {
   plan.why_not_sm90 = forward_sm90_refusal(plan, instance, device, bias_tiles);
   if (plan.why_not_sm90 == nullptr) {
     plan.kernel = ForwardKernel::kSm90;
+    plan.block_m = kForwardSm90BlockM;
     plan.mask_tiles = plan.key_lists && plan.selection == DeviceSelection::kNone;
     plan.bias_tiles = bias_tiles;
     if (plan.mask_tiles) plan.key_lists = false;

@@ -25,14 +25,21 @@ constexpr int forward_block_n(int head_dim, int block_m) {
 }
 // K/V tiles in flight: the 128-row tile is compute-bound and overlaps one load
 // with the block in hand; the 64-row tile (decode) is bound by reading K and V
-// and keeps three more blocks in flight.
-constexpr int forward_stages(int block_m) { return block_m == kForwardDecodeRows ? 4 : 2; }
+// and keeps three more blocks in flight up to D = 128. Above, the 64-row tile
+// is every call's and keeps two, so that its CTA fits the 99 KiB of sm_86 /
+// sm_89 (D = 256: 97.5 KiB; four stages took 163).
+constexpr int forward_stages(int head_dim, int block_m) {
+  return block_m == kForwardDecodeRows && head_dim <= 128 ? 4 : 2;
+}
 
 // ---- Hopper kernels (sm_90a: wgmma, TMA): their head dims ----
-// The instantiations at D' = 64 and 128 (TMA boxes and 128-byte swizzle atoms
-// of 64 features); a smaller head dim runs on them padded, TMA filling the
-// features past it with zeros.
-constexpr bool sm90_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+// Multiples of 64 features (TMA boxes and 128-byte swizzle atoms of 64); a
+// head dim between two runs on the next one padded, TMA filling the features
+// past it with zeros. The forward at D' = 64, 128, 192 and 256; the dk/dv
+// kernel at 64 and 128 (its dK and dV accumulators, 128 keys x D' a CTA, take
+// 2 D' registers a thread: wider heads run the sm80-class backward).
+constexpr bool sm90_forward_head_dim(int head_dim) { return head_dim % 64 == 0 && head_dim <= 256; }
+constexpr bool sm90_backward_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 // ---- Forward, Hopper kernel ----
 // 128 query rows a CTA (two warpgroups of 64), two K and two V buffers in
@@ -42,10 +49,13 @@ constexpr bool sm90_head_dim(int head_dim) { return head_dim == 64 || head_dim =
 // 64 the exponentials cost as much as the MMAs (16 a cycle an SM either way),
 // so the overlap decides: against one CTA of 192 x 128 or 128 x 128 tiles (the
 // same time), 3.37 -> 2.85 ms (B = 1, 32 / 8 heads, S = 16384, causal; H100).
+// D = 192 and 256: key tiles of 64, for the shared memory (Q, two K and two V
+// buffers: 144 and 192 KiB; 128-key tiles would need 240 and 320) and the
+// registers (O takes 96 and 128 a thread, S 32, P 16), one CTA an SM.
 constexpr int kForwardSm90BlockM = 128;
-constexpr int forward_sm90_block_n(int head_dim) { return head_dim <= 64 ? 64 : 128; }
+constexpr int forward_sm90_block_n(int head_dim) { return head_dim == 128 ? 128 : 64; }
 constexpr int forward_sm90_ctas_per_sm(int head_dim) { return head_dim <= 64 ? 2 : 1; }
-// D = 128: every walk is warp-specialized. A producer warpgroup
+// Above D = 64 every walk is warp-specialized. A producer warpgroup
 // issues every load (TMA of Q, K and V; the key-only bias) into the two K and
 // two V buffers, guarded by full and empty mbarriers, so that the consumer
 // warpgroups never meet at a CTA barrier; it hands its registers to them

@@ -117,9 +117,10 @@ std::vector<Case> forward_matrix(bool small) {
     td.name = name(td, "small top-k decode 300");
     cases.push_back(td);
     add_head_dim_64(cases);
-    // The Hopper forward: a partial query block and key tile, causal offset; D = 96
-    // and 40 padded (to 128 and 64) with TMA's zeros.
-    for (std::int64_t d : {128, 64, 96, 40}) {
+    // The Hopper forward: a partial query block and key tile, causal offset; D = 96,
+    // 40 and 160 padded (to 128, 64 and 192) with TMA's zeros; 192 and 256
+    // where DMATTN_HEAD_DIMS compiles them (check() skips the others).
+    for (std::int64_t d : {128, 64, 96, 40, 256, 160}) {
       Case h = base(200, 300, d == 96 ? DType::kFloat16 : DType::kBFloat16);
       h.B = 1, h.H = 4, h.Hk = 2, h.D = d;
       h.options.causal = true;
@@ -144,7 +145,7 @@ std::vector<Case> forward_matrix(bool small) {
       cases.push_back(f);
       Case t = base(0, 0, d == 96 ? DType::kFloat16 : DType::kBFloat16);
       t.H = 4;
-      t = hopper_topk_case(t, d, d == 128 ? 0 : d == 64 ? 1 : d == 96 ? 3 : 4, 260, 300);
+      t = hopper_topk_case(t, d, d == 128 || d == 256 ? 0 : d == 64 ? 1 : d == 96 ? 3 : d == 160 ? 2 : 4, 260, 300);
       t.name = name(t, "small " + t.name);
       cases.push_back(t);
     }
@@ -238,7 +239,7 @@ std::vector<Case> forward_matrix(bool small) {
   // addresses: Sk % 8 == 0): each head and batch broadcast, partial query
   // blocks and key tiles, causal or not, a window, softcap, -inf rows and the
   // dtype's lowest; a sliced (misaligned) one takes the sm80 kernel.
-  for (std::int64_t d : {128, 64})
+  for (std::int64_t d : {128, 64, 192, 256})
     for (int variant = 0; variant < 8; ++variant) {
       Case c = base(variant % 2 ? 300 : 129, variant % 3 ? 264 : 520, variant % 2 ? DType::kFloat16 : DType::kBFloat16);
       c.B = 2, c.H = 4, c.Hk = 2, c.D = d;
@@ -305,8 +306,8 @@ std::vector<Case> forward_matrix(bool small) {
       c.name = name(c, "varlen #" + std::to_string(i) + " bias heads " + std::to_string(c.bias_shape[1]));
       cases.push_back(c);
     }
-  // Varlen on the Hopper forward, both head dims and dtypes.
-  for (std::int64_t d : {128, 64})
+  // Varlen on the Hopper forward, every head dim and both dtypes.
+  for (std::int64_t d : {128, 64, 192, 256})
     for (int i = 0; i < 3; ++i) {
       Case c = base(1, 1, i % 2 ? DType::kFloat16 : DType::kBFloat16);
       c.H = 8, c.Hk = 2, c.D = d;
@@ -513,13 +514,13 @@ std::vector<Case> forward_matrix(bool small) {
     cases.push_back(c);
   }
   add_head_dim_64(cases);
-  for (std::int64_t d : {128, 64})
+  for (std::int64_t d : {128, 64, 192, 256})
     for (int variant = 0; variant < kHopperMaskVariants; ++variant) {
       Case m = hopper_mask_case(base(0, 0, variant % 2 ? DType::kFloat16 : DType::kBFloat16), d, variant);
       m.name = name(m, m.name);
       cases.push_back(m);
     }
-  for (std::int64_t d : {128, 64})
+  for (std::int64_t d : {128, 64, 192, 256})
     for (int variant = 0; variant < kHopperTopkVariants; ++variant) {
       Case t = base(0, 0, variant % 2 ? DType::kFloat16 : DType::kBFloat16);
       t.H = 8;

@@ -198,7 +198,7 @@ struct DkvSm90Config {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kDkvSm90BlockN;              // keys a CTA, 64 a warpgroup
   static constexpr int kBlockM = dkv_sm90_block_m(kHeadDim);  // queries a step
-  static_assert(sm90_head_dim(kHeadDim), "a head dim of the Hopper kernels");
+  static_assert(sm90_backward_head_dim(kHeadDim), "a head dim of the Hopper kernels");
   using Dq = DqBlocks<kHeadDim>;
   static constexpr int kThreads = 32 * Dq::kWarps;
 

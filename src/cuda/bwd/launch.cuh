@@ -30,7 +30,7 @@ namespace dmattn::cuda {
 // other head dims have none.
 template <class Element, int kHeadDim>
 DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch, bool bias_tiles) {
-  if constexpr (!sm90_head_dim(kHeadDim)) {
+  if constexpr (!sm90_backward_head_dim(kHeadDim)) {
     throw std::logic_error("dmattn: the Hopper dk/dv kernel planned for head dim " + std::to_string(kHeadDim));
   } else {
     using Config = DkvSm90Config<Element, kHeadDim>;
@@ -66,7 +66,7 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
   if (plan.dkv == DkvKernel::kSm80)
     return plan.small_dkv ? launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, true>>(p, grid, stream)
                           : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, false>>(p, grid, stream);
-  if constexpr (sm90_head_dim(kHeadDim)) {
+  if constexpr (sm90_backward_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
     const bool row_bias = plan.dkv == DkvKernel::kSm90RowBias;
     auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, DkvWalk::kKeyGroups>
@@ -137,7 +137,7 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   if (err == cudaSuccess && plan.key_lists) {
     p.build_if = p.huge_rows;
     build_key_lists(p, dq_rows, batch, p.heads, stream);
-    if constexpr (sm90_head_dim(kHeadDim)) {
+    if constexpr (sm90_backward_head_dim(kHeadDim)) {
       using Config = DkvSm90Config<Element, kHeadDim>;
       if (plan.mask_tiles && plan.dkv == DkvKernel::kSm90)
         p.dkv_tiles = pack_mask(p, Config::kBlockM, Config::kBlockN, true, batch, p.heads, stream, &dkv_tiles,

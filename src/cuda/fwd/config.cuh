@@ -1,6 +1,6 @@
 // The forward kernels' configurations: tile shapes, shared-memory layouts and
 // sizes of the sm80-class kernel (fwd/kernel_sm80.cuh; a 128-row and a 64-row
-// tile) and of the Hopper kernel (fwd/kernel_sm90.cuh, D = 64 and 128), from
+// tile) and of the Hopper kernel (fwd/kernel_sm90.cuh, D = 64 to 256), from
 // heuristics.h. The dispatch reads their sizes without instantiating a kernel.
 #pragma once
 
@@ -28,7 +28,7 @@ struct ForwardConfig {
   static constexpr int kBlockN = forward_block_n(kHeadDim, kBlockM);
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRowsPerThread = 2 * kBlockM / (16 * kWarps);  // two rows per 16-row MMA tile
-  static constexpr int kStages = forward_stages(kBlockM);
+  static constexpr int kStages = forward_stages(kHeadDim, kBlockM);
   // Shared memory rows of 64 elements (128 bytes) swizzled so that ldmatrix is
   // conflict-free; heads that are not a multiple of 64 use 32-element rows.
   static constexpr int kSmemRow = kHeadDim % 64 == 0 ? 64 : 32;
@@ -87,7 +87,7 @@ struct ForwardSm90Config {
   }
   static_assert(kProducerThreads == 0 || (kCtasPerSm == 1 && regs_fit(false) && regs_fit(true)),
                 "a producer warpgroup with one CTA an SM, its registers within the launch's");
-  static_assert(kBlockM == 128 && sm90_head_dim(kHeadDim), "two warpgroups of 64 rows, a head dim of the Hopper kernels");
+  static_assert(kBlockM == 128 && sm90_forward_head_dim(kHeadDim), "two warpgroups of 64 rows, a head dim of the Hopper kernels");
 
   using Atom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
   using LayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));

@@ -1,5 +1,5 @@
 // The Hopper forward (sm_90a): warpgroup MMAs (wgmma) and TMA loads for the
-// query blocks of head dims up to 64 and 128 (zero-padded) without split-KV,
+// query blocks of head dims up to 64, 128, 192 and 256 (zero-padded) without split-KV,
 // batched or varlen, with no bias, a key-only one or (batched, no mask or
 // top-k) a full one, softcap, the user's mask and top-k. The dispatch plans it
 // where it applies (dispatch.cu forward_sm90_refusal); everything else runs
@@ -7,10 +7,11 @@
 // tells how it works and what each choice measured.
 //
 // Two consumer warpgroups own a CTA's 128 query rows, 64 each, and walk key
-// tiles of kBlockN (128; 64 at D = 64, two CTAs an SM), the last first. Tile
+// tiles of kBlockN (128 at D = 128; 64 at D = 64, two CTAs an SM, and at 192
+// and 256), the last first. Tile
 // i's S = Q K^T is issued with tile i - 1's O += P V, so that the softmax of
 // one runs under the other's MMAs. K and V have two buffers each, an mbarrier
-// each that its load completes. At D = 128 a producer warpgroup issues every
+// each that its load completes. Above D = 64 a producer warpgroup issues every
 // load into buffers the consumers released (empty barriers) and the consumers
 // take turns at issuing their MMAs (named barriers); at D = 64 one thread
 // issues the loads and the CTA meets at one barrier a tile. Persistent walks
@@ -299,7 +300,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
         // tile (GatheredRows: two, and the bias of one), loaded a tile ahead:
         // a tile's gathers load no list entry (docs/kernels.md).
         using Held = GatheredRows<kProducers, kBlockN>;
-        static_assert(!kLists || (Held::kPasses == 2 && Held::kPerRow == 2), "two rows a thread, one bias");
+        static_assert(!kLists || (Held::kPerRow == 2 && Held::kPasses <= 2), "two threads a row, one bias a thread");
         using Keys = HeldKeys<kBlockN, Held>;
         // A list's tile into K (with its bias) or V buffer s, by the whole
         // warpgroup (`held`: the thread's keys of the tile): a run of consecutive
@@ -310,8 +311,10 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
         auto fill_list = [&](const Tile& tile, int s, bool keys, const Keys& held) {
           std::uint64_t* full = keys ? &k_full[s] : &v_full[s];
           Element* dst = (keys ? k_smem : v_smem) + s * Config::kKvElems;
-          // The bias of the thread's row of pass t % 2, loaded under the gathers.
-          const float bias = keys && key_bias ? key_bias_of(t % 2 ? held.of[1] : held.of[0]) : 0.0f;
+          // The bias of the thread's row of pass t % 2 (with one row a thread, 64-key
+          // tiles: the even threads'), loaded under the gathers.
+          const bool bias_mine = keys && key_bias && t % 2 < Held::kPasses;
+          const float bias = bias_mine ? key_bias_of(t % 2 ? held.of[Held::kPasses - 1] : held.of[0]) : 0.0f;
           const auto key_of = [&](int pass, int) { return held.of[pass]; };
           if (tile.key0 >= 0) {
             if (t == 0) {
@@ -322,7 +325,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
           } else {
             gather(Int<kProducers>{}, t, key_of, keys ? k_rows : v_rows, keys ? p.k.sr : p.v.sr, dst);
           }
-          if (keys && key_bias) bias_smem[s * kBlockN + Held::row(t, t % 2)] = bias;
+          if (bias_mine) bias_smem[s * kBlockN + Held::row(t, t % 2)] = bias;
           fence_async_shared();
           cp_async_arrive(full);
           Barrier::arrive(full);

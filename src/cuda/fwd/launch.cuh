@@ -57,7 +57,7 @@ int ForwardInstance<Element, kHeadDim>::ctas_per_sm(ForwardKernel kernel) {
 // other head dims have none.
 template <class Element, int kHeadDim>
 ForwardSm90Maps forward_sm90_maps(const ForwardParams& p, bool bias_tiles) {
-  if constexpr (!sm90_head_dim(kHeadDim)) {
+  if constexpr (!sm90_forward_head_dim(kHeadDim)) {
     throw std::logic_error("dmattn: the Hopper forward planned for head dim " + std::to_string(kHeadDim));
   } else {
     using Config = ForwardSm90Config<Element, kHeadDim>;
@@ -82,7 +82,7 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
                                   cudaStream_t stream) {
   switch (plan.kernel) {
     case ForwardKernel::kSm90:
-      if constexpr (sm90_head_dim(kHeadDim)) {
+      if constexpr (sm90_forward_head_dim(kHeadDim)) {
         using Config = ForwardSm90Config<Element, kHeadDim>;
         const ForwardWalk walk = plan.mask_tiles   ? ForwardWalk::kMasked
                                  : plan.key_lists  ? ForwardWalk::kKeyLists
@@ -137,7 +137,7 @@ void ForwardInstance<Element, kHeadDim>::run(const ForwardPlan& plan, cudaStream
     build_key_lists(params, plan.block_m, params.batch, params.heads, stream);
   }
   std::uint8_t* mask_memory = nullptr;
-  if constexpr (sm90_head_dim(kHeadDim)) {
+  if constexpr (sm90_forward_head_dim(kHeadDim)) {
     using Config = ForwardSm90Config<Element, kHeadDim>;
     if (plan.mask_tiles)
       params.tiles = pack_mask(params, Config::kBlockM, Config::kBlockN, false, params.batch, params.heads, stream,
