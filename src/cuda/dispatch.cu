@@ -145,6 +145,7 @@ struct Instance {
   int dkv_sm90_row_bias_smem = 0;
   bool dkv_sm90_db_sums = false;
   int dkv_sm90_ordered_smem = 0;  // ... of its walk with ordered dq (deterministic)
+  bool dkv_sm90_split = false;    // its dense walk only, 64 keys a CTA (heuristics.h dkv_sm90_split_features)
 };
 
 template <int kHeadDim>
@@ -175,6 +176,7 @@ Instance make_instance() {
     i.dkv_sm90_row_bias_smem = DkvSm90Config<half_t, kHeadDim>::kRowBiasSmemBytes;
     i.dkv_sm90_db_sums = DkvSm90Config<half_t, kHeadDim>::kDbSums;
     i.dkv_sm90_ordered_smem = DkvSm90Config<half_t, kHeadDim>::kOrderedSmemBytes;
+    i.dkv_sm90_split = DkvSm90Config<half_t, kHeadDim>::kSplitFeatures;
   }
   return i;
 }
@@ -340,7 +342,8 @@ bool row_bias_walk(const BackwardParams& p) {
   return p.bias_kind() == BiasKind::kPerRow || p.bias_kind() == BiasKind::kFull || p.bias_grad == BiasGrad::kPerElement;
 }
 
-// The Hopper dk/dv kernel: D' = 64 or 128 (a smaller D padded), dq summed in
+// The Hopper dk/dv kernel: D' = 64 to 256 (a smaller D padded; above 128 the
+// dense walk alone, without softcap, ordered dq or a bias with rows), dq summed in
 // its dQ blocks (deterministic: in order, the dense walk of a batched call
 // without a mask or softcap), the dense walk (a mask tested by tile class and
 // bit; or softcap) or top-k key groups (a mask folded into them), key-only
@@ -354,6 +357,8 @@ const char* dkv_sm90_refusal(const BackwardPlan& plan, const Instance& i, const 
   if (!device.sm90a) return kNoSm90a;
   if (i.dkv_sm90_smem == 0) return kNoSm90HeadDim;
   if (p.seqlen_q == 0) return "no query rows";
+  if (i.dkv_sm90_split && (!plain || row_bias_walk(p) || deterministic || p.softcap != 0.0f))
+    return "above D' = 128 its dense walk only: no mask, top-k, softcap, bias with rows or deterministic=True";
   int smem = i.dkv_sm90_smem;
   if (row_bias_walk(p)) {
     if (!plain) return "a bias with rows, or dbias per element, with a mask or top-k";

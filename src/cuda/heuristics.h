@@ -36,10 +36,11 @@ constexpr int forward_stages(int head_dim, int block_m) {
 // Multiples of 64 features (TMA boxes and 128-byte swizzle atoms of 64); a
 // head dim between two runs on the next one padded, TMA filling the features
 // past it with zeros. The forward at D' = 64, 128, 192 and 256; the dk/dv
-// kernel at 64 and 128 (its dK and dV accumulators, 128 keys x D' a CTA, take
-// 2 D' registers a thread: wider heads run the sm80-class backward).
+// kernel at 64, 128 and 256 (above 128 each warpgroup takes half the features
+// as an MMA operand from shared memory: D = 192's 96 are not whole 64-feature
+// swizzle atoms, and 192 keeps the sm80-class backward).
 constexpr bool sm90_forward_head_dim(int head_dim) { return head_dim % 64 == 0 && head_dim <= 256; }
-constexpr bool sm90_backward_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+constexpr bool sm90_backward_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 // ---- Forward, Hopper kernel ----
 // 128 query rows a CTA (two warpgroups of 64), two K and two V buffers in
@@ -204,7 +205,18 @@ constexpr bool backward_tile_valid(int head_dim, bool key_rows, BackwardTile til
 // reduction) over twice the work, backward 7.67 -> 7.05 ms against 64-query
 // steps (B = 1, 32 / 8 heads, S = 16384, causal; H100). dQ of a step is one
 // float32 block (bwd/config.cuh DqBlocks).
+// Above D = 128 the dK and dV accumulators of 128 keys (2 D registers a
+// thread) and Q and dO's buffers (256 KiB with K and V at D = 256) do not fit:
+// a CTA owns 64 keys, both warpgroups compute the step's S and dP (64 x 64) and
+// each keeps dK and dV of half the features (D / 2 keys' floats x 2 / 128
+// threads: 96 / 128 registers), and dQ's MMA splits the features too, its
+// block staged in the step's Q and dO buffers once dK and dV are done
+// (`dkv_sm90_split_features`). The redundant S and dP cost 7 / 5 of the MMA
+// work; the dense walk only (the dispatch plans the others on the sm80-class
+// kernel there).
 constexpr int kDkvSm90BlockN = 128;
+constexpr bool dkv_sm90_split_features(int head_dim) { return head_dim > 128; }
+constexpr int dkv_sm90_block_n(int head_dim) { return dkv_sm90_split_features(head_dim) ? 64 : kDkvSm90BlockN; }
 constexpr int dkv_sm90_block_m(int head_dim) { return head_dim <= 64 ? 128 : 64; }
 
 }  // namespace dmattn::cuda

@@ -280,6 +280,16 @@ std::vector<Case> wide_head_cases(Make&& make, bool small) {
     det.options.deterministic = true;
     det.name += " deterministic";
     cases.push_back(det);
+    // The Hopper dk/dv kernel's split walk (64-key CTAs, the warpgroups over
+    // the features): a key-only bias with dbias, a window edge and a causal
+    // offset inside the tiles; several key blocks and steps without a bias.
+    Case kb = wide("key bias window", 200, 130, 4, 2);
+    kb.options.causal = true;
+    kb.options.sliding_window = {40, 0};
+    kb.bias_shape = {1, kb.Hk, 1, kb.Sk};
+    cases.push_back(kb);
+    Case nb = wide("no bias", 300, 450, 8, 2);
+    cases.push_back(nb);
     if (small) continue;
     const std::int64_t sizes[][2] = {{1, 1}, {7, 1}, {65, 63}, {400, 700}, {1, 1000}, {1000, 63}};
     const std::int64_t heads[3][2] = {{8, 2}, {4, 4}, {8, 1}};

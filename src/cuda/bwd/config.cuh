@@ -196,7 +196,10 @@ template <class Element_, int kHeadDim_>
 struct DkvSm90Config {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockN = kDkvSm90BlockN;              // keys a CTA, 64 a warpgroup
+  // Keys a CTA: 64 a warpgroup, or (kSplitFeatures, above D = 128) 64 that
+  // both warpgroups walk, each with half the features of dK, dV and dQ.
+  static constexpr bool kSplitFeatures = dkv_sm90_split_features(kHeadDim_);
+  static constexpr int kBlockN = dkv_sm90_block_n(kHeadDim_);
   static constexpr int kBlockM = dkv_sm90_block_m(kHeadDim);  // queries a step
   static_assert(sm90_backward_head_dim(kHeadDim), "a head dim of the Hopper kernels");
   using Dq = DqBlocks<kHeadDim>;
@@ -215,13 +218,21 @@ struct DkvSm90Config {
   using LayoutDsT = decltype(cute::composition(
       LayoutDs{}, cute::make_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
 
-  // S^T, dP^T: 128 keys x kBlockM queries, a warpgroup 64 keys. dK, dV: 128
-  // keys x D, A from registers. dQ: kBlockM queries x D, the warpgroups as
+  // S^T, dP^T: 128 keys x kBlockM queries, a warpgroup 64 keys (split: 64
+  // keys, each warpgroup all of them, its thread slice by its thread in the
+  // warpgroup). dK, dV: 128 keys x D, A from registers (split: 64 keys, the
+  // warpgroups over the features). dQ: kBlockM queries x D, the warpgroups as
   // DqBlocks lays them out.
   using OverRows = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;  // warpgroups over the rows
+  using OverCols = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;  // ... over the columns
+  using OneGroup = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>;
   using DqGroups = cute::Layout<cute::Shape<cute::Int<Dq::kRowGroups>, cute::Int<Dq::kColGroups>, cute::_1>>;
-  using MmaSdp = WgmmaSS<Element, 64, kBlockM, kHeadDim, OverRows>;
-  using MmaDkv = WgmmaRS<Element, 64, kHeadDim, kBlockM, OverRows, cute::GMMA::Major::MN>;
+  using MmaSdp = WgmmaSS<Element, 64, kBlockM, kHeadDim, std::conditional_t<kSplitFeatures, OneGroup, OverRows>>;
+  using MmaDkv = std::conditional_t<kSplitFeatures,
+                                    WgmmaRS<Element, 64, kHeadDim / 2, kBlockM, OverCols, cute::GMMA::Major::MN>,
+                                    WgmmaRS<Element, 64, kHeadDim, kBlockM, OverRows, cute::GMMA::Major::MN>>;
+  // The thread of MmaSdp's slice (split: its thread in the warpgroup).
+  __device__ static int sdp_thread(int tid) { return kSplitFeatures ? tid % 128 : tid; }
   using MmaDq = WgmmaSS<Element, 64, Dq::kGroupCols, kBlockN, DqGroups, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
   // The walk of bias tiles (DkvWalk::kBiasTiles) keeps dS as the bias tile
   // lies in its buffer, (query, key) in rows of keys: the K-major A of dQ.
@@ -240,14 +251,17 @@ struct DkvSm90Config {
   // lie there instead, where they fit the 227 KiB of an sm_90 GPU (D = 128;
   // kDbSums), and the dispatch plans the walk at D = 64 only where a kv head's
   // steps never share a dbias tile.
+  // Split: no dQ buffer (a warp stages its dQ floats in the step's Q and dO
+  // buffers, dq_stage).
   static constexpr int kTxBytes = 2 * kQElems * int(sizeof(Element));
   static constexpr int kDsAt = (2 * kKvElems + 4 * kQElems) * int(sizeof(Element));
   static constexpr int kDqAt = kDsAt + 2 * kDsElems * int(sizeof(Element));
+  static constexpr int kDqBytes = kSplitFeatures ? 0 : kQElems * int(sizeof(float));
   // dS^T (key, query) as 128-byte swizzle atoms of 64 queries, one after
   // another along the queries (sw128_offset within one).
   static constexpr int kDsAtomBytes = kBlockN * 128;
   static_assert(kBlockM % 64 == 0, "rows of dS^T are whole 128-byte swizzle atom rows");
-  static constexpr int kStatsAt = kDqAt + kQElems * int(sizeof(float));
+  static constexpr int kStatsAt = kDqAt + kDqBytes;
   static constexpr int kBarriersAt = kStatsAt + 2 * 16 * kBlockM;
   static constexpr int kKeysAt = kBarriersAt + 16;
   static constexpr int kSmemBytes = kKeysAt + 16 * kBlockN;
@@ -269,8 +283,16 @@ struct DkvSm90Config {
   static constexpr int kOrderedDqBuffers = kDq2At + kQElems * int(sizeof(float)) <= kSmemSm90 ? 2 : 1;
   static constexpr int kOrderedSmemBytes =
       kOrderedDqBuffers == 2 ? std::max(kSmemBytes, kDq2At + kQElems * int(sizeof(float))) : kSmemBytes;
-  static_assert(kBlockN == kKeyGroupKeys, "a top-k key group is one CTA");
+  static_assert(kSplitFeatures || kBlockN == kKeyGroupKeys, "a top-k key group is one CTA");
   static_assert(kBlockM == Dq::kRows, "a step's dQ is one DqBlocks block");
+  static_assert(!kSplitFeatures || (Dq::kRowGroups == 1 && 4 * Dq::kWarpFloats * 4 == kQElems * int(sizeof(Element))),
+                "split: the dQ floats of a warpgroup's four warps fill one Q or dO buffer");
+  static_assert(kSmemBytes <= kSmemSm90, "within the shared memory of an sm_90 GPU");
+  // Split: warp w's dQ staging in buffer buf of Q (w < 4) or dO, once both
+  // warpgroups' dK and dV MMAs have read them.
+  __device__ static float* dq_stage(Element* q_smem, Element* do_smem, int buf, int warp) {
+    return reinterpret_cast<float*>((warp < 4 ? q_smem : do_smem) + buf * kQElems) + warp % 4 * Dq::kWarpFloats;
+  }
 };
 
 // dbias, written directly (no slices), as TMA addresses its tiles: (key, row,

@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
   typename Config::MmaSdp mma_sdp;
   typename Config::MmaDkv mma_dkv;
   std::conditional_t<kBiasTiles, typename Config::MmaDqRows, typename Config::MmaDq> mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_sdp = mma_sdp.get_thread_slice(Config::sdp_thread(tid));
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);
@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
       for (int c = 0; c < kAccS / 8; ++c)
         stsm_x4_trans(tile_at(buf, c),
                       {ds_pairs[4 * c], ds_pairs[4 * c + 1], ds_pairs[4 * c + 2], ds_pairs[4 * c + 3]});
-    } else {
+    } else if (!Config::kSplitFeatures || tid < 128) {  // split: both warpgroups hold the same dS^T
 #pragma unroll
       for (int e = 0; e < kAccS; e += 2)
         *reinterpret_cast<std::uint32_t*>(smem + Config::kDsAt + buf * Config::kDsElems * int(sizeof(Element)) +
@@ -526,7 +526,10 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
                                           sw128_offset(get<0>(cS(e)), get<1>(cS(e)) - e / 32 * 64)) = ds_pairs[e / 2];
     }
 
-    // dQ first: its store and reduction then overlap the dK and dV MMAs.
+    // dQ first: its store and reduction then overlap the dK and dV MMAs (split:
+    // last, staged in this step's Q and dO buffers; each warp's reduction of
+    // the step before has read the buffer the next step's copies fill).
+    if (Config::kSplitFeatures && lane == 0) tma_store_wait<0>();
     fence_async_shared();
     // The walk's one barrier a step: both warpgroups' dS^T are in shared
     // memory, and both are done with step t - 1 (Q, dO and statistics buffer
@@ -543,14 +546,23 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     Tensor tQrDs =
         thr_dq.partition_fragment_A(make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), LayoutDs{}));
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
+    if constexpr (!Config::kSplitFeatures) wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
     Tensor tVrDo = thr_dkv.partition_fragment_B(rows_tile_t(do_smem, buf));
     Tensor tKrQ = thr_dkv.partition_fragment_B(rows_tile_t(q_smem, buf));
     warpgroup_fence_operand(rP);
     warpgroup_fence_operand(rDs);
     wgmma_batch<false>(mma_dkv, rP, tVrDo, acc_dv);
     wgmma_batch<false>(mma_dkv, rDs, tKrQ, acc_dk);
-    warpgroup_wait<2>();
+    if constexpr (Config::kSplitFeatures) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(rP);
+      warpgroup_fence_operand(rDs);
+      wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
+      warpgroup_wait<0>();
+      __syncthreads();  // both warpgroups' dK and dV MMAs have read Q and dO
+    } else {
+      warpgroup_wait<2>();
+    }
     warpgroup_fence_operand(acc_dq);
 
     // The warp's part of the DqBlocks block: registers in order, then one bulk
@@ -558,11 +570,12 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     // once its reduction of the buffer's step before has read it).
     constexpr int kWarpFloats = Config::Dq::kWarpFloats;
     const int dq_buf = t % kDqBuffers;
-    float* dq_warp = dq_buffer(dq_buf) + warp * kWarpFloats;
+    float* dq_warp = Config::kSplitFeatures ? Config::dq_stage(q_smem, do_smem, buf, warp)
+                                            : dq_buffer(dq_buf) + warp * kWarpFloats;
     static_assert(decltype(size(acc_dq))::value * 32 == kWarpFloats, "a thread's dQ is words of 4 floats");
     if constexpr (kOrdered) {
       if (t >= kDqBuffers) NamedBarrier::sync(kHandOff, kDqEmpty + dq_buf);
-    } else {
+    } else if constexpr (!Config::kSplitFeatures) {
       if (lane == 0) tma_store_wait<0>();  // the previous step's reduction has read the buffer
       __syncwarp();
     }
@@ -580,9 +593,11 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
         tma_store_arrive();
       }
     }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(rP);
-    warpgroup_fence_operand(rDs);
+    if constexpr (!Config::kSplitFeatures) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(rP);
+      warpgroup_fence_operand(rDs);
+    }
     if (db_store)  // the dbias tile out of dS buffer buf (db_close is the CTA's)
       store_dbias_tile<Config, kAccS>(
           db_summed, db_sum, [&](int c) { return tile_at(buf, c); }, &maps.dbias, ds_smem + buf * Config::kDsElems,
@@ -596,7 +611,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
         const float x = quad_sum(key_sum[half]);
         const std::int64_t key = thread_key(half);
         key_sum[half] = 0.0f;
-        if (lane % 4 == 0 && key >= 0) db_out.add(p, hb, 0, key, x);
+        if (lane % 4 == 0 && key >= 0 && (!Config::kSplitFeatures || tid < 128)) db_out.add(p, hb, 0, key, x);
       }
     }
     cur = next;

@@ -69,19 +69,31 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
   if constexpr (sm90_backward_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
     const bool row_bias = plan.dkv == DkvKernel::kSm90RowBias;
-    auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, DkvWalk::kKeyGroups>
-                  : row_bias && plan.bias_tiles       ? dkv_kernel_sm90<Config, DkvWalk::kBiasTiles>
-                  : row_bias                          ? dkv_kernel_sm90<Config, DkvWalk::kRowBias>
-                  : plan.mask_tiles                   ? dkv_kernel_sm90<Config, DkvWalk::kMasked>
-                  : plan.ordered_dq                   ? dkv_kernel_sm90<Config, DkvWalk::kOrdered>
-                  : p.softcap > 0.0f                  ? dkv_kernel_sm90<Config, DkvWalk::kSoftcap>
-                                                      : dkv_kernel_sm90<Config, DkvWalk::kDense>;
-    const bool ordered = kernel == dkv_kernel_sm90<Config, DkvWalk::kOrdered>;
-    const int smem = row_bias ? Config::kRowBiasSmemBytes : ordered ? Config::kOrderedSmemBytes : Config::kSmemBytes;
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    kernel<<<grid, Config::threads(ordered), smem, stream>>>(p, maps);
-    return cudaGetLastError();
+    if constexpr (Config::kSplitFeatures) {  // the dense walk alone (dkv_sm90_refusal)
+      if (row_bias || plan.dkv != DkvKernel::kSm90 || plan.mask_tiles || plan.ordered_dq || p.softcap > 0.0f)
+        throw std::logic_error("dmattn: a Hopper dk/dv walk planned above head dim 128");
+      auto kernel = dkv_kernel_sm90<Config, DkvWalk::kDense>;
+      const cudaError_t err =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+      if (err != cudaSuccess) return err;
+      kernel<<<grid, Config::threads(false), Config::kSmemBytes, stream>>>(p, maps);
+      return cudaGetLastError();
+    } else {
+      auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, DkvWalk::kKeyGroups>
+                    : row_bias && plan.bias_tiles       ? dkv_kernel_sm90<Config, DkvWalk::kBiasTiles>
+                    : row_bias                          ? dkv_kernel_sm90<Config, DkvWalk::kRowBias>
+                    : plan.mask_tiles                   ? dkv_kernel_sm90<Config, DkvWalk::kMasked>
+                    : plan.ordered_dq                   ? dkv_kernel_sm90<Config, DkvWalk::kOrdered>
+                    : p.softcap > 0.0f                  ? dkv_kernel_sm90<Config, DkvWalk::kSoftcap>
+                                                        : dkv_kernel_sm90<Config, DkvWalk::kDense>;
+      const bool ordered = kernel == dkv_kernel_sm90<Config, DkvWalk::kOrdered>;
+      const int smem =
+          row_bias ? Config::kRowBiasSmemBytes : ordered ? Config::kOrderedSmemBytes : Config::kSmemBytes;
+      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return err;
+      kernel<<<grid, Config::threads(ordered), smem, stream>>>(p, maps);
+      return cudaGetLastError();
+    }
   }
   throw std::logic_error("dmattn: the Hopper dk/dv kernel planned for head dim " + std::to_string(kHeadDim));
 }
@@ -91,7 +103,7 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   // The planned tiles of the sm80-class kernels: rows a CTA of each.
   const int dq_rows = backward_tile(kHeadDim, false, plan.small_dq).rows;
   const BackwardTile dkv_tile = backward_tile(kHeadDim, true, plan.small_dkv);
-  const int dkv_rows = dkv_tile.rows;
+  const int dkv_rows = plan.dkv == DkvKernel::kSm80 ? dkv_tile.rows : dkv_sm90_block_n(kHeadDim);
   BackwardParams p = plan.params;
   const int batch = plan.batch, kv_heads = p.heads / p.group;
   const DkvSm90Maps maps =

@@ -42,6 +42,9 @@ class Scratch {
     return zeroed_bytes > 0 ? cudaMemsetAsync(base_, 0, zeroed_bytes, stream) : cudaSuccess;
   }
 
+  // Bytes rounded up to a part's alignment (256).
+  static std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
   // The stream-ordered free (its error is not checked: the call's own error is
   // the one to report).
   void release(cudaStream_t stream) {
@@ -55,8 +58,6 @@ class Scratch {
     std::size_t bytes;
     bool zeroed;
   };
-  static std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
-
   std::vector<Part> parts_;
   char* base_ = nullptr;
 };

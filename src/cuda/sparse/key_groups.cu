@@ -6,6 +6,7 @@
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
+#include "../common/scratch.h"
 #include "select.cuh"
 
 namespace dmattn::cuda {
@@ -255,31 +256,25 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
                                                static_cast<std::int32_t*>(nullptr), static_cast<int>(items), 0,
                                                sort_bits, stream),
                "radix sort size");
-  const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
   const auto n = static_cast<std::size_t>(items), keys = static_cast<std::size_t>(slices * seqlen_k);
   const std::size_t group_entries = static_cast<std::size_t>(slices * g.groups);
-  const std::size_t rows_bytes = aligned(group_entries * sizeof(KeyRows));
-  const std::size_t sorted_bytes =
-      sort ? aligned(n * 4) + (p.segments > 1 ? aligned(n * 4) : 0) + aligned(keys * 4) + aligned(group_entries * 4) : 0;
-  // The sort's keys, values and temporary storage: in the same allocation (one
-  // CUDA call fewer each way, common/scratch.h), freed with the groups.
-  const std::size_t sizes[] = {aligned(n * 8), aligned(n * 8), aligned(n * 4), aligned(sort_bytes)};
-  const std::size_t sort_scratch = sort ? sizes[0] + sizes[1] + sizes[2] + sizes[3] : 0;
-  char* memory = nullptr;
-  check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&memory), rows_bytes + sorted_bytes + sort_scratch, stream),
-             "cudaMallocAsync");
-  g.rows = reinterpret_cast<KeyRows*>(memory);
+  // The groups' rows first (free_groups frees the allocation from them), then
+  // the sorted order, pieces and firsts, and the sort's keys, values and
+  // temporary storage, kept with the groups (one CUDA call fewer each way).
+  std::uint64_t *keys_in = nullptr, *keys_out = nullptr;
+  std::int32_t* values_in = nullptr;
+  char* temp = nullptr;
+  Scratch memory;
+  memory.add(g.rows, group_entries, false);
   if (sort) {
-    char* at = memory + rows_bytes;
-    g.order = reinterpret_cast<std::int32_t*>(at), at += aligned(n * 4);
-    if (p.segments > 1) g.rank = reinterpret_cast<std::int32_t*>(at), at += aligned(n * 4);
-    g.pieces = reinterpret_cast<std::int32_t*>(at), at += aligned(keys * 4);
-    g.first = reinterpret_cast<std::int32_t*>(at);
-    char* const scratch = memory + rows_bytes + sorted_bytes;
-    auto* keys_in = reinterpret_cast<std::uint64_t*>(scratch);
-    auto* keys_out = reinterpret_cast<std::uint64_t*>(scratch + sizes[0]);
-    auto* values_in = reinterpret_cast<std::int32_t*>(scratch + sizes[0] + sizes[1]);
-    void* temp = scratch + sizes[0] + sizes[1] + sizes[2];
+    memory.add(g.order, n, false);
+    if (p.segments > 1) memory.add(g.rank, n, false);
+    memory.add(g.pieces, keys, false), memory.add(g.first, group_entries, false);
+    memory.add(keys_in, n, false), memory.add(keys_out, n, false), memory.add(values_in, n, false);
+    memory.add(temp, sort_bytes, false);
+  }
+  check_cuda(memory.allocate(stream), "cudaMallocAsync (key groups)");
+  if (sort) {
     group_sort_keys<<<blocks_for(items), kThreads, 0, stream>>>(p, items, keys_in, values_in);
     count_pieces<<<blocks_for(slices * seqlen_k), kThreads, 0, stream>>>(p, slices * seqlen_k, g.pieces);
     check_cuda(cub::DeviceRadixSort::SortPairs(temp, sort_bytes, keys_in, keys_out, values_in, g.order,

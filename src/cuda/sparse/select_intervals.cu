@@ -8,6 +8,7 @@
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
+#include "../common/scratch.h"
 #include "../common/warp.cuh"
 #include "../heuristics.h"
 #include "select.cuh"
@@ -319,28 +320,19 @@ void select_intervals(const Params& p, std::int64_t batch, int sms, KeyRows* out
   const int tiles = static_cast<int>(full.segments * full.tiles());
   std::size_t state_bytes = 0;
   check_cuda(TileState::AllocationSize(tiles, state_bytes), "tile state size");
-  const auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
-  state_bytes = aligned(state_bytes);
+  state_bytes = Scratch::aligned(state_bytes);  // a level's tile states
   const auto items = static_cast<std::size_t>(full.items()), words = static_cast<std::size_t>(full.words());
-  const std::size_t sizes[] = {items * 8, items * 8, items * 4, items * 4, full.kb * words * sizeof(uint2),
-                               full.kb * state_bytes, sort_bytes};
-  std::size_t scratch_bytes = 0;
-  for (std::size_t s : sizes) scratch_bytes += aligned(s);
-  char* scratch = nullptr;
-  check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&scratch), scratch_bytes, stream), "cudaMallocAsync (top-k intervals)");
-  char* at = scratch;
-  const auto take = [&](std::size_t bytes) {
-    char* r = at;
-    at += aligned(bytes);
-    return r;
-  };
-  auto* keys_in = reinterpret_cast<std::uint64_t*>(take(sizes[0]));
-  auto* keys = reinterpret_cast<std::uint64_t*>(take(sizes[1]));
-  auto* values = reinterpret_cast<std::uint32_t*>(take(sizes[2]));
-  auto* next = reinterpret_cast<std::uint32_t*>(take(sizes[3]));
-  const Wavelet wm{reinterpret_cast<uint2*>(take(sizes[4]))};
-  char* states = take(sizes[5]);
-  void* sort_temp = take(sizes[6]);
+  std::uint64_t *keys_in = nullptr, *keys = nullptr;
+  std::uint32_t *values = nullptr, *next = nullptr;
+  uint2* levels = nullptr;
+  char *states = nullptr, *sort_temp = nullptr;
+  Scratch scratch;
+  scratch.add(keys_in, items, false), scratch.add(keys, items, false);
+  scratch.add(values, items, false), scratch.add(next, items, false);
+  scratch.add(levels, full.kb * words, false);
+  scratch.add(states, full.kb * state_bytes, false), scratch.add(sort_temp, sort_bytes, false);
+  check_cuda(scratch.allocate(stream), "cudaMallocAsync (top-k intervals)");
+  const Wavelet wm{levels};
 
   for (std::int64_t g0 = 0; g0 < total; g0 += full.segments) {
     Chunk c = g0 + full.segments >= total ? last : full;
@@ -363,7 +355,7 @@ void select_intervals(const Params& p, std::int64_t batch, int sms, KeyRows* out
     key_intervals<<<blocks, kThreads, 0, stream>>>(p, c, wm, keys, out);
     check_cuda(cudaGetLastError(), "interval kernels");
   }
-  check_cuda(cudaFreeAsync(scratch, stream), "cudaFreeAsync");
+  scratch.release(stream);
 }
 
 }  // namespace dmattn::cuda::topk
