@@ -197,7 +197,8 @@ struct DkvSm90Config {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   // Keys a CTA: 64 a warpgroup, or (kSplitFeatures, above D = 128) 64 that
-  // both warpgroups walk, each with half the features of dK, dV and dQ.
+  // both warpgroups walk, each with half the step's queries of S and dP and
+  // half the features of dK, dV and dQ.
   static constexpr bool kSplitFeatures = dkv_sm90_split_features(kHeadDim_);
   static constexpr int kBlockN = dkv_sm90_block_n(kHeadDim_);
   static constexpr int kBlockM = dkv_sm90_block_m(kHeadDim);  // queries a step
@@ -219,20 +220,19 @@ struct DkvSm90Config {
       LayoutDs{}, cute::make_layout(cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
 
   // S^T, dP^T: 128 keys x kBlockM queries, a warpgroup 64 keys (split: 64
-  // keys, each warpgroup all of them, its thread slice by its thread in the
-  // warpgroup). dK, dV: 128 keys x D, A from registers (split: 64 keys, the
-  // warpgroups over the features). dQ: kBlockM queries x D, the warpgroups as
-  // DqBlocks lays them out.
+  // keys, the warpgroups over the queries). dK, dV: 128 keys x D, A from
+  // registers (split: 64 keys, the warpgroups over the features, P^T and dS^T
+  // from shared memory, where both warpgroups' halves meet). dQ: kBlockM
+  // queries x D, the warpgroups as DqBlocks lays them out.
   using OverRows = cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>;  // warpgroups over the rows
   using OverCols = cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>;  // ... over the columns
-  using OneGroup = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>;
   using DqGroups = cute::Layout<cute::Shape<cute::Int<Dq::kRowGroups>, cute::Int<Dq::kColGroups>, cute::_1>>;
-  using MmaSdp = WgmmaSS<Element, 64, kBlockM, kHeadDim, std::conditional_t<kSplitFeatures, OneGroup, OverRows>>;
-  using MmaDkv = std::conditional_t<kSplitFeatures,
-                                    WgmmaRS<Element, 64, kHeadDim / 2, kBlockM, OverCols, cute::GMMA::Major::MN>,
-                                    WgmmaRS<Element, 64, kHeadDim, kBlockM, OverRows, cute::GMMA::Major::MN>>;
-  // The thread of MmaSdp's slice (split: its thread in the warpgroup).
-  __device__ static int sdp_thread(int tid) { return kSplitFeatures ? tid % 128 : tid; }
+  using MmaSdp = std::conditional_t<kSplitFeatures, WgmmaSS<Element, 64, kBlockM / 2, kHeadDim, OverCols>,
+                                    WgmmaSS<Element, 64, kBlockM, kHeadDim, OverRows>>;
+  using MmaDkv = std::conditional_t<
+      kSplitFeatures,
+      WgmmaSS<Element, 64, kHeadDim / 2, kBlockM, OverCols, cute::GMMA::Major::K, cute::GMMA::Major::MN>,
+      WgmmaRS<Element, 64, kHeadDim, kBlockM, OverRows, cute::GMMA::Major::MN>>;
   using MmaDq = WgmmaSS<Element, 64, Dq::kGroupCols, kBlockN, DqGroups, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
   // The walk of bias tiles (DkvWalk::kBiasTiles) keeps dS as the bias tile
   // lies in its buffer, (query, key) in rows of keys: the K-major A of dQ.
@@ -251,12 +251,12 @@ struct DkvSm90Config {
   // lie there instead, where they fit the 227 KiB of an sm_90 GPU (D = 128;
   // kDbSums), and the dispatch plans the walk at D = 64 only where a kv head's
   // steps never share a dbias tile.
-  // Split: no dQ buffer (a warp stages its dQ floats in the step's Q and dO
-  // buffers, dq_stage).
+  // Split: P^T (as dS^T) where the dQ buffer lies otherwise (a warp stages its
+  // dQ floats in the step's Q and dO buffers, dq_stage).
   static constexpr int kTxBytes = 2 * kQElems * int(sizeof(Element));
   static constexpr int kDsAt = (2 * kKvElems + 4 * kQElems) * int(sizeof(Element));
-  static constexpr int kDqAt = kDsAt + 2 * kDsElems * int(sizeof(Element));
-  static constexpr int kDqBytes = kSplitFeatures ? 0 : kQElems * int(sizeof(float));
+  static constexpr int kDqAt = kDsAt + 2 * kDsElems * int(sizeof(Element)), kPtAt = kDqAt;
+  static constexpr int kDqBytes = kSplitFeatures ? kDsElems * int(sizeof(Element)) : kQElems * int(sizeof(float));
   // dS^T (key, query) as 128-byte swizzle atoms of 64 queries, one after
   // another along the queries (sw128_offset within one).
   static constexpr int kDsAtomBytes = kBlockN * 128;

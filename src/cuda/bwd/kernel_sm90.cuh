@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
   typename Config::MmaSdp mma_sdp;
   typename Config::MmaDkv mma_dkv;
   std::conditional_t<kBiasTiles, typename Config::MmaDqRows, typename Config::MmaDq> mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(Config::sdp_thread(tid));
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);
@@ -500,10 +500,10 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     if constexpr (kRowBias) db_open = !db_close;
 
     // P^T and dS^T in Element, in the A-operand layout of the dK / dV MMAs (the
-    // accumulator's kBlockM / 8 query groups are kBlockM / 16 k-slices of 16),
-    // and dS^T to shared memory: pair e is in the swizzle atom of queries
-    // 64 (e / 32) .. + 63 (8 query groups an atom).
-    constexpr int kSlices = kBlockM / 16;
+    // accumulator's kAccS / 4 query groups are kAccS / 8 k-slices of 16),
+    // and dS^T (split: and P^T) to shared memory: pair e is in the swizzle atom
+    // of queries 64 (e / 32) .. + 63 (8 query groups an atom).
+    constexpr int kSlices = kAccS / 8;
     using ARegs = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kSlices>>>;
     Tensor rP = make_tensor<Element>(ARegs{});
     Tensor rDs = make_tensor<Element>(ARegs{});
@@ -513,17 +513,20 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rDs.data())) =
         Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_dp.data())));
     const auto* ds_pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rDs.data()));
+    [[maybe_unused]] const auto* p_pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rP.data()));
     if constexpr (kBiasTiles) {  // over the thread's bias elements, as they were read
 #pragma unroll
       for (int c = 0; c < kAccS / 8; ++c)
         stsm_x4_trans(tile_at(buf, c),
                       {ds_pairs[4 * c], ds_pairs[4 * c + 1], ds_pairs[4 * c + 2], ds_pairs[4 * c + 3]});
-    } else if (!Config::kSplitFeatures || tid < 128) {  // split: both warpgroups hold the same dS^T
+    } else {
 #pragma unroll
-      for (int e = 0; e < kAccS; e += 2)
-        *reinterpret_cast<std::uint32_t*>(smem + Config::kDsAt + buf * Config::kDsElems * int(sizeof(Element)) +
-                                          e / 32 * Config::kDsAtomBytes +
-                                          sw128_offset(get<0>(cS(e)), get<1>(cS(e)) - e / 32 * 64)) = ds_pairs[e / 2];
+      for (int e = 0; e < kAccS; e += 2) {
+        const unsigned at = e / 32 * Config::kDsAtomBytes + sw128_offset(get<0>(cS(e)), get<1>(cS(e)) - e / 32 * 64);
+        *reinterpret_cast<std::uint32_t*>(smem + Config::kDsAt + buf * Config::kDsElems * int(sizeof(Element)) + at) =
+            ds_pairs[e / 2];
+        if constexpr (Config::kSplitFeatures) *reinterpret_cast<std::uint32_t*>(smem + Config::kPtAt + at) = p_pairs[e / 2];
+      }
     }
 
     // dQ first: its store and reduction then overlap the dK and dV MMAs (split:
@@ -549,18 +552,23 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     if constexpr (!Config::kSplitFeatures) wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
     Tensor tVrDo = thr_dkv.partition_fragment_B(rows_tile_t(do_smem, buf));
     Tensor tKrQ = thr_dkv.partition_fragment_B(rows_tile_t(q_smem, buf));
-    warpgroup_fence_operand(rP);
-    warpgroup_fence_operand(rDs);
-    wgmma_batch<false>(mma_dkv, rP, tVrDo, acc_dv);
-    wgmma_batch<false>(mma_dkv, rDs, tKrQ, acc_dk);
-    if constexpr (Config::kSplitFeatures) {
+    if constexpr (Config::kSplitFeatures) {  // P^T and dS^T from shared memory, then dQ
+      using LayoutPs = typename Config::LayoutDs;
+      auto* pt_smem = reinterpret_cast<Element*>(smem + Config::kPtAt);
+      Tensor tVrP = thr_dkv.partition_fragment_A(make_tensor(make_smem_ptr(pt_smem), LayoutPs{}));
+      Tensor tKrDs =
+          thr_dkv.partition_fragment_A(make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), LayoutPs{}));
+      wgmma_batch<false>(mma_dkv, tVrP, tVrDo, acc_dv);
+      wgmma_batch<false>(mma_dkv, tKrDs, tKrQ, acc_dk);
       warpgroup_wait<0>();
-      warpgroup_fence_operand(rP);
-      warpgroup_fence_operand(rDs);
       wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
       warpgroup_wait<0>();
       __syncthreads();  // both warpgroups' dK and dV MMAs have read Q and dO
     } else {
+      warpgroup_fence_operand(rP);
+      warpgroup_fence_operand(rDs);
+      wgmma_batch<false>(mma_dkv, rP, tVrDo, acc_dv);
+      wgmma_batch<false>(mma_dkv, rDs, tKrQ, acc_dk);
       warpgroup_wait<2>();
     }
     warpgroup_fence_operand(acc_dq);
@@ -606,12 +614,19 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     // Key-only dbias: a bias head's sums are complete when the next step has
     // another (pieces of keys: in the epilogue, one bias head).
     if (key_sums && !pieces && (!more || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb))) {
+      float x[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]), key_sum[half] = 0.0f;
+      if constexpr (Config::kSplitFeatures) {  // a key's two halves of the queries meet in the (unused) key area
+        auto* halves = reinterpret_cast<float*>(smem + Config::kKeysAt);
+        if (tid >= 128 && lane % 4 == 0) halves[my_key[0]] = x[0], halves[my_key[1]] = x[1];
+        __syncthreads();
+        if (tid < 128) x[0] += halves[my_key[0]], x[1] += halves[my_key[1]];
+      }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const float x = quad_sum(key_sum[half]);
         const std::int64_t key = thread_key(half);
-        key_sum[half] = 0.0f;
-        if (lane % 4 == 0 && key >= 0 && (!Config::kSplitFeatures || tid < 128)) db_out.add(p, hb, 0, key, x);
+        if (lane % 4 == 0 && key >= 0 && (!Config::kSplitFeatures || tid < 128)) db_out.add(p, hb, 0, key, x[half]);
       }
     }
     cur = next;
