@@ -560,7 +560,6 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
           thr_dkv.partition_fragment_A(make_tensor(make_smem_ptr(ds_smem + buf * Config::kDsElems), LayoutPs{}));
       wgmma_batch<false>(mma_dkv, tVrP, tVrDo, acc_dv);
       wgmma_batch<false>(mma_dkv, tKrDs, tKrQ, acc_dk);
-      warpgroup_wait<0>();
       wgmma_batch<true>(mma_dq, tQrDs, tQrK, acc_dq);
       warpgroup_wait<0>();
       __syncthreads();  // both warpgroups' dK and dV MMAs have read Q and dO
