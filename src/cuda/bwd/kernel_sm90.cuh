@@ -8,7 +8,10 @@
 //
 // One CTA of two warpgroups owns 128 keys of one (batch, kv head), 64 a
 // warpgroup, and walks steps of kBlockM queries (64 at D = 128, 128 at D =
-// 64) over the G query heads of the group. A step:
+// 64) over the G query heads of the group (above D = 128, Config::kSplitFeatures:
+// 64 keys, the warpgroups over a step's queries for S and dP and over the
+// features for dK, dV and dQ, P^T and dS^T through shared memory; the dense
+// walk only). A step:
 //   S^T  = K Q^T,  dP^T = V dO^T     (shared-memory operands)
 //   P^T  = exp(scale S^T + bias - max) inv,  dS^T = P^T (dP^T - delta)
 //                                    (softcap: its tanh, and its factor in dS^T)
