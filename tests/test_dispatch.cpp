@@ -171,7 +171,8 @@ TEST_F(Dispatch, H100DenseRunsHopperBothWaysAtEachHeadDim) {
 // Above D = 128 the forward runs the Hopper kernel (128-row blocks where the
 // sm80 kernel's are 64), a key-only bias, top-k or a mask included; the
 // Hopper dk/dv kernel at D' = 256 its dense walk (a key-only bias with dbias,
-// varlen), the sm80-class kernels the others and D' = 192's.
+// varlen; D = 192 and 160 padded to 256, where the instantiation of 192 has
+// no Hopper dk/dv kernel), the sm80-class kernels the others.
 TEST_F(Dispatch, H100WideHeadsRunTheHopperForward) {
   if (!compiled(192) || !compiled(256)) GTEST_SKIP() << "head dims 192 and 256 not both compiled";
   for (std::int64_t d : {192, 256, 160}) {
@@ -191,16 +192,18 @@ TEST_F(Dispatch, H100WideHeadsRunTheHopperForward) {
     key_bias.bias = Shape{1, 8, 1, 8192}, key_bias.dbias = true;
     for (const Call& dense : {c, key_bias}) {
       const BackwardPlan b = dense.backward(kH100);
-      EXPECT_EQ(b.dkv, d > 192 ? DkvKernel::kSm90 : DkvKernel::kSm80) << "D " << d;
-      EXPECT_EQ(b.params.dq_blocks, d > 192) << "D " << d;
-      if (d <= 192) EXPECT_TRUE(has(b.why_not_sm90, "no Hopper kernel at this head dim")) << "D " << d;
+      EXPECT_EQ(b.dkv, DkvKernel::kSm90) << "D " << d;
+      EXPECT_EQ(b.head_dim, 256) << "D " << d;
+      EXPECT_TRUE(b.params.atomic_dq && b.params.dq_blocks) << "D " << d;
     }
     Call deterministic = c, softcap = c;
     deterministic.deterministic = true, softcap.softcap = 30.0;
     for (const Call& other : {biased, masked, deterministic, softcap}) {
       const BackwardPlan b = other.backward(kH100);
       EXPECT_EQ(b.dkv, DkvKernel::kSm80) << "D " << d;
-      if (d > 192) EXPECT_TRUE(has(b.why_not_sm90, "above D' = 128 its dense walk only")) << "D " << d;
+      EXPECT_EQ(b.head_dim, d <= 192 ? 192 : 256) << "D " << d;
+      EXPECT_TRUE(has(b.why_not_sm90, d <= 192 ? "no Hopper kernel at this head dim" : "above D' = 128 its dense walk only"))
+          << "D " << d;
     }
   }
 }

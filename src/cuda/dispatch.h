@@ -85,7 +85,7 @@ struct BackwardPlan {
   DeviceSelection::Mode selection = DeviceSelection::kNone;
   bool selection_given = false;  // the caller's intervals (Problem::topk_intervals): nothing to select
   int batch = 0;
-  int head_dim = 0;  // the instantiation
+  int head_dim = 0;  // the instantiation (a wider one where only it has a Hopper dk/dv kernel: plan_backward)
   DkvKernel dkv = DkvKernel::kSm80;
   // The small tile of the sm80-class dq and dk/dv kernels (bwd/config.cuh
   // backward_tile) where the large one does not fit the device's shared memory.
