@@ -145,7 +145,6 @@ struct Instance {
   int dkv_sm90_row_bias_smem = 0;
   bool dkv_sm90_db_sums = false;
   int dkv_sm90_ordered_smem = 0;  // ... of its walk with ordered dq (deterministic)
-  bool dkv_sm90_split = false;    // its dense walk only, 64 keys a CTA (heuristics.h dkv_sm90_split_features)
 };
 
 template <int kHeadDim>
@@ -176,7 +175,6 @@ Instance make_instance() {
     i.dkv_sm90_row_bias_smem = DkvSm90Config<half_t, kHeadDim>::kRowBiasSmemBytes;
     i.dkv_sm90_db_sums = DkvSm90Config<half_t, kHeadDim>::kDbSums;
     i.dkv_sm90_ordered_smem = DkvSm90Config<half_t, kHeadDim>::kOrderedSmemBytes;
-    i.dkv_sm90_split = DkvSm90Config<half_t, kHeadDim>::kSplitFeatures;
   }
   return i;
 }
@@ -358,7 +356,7 @@ const char* dkv_sm90_refusal(const BackwardPlan& plan, const Instance& i, const 
   if (!device.sm90a) return kNoSm90a;
   if (i.dkv_sm90_smem == 0) return kNoSm90HeadDim;
   if (p.seqlen_q == 0) return "no query rows";
-  if (i.dkv_sm90_split && (!plain || row_bias_walk(p) || deterministic || p.softcap != 0.0f))
+  if (dkv_sm90_split_features(i.head_dim) && (!plain || row_bias_walk(p) || deterministic || p.softcap != 0.0f))
     return "above D' = 128 its dense walk only: no mask, top-k, softcap, bias with rows or deterministic=True";
   int smem = i.dkv_sm90_smem;
   if (row_bias_walk(p)) {

@@ -38,7 +38,8 @@ constexpr int forward_stages(int head_dim, int block_m) {
 // past it with zeros. The forward at D' = 64, 128, 192 and 256; the dk/dv
 // kernel at 64, 128 and 256 (above 128 each warpgroup takes half the features
 // as an MMA operand from shared memory: D = 192's 96 are not whole 64-feature
-// swizzle atoms, and 192 keeps the sm80-class backward).
+// swizzle atoms; 192 runs on 256's, padded, where 256 is compiled:
+// dispatch.cu plan_backward).
 constexpr bool sm90_forward_head_dim(int head_dim) { return head_dim % 64 == 0 && head_dim <= 256; }
 constexpr bool sm90_backward_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 

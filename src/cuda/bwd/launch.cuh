@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "../common/check.h"
 #include "../common/scratch.h"
@@ -69,31 +70,29 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
   if constexpr (sm90_backward_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
     const bool row_bias = plan.dkv == DkvKernel::kSm90RowBias;
-    if constexpr (Config::kSplitFeatures) {  // the dense walk alone (dkv_sm90_refusal)
-      if (row_bias || plan.dkv != DkvKernel::kSm90 || plan.mask_tiles || plan.ordered_dq || p.softcap > 0.0f)
-        throw std::logic_error("dmattn: a Hopper dk/dv walk planned above head dim 128");
-      auto kernel = dkv_kernel_sm90<Config, DkvWalk::kDense>;
-      const cudaError_t err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
-      if (err != cudaSuccess) return err;
-      kernel<<<grid, Config::threads(false), Config::kSmemBytes, stream>>>(p, maps);
-      return cudaGetLastError();
-    } else {
-      auto kernel = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, DkvWalk::kKeyGroups>
+    // The planned walk's kernel, and whether it is the ordered one. Above D =
+    // 128 the dense walk alone (dkv_sm90_refusal), the only one instantiated.
+    const auto [kernel, ordered] = [&] {
+      if constexpr (Config::kSplitFeatures) {
+        if (row_bias || plan.dkv != DkvKernel::kSm90 || plan.mask_tiles || plan.ordered_dq || p.softcap > 0.0f)
+          throw std::logic_error("dmattn: a Hopper dk/dv walk planned above head dim 128");
+        return std::pair{dkv_kernel_sm90<Config, DkvWalk::kDense>, false};
+      } else {
+        auto walk = plan.dkv == DkvKernel::kSm90Groups ? dkv_kernel_sm90<Config, DkvWalk::kKeyGroups>
                     : row_bias && plan.bias_tiles       ? dkv_kernel_sm90<Config, DkvWalk::kBiasTiles>
                     : row_bias                          ? dkv_kernel_sm90<Config, DkvWalk::kRowBias>
                     : plan.mask_tiles                   ? dkv_kernel_sm90<Config, DkvWalk::kMasked>
                     : plan.ordered_dq                   ? dkv_kernel_sm90<Config, DkvWalk::kOrdered>
                     : p.softcap > 0.0f                  ? dkv_kernel_sm90<Config, DkvWalk::kSoftcap>
                                                         : dkv_kernel_sm90<Config, DkvWalk::kDense>;
-      const bool ordered = kernel == dkv_kernel_sm90<Config, DkvWalk::kOrdered>;
-      const int smem =
-          row_bias ? Config::kRowBiasSmemBytes : ordered ? Config::kOrderedSmemBytes : Config::kSmemBytes;
-      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (err != cudaSuccess) return err;
-      kernel<<<grid, Config::threads(ordered), smem, stream>>>(p, maps);
-      return cudaGetLastError();
-    }
+        return std::pair{walk, walk == dkv_kernel_sm90<Config, DkvWalk::kOrdered>};
+      }
+    }();
+    const int smem = row_bias ? Config::kRowBiasSmemBytes : ordered ? Config::kOrderedSmemBytes : Config::kSmemBytes;
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    kernel<<<grid, Config::threads(ordered), smem, stream>>>(p, maps);
+    return cudaGetLastError();
   }
   throw std::logic_error("dmattn: the Hopper dk/dv kernel planned for head dim " + std::to_string(kHeadDim));
 }
