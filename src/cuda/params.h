@@ -213,6 +213,10 @@ struct BackwardParams : KeyListParams {
   std::int64_t db_batch = 1, db_heads = 1, db_rows = 1, db_cols = 1;
   float* scratch = nullptr;
   int contrib_b = 1, contrib_h = 1;
+  // A direct dbias of dense rows that no memset zeroed (the Hopper walk of a
+  // bias with rows): each dk/dv CTA writes zeros into the rows of its keys
+  // that its walk does not reach (bwd/launch.cuh).
+  bool dbias_zeros = false;
 
   // dq summed by the dk/dv kernel (atomic_dq; head dims that are multiples of
   // 64): it adds each step's dQ = dS^T K into float32 dq_acc of (b, h, local

@@ -39,6 +39,37 @@ struct BiasGradOut {
   }
 };
 
+// Zeros into the dbias rows [0, lo) and [hi, db_rows) of keys [k0, k0 +
+// keys) of bias heads [hb_lo, hb_hi] of batch entry b (BackwardParams::dbias_zeros:
+// a direct dbias, batched, dense rows): what a dk/dv CTA owns of dbias and
+// its walk does not reach. 16 threads a row, 16 bytes a store where the
+// addresses allow.
+__device__ inline void zero_dbias_rows(const BackwardParams& p, int b, int hb_lo, int hb_hi, std::int64_t k0, int keys,
+                                       std::int64_t lo, std::int64_t hi, int tid, int threads) {
+  constexpr int kRowThreads = 16;
+  const int size = p.bias_float32 ? 4 : 2, per = 16 / size;
+  const Operand& db = p.dbias;
+  auto* base = static_cast<char*>(db.data);
+  const bool vectors = reinterpret_cast<std::uintptr_t>(base) % 16 == 0 && db.sr * size % 16 == 0 &&
+                       db.sh * size % 16 == 0 && db.sb * size % 16 == 0 && k0 * size % 16 == 0 && keys % per == 0;
+  const int units = vectors ? keys / per : keys, width = vectors ? per : 1;
+  const std::int64_t head0 = (p.db_batch == 1 ? 0 : b) * db.sb + k0;
+  for (int hb = hb_lo; hb <= hb_hi; ++hb)
+    for (int part = 0; part < 2; ++part) {
+      const std::int64_t end = part == 0 ? lo : p.db_rows;
+      for (std::int64_t i = (part == 0 ? 0 : hi) + tid / kRowThreads; i < end; i += threads / kRowThreads)
+        for (int u = tid % kRowThreads; u < units; u += kRowThreads) {
+          const std::int64_t at = head0 + hb * db.sh + i * db.sr + u * width;
+          if (vectors)
+            *reinterpret_cast<uint4*>(base + at * size) = make_uint4(0, 0, 0, 0);
+          else if (size == 4)
+            reinterpret_cast<float*>(base)[at] = 0.0f;
+          else
+            reinterpret_cast<std::uint16_t*>(base)[at] = 0;
+        }
+    }
+}
+
 // Top-k key groups of the dk/dv walk (BackwardParams::group_rows), helpers of
 // both dk/dv kernels. Key r of a CTA: entry r of its group in key_order from
 // entry0 (sorted groups), else key row0 + r (-1: none past sk).

@@ -327,6 +327,10 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
   }
   Step cur = next_step(-1);
   if (tid == 0 && cur.s < total) issue(step_head(cur.s), step_block(cur.s), 0);
+  if (kRowBias && p.dbias_zeros)  // under the first step's loads
+    zero_dbias_rows(p, b, h_first / p.bias_group, (h_first + p.group - 1) / p.bias_group, row0,
+                    static_cast<int>(min(std::int64_t{kBlockN}, sk - row0)), std::int64_t{first} * kBlockM,
+                    std::int64_t{first + span} * kBlockM, tid, Config::kThreads);
   // The walk's step t: head h, query block blk; (h_next, blk_next) the next step's.
   for (int t = 0; cur.s < total; ++t) {
     const int h = step_head(cur.s), blk = step_block(cur.s);
