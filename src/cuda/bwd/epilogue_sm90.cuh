@@ -1,7 +1,8 @@
-// What the Hopper dk/dv kernel (bwd/kernel_sm90.cuh) writes: a step's dbias
-// tile (a full bias's, kBiasTiles) by TMA, and at the end dk = scale * acc_dk
-// and dv = acc_dv by key, a top-k key's pieces added up first (KeyPieces, in
-// segment order), and its key-only dbias sum out with its last piece.
+// What the Hopper dk/dv kernel (bwd/kernel_sm90.cuh) writes: a step's P^T and
+// dS^T for its MMAs, a bias head's key-only dbias sums, a step's dbias tile (a
+// full bias's, kBiasTiles) by TMA, and at the end dk = scale * acc_dk and dv =
+// acc_dv by key, a top-k key's pieces added up first (KeyPieces, in segment
+// order), and its key-only dbias sum out with its last piece.
 #pragma once
 
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -18,6 +19,61 @@
 #include "dkv_shared.cuh"
 
 namespace dmattn::cuda {
+
+// P^T and dS^T of a step in Element into rP and rDs, the A-operand layout of
+// the dK / dV MMAs (the accumulator's kAccS / 4 query groups are kAccS / 8
+// k-slices of 16), and dS^T to shared memory: kBiasTiles, over the thread's
+// bias elements as they were read (chunk c at tile_at(c)); else pair e at
+// the swizzle atom of queries 64 (e / 32) .. + 63 (8 query groups an atom) of
+// the dS buffer `ds` (split features: P^T's too, at `pt`).
+template <class Config, bool kBiasTiles, class Acc, class Coords, class Regs, class TileAt>
+__device__ __forceinline__ void stage_p_ds(const Acc& acc_s, const Acc& acc_dp, const Coords& cS, Regs& rP, Regs& rDs,
+                                           char* ds, char* pt, const TileAt& tile_at) {
+  using namespace cute;
+  using Element = typename Config::Element;
+  constexpr int kAccS = decltype(size(acc_s))::value;
+  using Convert = cutlass::NumericArrayConverter<Element, float, kAccS>;
+  *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rP.data())) =
+      Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_s.data())));
+  *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rDs.data())) =
+      Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_dp.data())));
+  const auto* ds_pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rDs.data()));
+  [[maybe_unused]] const auto* p_pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rP.data()));
+  if constexpr (kBiasTiles) {
+#pragma unroll
+    for (int c = 0; c < kAccS / 8; ++c)
+      stsm_x4_trans(tile_at(c), {ds_pairs[4 * c], ds_pairs[4 * c + 1], ds_pairs[4 * c + 2], ds_pairs[4 * c + 3]});
+  } else {
+#pragma unroll
+    for (int e = 0; e < kAccS; e += 2) {
+      const unsigned at = e / 32 * Config::kDsAtomBytes + sw128_offset(get<0>(cS(e)), get<1>(cS(e)) - e / 32 * 64);
+      *reinterpret_cast<std::uint32_t*>(ds + at) = ds_pairs[e / 2];
+      if constexpr (Config::kSplitFeatures) *reinterpret_cast<std::uint32_t*>(pt + at) = p_pairs[e / 2];
+    }
+  }
+}
+
+// A bias head's key-only dbias sums of the thread's two keys (key_sum, reset
+// here) out by the first lane of their quads (split features: a key's two
+// halves of the queries meet in `halves`, the key area, first).
+template <class Config, class Element, class KeyOf>
+__device__ __forceinline__ void store_key_dbias(const BackwardParams& p, const BiasGradOut<Element>& db_out, int hb,
+                                                float (&key_sum)[2], const int (&my_key)[2], const KeyOf& thread_key,
+                                                float* halves, int tid, int lane) {
+  float x[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]), key_sum[half] = 0.0f;
+  if constexpr (Config::kSplitFeatures) {
+    if (tid >= 128 && lane % 4 == 0) halves[my_key[0]] = x[0], halves[my_key[1]] = x[1];
+    __syncthreads();
+    if (tid < 128) x[0] += halves[my_key[0]], x[1] += halves[my_key[1]];
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t key = thread_key(half);
+    if (lane % 4 == 0 && key >= 0 && (!Config::kSplitFeatures || tid < 128)) db_out.add(p, hb, 0, key, x[half]);
+  }
+}
 
 // The dbias tile of a step's (bias head, query block) out of the step's dS
 // buffer `tile` (kBlockM x kBlockN, the bias tile's layout) to `map` at

@@ -140,24 +140,14 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     int s;
     bool partial;
   };
-  // The walk's step after step s (total: none), 32 classes a look by each warp.
+  // The walk's step after step s (total: none).
   auto next_step = [&](int s) {
     if constexpr (kMasked) {
-      for (int at = s + 1; at < total; at += 32) {
-        const int t = at + static_cast<int>(threadIdx.x % 32);
-        int cls = kTileEmpty;
-        if (t < total) {
-          const int mh = (h_first + t / span) / p.mask_group;
-          cls = classes[mh * p.dkv_tiles.sh + std::int64_t{first + t % span} * p.dkv_tiles.sm];
-        }
-        const unsigned found = __ballot_sync(0xffffffff, cls != kTileEmpty);
-        const unsigned partial = __ballot_sync(0xffffffff, cls == kTilePartial);
-        if (found != 0) {
-          const int low = __ffs(found) - 1;
-          return Step{at + low, ((partial >> low) & 1) != 0};
-        }
-      }
-      return Step{total, false};
+      const ClassedTile t = next_classed_tile<1>(s + 1, total, [&](int u) {
+        const int mh = (h_first + u / span) / p.mask_group;
+        return classes[mh * p.dkv_tiles.sh + std::int64_t{first + u % span} * p.dkv_tiles.sm];
+      });
+      return Step{t.at, t.partial};
     } else {
       return Step{s + 1, false};
     }
@@ -434,17 +424,12 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
           }
         }
       };
-      std::uint32_t allow[2][kWords];
+      AllowedWords<kWords> allow;
       if constexpr (kTested && kBits) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int kj = my_key[half];  // queries [from, to): kj - band.hi <= qi <= kj - band.lo
-          const int from = kKeyGroups ? lo[half] : max(0, kj - band.hi);
-          const int to = kKeyGroups ? hi[half] : (kj < kcols ? min(qrows, kj - band.lo + 1) : 0);
-#pragma unroll
-          for (int w = 0; w < kWords; ++w)
-            allow[half][w] = (span_bits(from, to, w) & (partial ? key_bits[half][w] : ~0u)) >> first_query;
-        }
+        for (int half = 0; half < 2; ++half)
+          allow.set(half, kKeyGroups ? TileSpan{lo[half], hi[half]} : band.queries_of(my_key[half], qrows, kcols),
+                    partial, key_bits[half], first_query);
       }
       load_bias(0, bias_now);
 #pragma unroll
@@ -464,8 +449,8 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
           } else {
             x = acc_s(e) * scale + (kRowBias ? bias_now[i] : key_bias[half]);
           }
-          if (kTested && (kBits ? ((allow[half][e / 16] >> column_bit(e)) & 1u) == 0
-                                : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)))
+          // (The band's test written out: band.allows(...) made ptxas spill 12 B in the dense walk.)
+          if (kTested && (kBits ? !allow.allows(e) : !(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)))
             x = -kInf;
           // (x - max) first: x and max near the float32 limit would overflow times log2(e).
           const float4 row = st[qi];
@@ -506,35 +491,13 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     }
     if constexpr (kRowBias) db_open = !db_close;
 
-    // P^T and dS^T in Element, in the A-operand layout of the dK / dV MMAs (the
-    // accumulator's kAccS / 4 query groups are kAccS / 8 k-slices of 16),
-    // and dS^T (split: and P^T) to shared memory: pair e is in the swizzle atom
-    // of queries 64 (e / 32) .. + 63 (8 query groups an atom).
-    constexpr int kSlices = kAccS / 8;
-    using ARegs = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kSlices>>>;
+    // P^T and dS^T for the dK / dV MMAs, dS^T (split: and P^T) to shared memory.
+    using ARegs = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kAccS / 8>>>;
     Tensor rP = make_tensor<Element>(ARegs{});
     Tensor rDs = make_tensor<Element>(ARegs{});
-    using Convert = cutlass::NumericArrayConverter<Element, float, kAccS>;
-    *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rP.data())) =
-        Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_s.data())));
-    *reinterpret_cast<cutlass::Array<Element, kAccS>*>(raw_pointer_cast(rDs.data())) =
-        Convert{}(*reinterpret_cast<const cutlass::Array<float, kAccS>*>(raw_pointer_cast(acc_dp.data())));
-    const auto* ds_pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rDs.data()));
-    [[maybe_unused]] const auto* p_pairs = reinterpret_cast<const std::uint32_t*>(raw_pointer_cast(rP.data()));
-    if constexpr (kBiasTiles) {  // over the thread's bias elements, as they were read
-#pragma unroll
-      for (int c = 0; c < kAccS / 8; ++c)
-        stsm_x4_trans(tile_at(buf, c),
-                      {ds_pairs[4 * c], ds_pairs[4 * c + 1], ds_pairs[4 * c + 2], ds_pairs[4 * c + 3]});
-    } else {
-#pragma unroll
-      for (int e = 0; e < kAccS; e += 2) {
-        const unsigned at = e / 32 * Config::kDsAtomBytes + sw128_offset(get<0>(cS(e)), get<1>(cS(e)) - e / 32 * 64);
-        *reinterpret_cast<std::uint32_t*>(smem + Config::kDsAt + buf * Config::kDsElems * int(sizeof(Element)) + at) =
-            ds_pairs[e / 2];
-        if constexpr (Config::kSplitFeatures) *reinterpret_cast<std::uint32_t*>(smem + Config::kPtAt + at) = p_pairs[e / 2];
-      }
-    }
+    stage_p_ds<Config, kBiasTiles>(acc_s, acc_dp, cS, rP, rDs,
+                                   smem + Config::kDsAt + buf * Config::kDsElems * int(sizeof(Element)),
+                                   smem + Config::kPtAt, [&](int c) { return tile_at(buf, c); });
 
     // dQ first: its store and reduction then overlap the dK and dV MMAs (split:
     // last, staged in this step's Q and dO buffers; each warp's reduction of
@@ -619,22 +582,9 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
 
     // Key-only dbias: a bias head's sums are complete when the next step has
     // another (pieces of keys: in the epilogue, one bias head).
-    if (key_sums && !pieces && (!more || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb))) {
-      float x[2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) x[half] = quad_sum(key_sum[half]), key_sum[half] = 0.0f;
-      if constexpr (Config::kSplitFeatures) {  // a key's two halves of the queries meet in the (unused) key area
-        auto* halves = reinterpret_cast<float*>(smem + Config::kKeysAt);
-        if (tid >= 128 && lane % 4 == 0) halves[my_key[0]] = x[0], halves[my_key[1]] = x[1];
-        __syncthreads();
-        if (tid < 128) x[0] += halves[my_key[0]], x[1] += halves[my_key[1]];
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const std::int64_t key = thread_key(half);
-        if (lane % 4 == 0 && key >= 0 && (!Config::kSplitFeatures || tid < 128)) db_out.add(p, hb, 0, key, x[half]);
-      }
-    }
+    if (key_sums && !pieces && (!more || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb)))
+      store_key_dbias<Config>(p, db_out, hb, key_sum, my_key, thread_key, reinterpret_cast<float*>(smem + Config::kKeysAt),
+                              tid, lane);
     cur = next;
   }
   if (lane == 0) tma_store_wait<0>();

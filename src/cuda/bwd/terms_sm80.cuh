@@ -41,7 +41,7 @@ __device__ __forceinline__ void stage_tile_terms(const BackwardParams& p, const 
     const int qi = kKeyRows ? c : r, kj = kKeyRows ? r : c;
     const std::int64_t key = lists ? (c0 + kj < list_count ? list_keys[c0 + kj] : -1) : k0 + kj;
     const bool ok = lists ? qi < qrows && key >= 0
-                          : qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi &&
+                          : band.allows(qi, kj, qrows, kcols) &&
                                 (mask_full || mask_tile[qi * p.mask.sr + kj * p.mask.sc] != 0);
     float x = ok ? 0.0f : -kInf;
     if (has_bias && ok) x = load_float<Element>(p.bias.data, p.bias_float32, bias_rows + qi * p.bias.sr + key * p.bias.sc);

@@ -109,14 +109,31 @@ DMATTN_HOST_DEVICE inline int clamp_to_tile(std::int64_t x) {
   return static_cast<int>(x < -kTileFar ? -kTileFar : (x > kTileFar ? kTileFar : x));
 }
 
+// Columns (or rows) [from, to) of a tile.
+struct TileSpan {
+  int from, to;
+};
+
 // The band of a tile at query q0 and key k0 in tile-local terms: query q0 + qi
-// sees key k0 + kj iff qi + lo <= kj <= qi + hi.
+// sees key k0 + kj iff qi + lo <= kj <= qi + hi. qrows and kcols: the tile's
+// queries and keys inside their sequences (clamp_to_tile).
 struct TileBand {
   int lo, hi;
   DMATTN_HOST_DEVICE TileBand(const Band& band, std::int64_t offset, std::int64_t q0, std::int64_t k0)
       : lo(band.left < 0 ? -kTileFar : clamp_to_tile(q0 + offset - k0 - band.left)),
         hi(band.causal ? clamp_to_tile(q0 + offset - k0) : kTileFar) {
     if (band.right >= 0) hi = min(hi, clamp_to_tile(q0 + offset - k0 + band.right));
+  }
+  // Whether query qi sees key kj, both inside the sequences.
+  DMATTN_HOST_DEVICE bool allows(int qi, int kj, int qrows, int kcols) const {
+    return qi < qrows && kj < kcols && kj >= qi + lo && kj <= qi + hi;
+  }
+  // The keys that query qi sees, and the queries that see key kj.
+  DMATTN_HOST_DEVICE TileSpan keys_of(int qi, int qrows, int kcols) const {
+    return {max(0, qi + lo), qi < qrows ? min(kcols, qi + hi + 1) : 0};
+  }
+  DMATTN_HOST_DEVICE TileSpan queries_of(int kj, int qrows, int kcols) const {
+    return {max(0, kj - hi), kj < kcols ? min(qrows, kj - lo + 1) : 0};
   }
 };
 

@@ -191,20 +191,11 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       int key = -1;   // the lock-step list walk's key at position t of the tile (thread t < kBlockN), -1 past the list
     };
     using Run = ListRun<kBlockN>;
-    // The walk's tile after tile n (n < tile_first: none), 32 classes a look by each warp.
+    // The walk's tile after tile n (n < tile_first: none).
     auto next_tile = [&](int n) {
       if constexpr (kMasked) {
-        for (int top = n - 1; top >= tile_first; top -= 32) {
-          const int t = top - lane;
-          const int cls = t >= tile_first ? classes[t] : kTileEmpty;
-          const unsigned found = __ballot_sync(0xffffffff, cls != kTileEmpty);
-          const unsigned partial = __ballot_sync(0xffffffff, cls == kTilePartial);
-          if (found != 0) {
-            const int at = __ffs(found) - 1;
-            return Tile{top - at, ((partial >> at) & 1) != 0};
-          }
-        }
-        return Tile{tile_first - 1, false};
+        const ClassedTile t = next_classed_tile<-1>(n - 1, tile_first - 1, [&](int m) { return classes[m]; });
+        return Tile{t.at, t.partial};
       } else if constexpr (kLists) {
         const int at = (n - 1) * kBlockN;
         const bool mine = kGatherAll && tid < kBlockN && n - 1 >= tile_first && at + tid < listed;
@@ -495,21 +486,8 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       }
       if (has_bias) {
         const float pre = softcap > 0.0f ? 1.0f : scale;
-        if constexpr (kRowBias) {  // 8 elements (e = 8 c ..: key groups 2 c and 2 c + 1, both rows) an ldmatrix
-          const auto tile = static_cast<unsigned>(__cvta_generic_to_shared(bias_tiles + buf * Config::kBiasTileElems));
-          const int row = my_row[0] - lane / 4 + 8 * (lane / 8 % 2) + lane % 8;  // the lane's of matrix lane / 8
-#pragma unroll
-          for (int c = 0; c < kAccS / 8; ++c) {
-            const int kj = 8 * (2 * c + lane / 16);
-            std::uint32_t pairs[4];
-            ldsm_x4<false>(tile + kj / 64 * (kBlockM * 128) + sw128_offset(row, kj % 64), pairs);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const auto two = reinterpret_cast<const cutlass::Array<Element, 2>&>(pairs[i]);
-              acc_s(8 * c + 2 * i) = fmaf(acc_s(8 * c + 2 * i), pre, float(two[0]));
-              acc_s(8 * c + 2 * i + 1) = fmaf(acc_s(8 * c + 2 * i + 1), pre, float(two[1]));
-            }
-          }
+        if constexpr (kRowBias) {
+          add_bias_tile<Config>(acc_s, bias_tiles + buf * Config::kBiasTileElems, my_row[0], lane, pre);
         } else {
           for_each_element<kAccS>(col_base, [&](int e, int, int kj) { acc_s(e) = fmaf(acc_s(e), pre, bias_cols[kj]); });
         }
@@ -520,8 +498,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       if constexpr (!kMasked && !kLists) {
         if (!whole) {
           for_each_element<kAccS>(col_base, [&](int e, int half, int kj) {
-            const int qi = my_row[half];
-            if (!(qi < qrows && kj < kcols && kj >= qi + band.lo && kj <= qi + band.hi)) acc_s(e) = -kInf;
+            if (!band.allows(my_row[half], kj, qrows, kcols)) acc_s(e) = -kInf;
           });
         }
       } else if (const bool bits = kLists || partial; !whole || bits) {
@@ -537,18 +514,13 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
           every = __all_sync(0xffffffff, set == ~0u);
         }
         if (!every) {
-          std::uint32_t allow[2][kWords];
+          AllowedWords<kWords> allow;  // a whole tile: every key, the bits'
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int qi = my_row[half];  // keys [from, to): qi + band.lo <= kj <= qi + band.hi; a whole tile: all
-            const int from = whole ? 0 : max(0, qi + band.lo);
-            const int to = whole ? kBlockN : (qi < qrows ? min(kcols, qi + band.hi + 1) : 0);
-#pragma unroll
-            for (int w = 0; w < kWords; ++w)
-              allow[half][w] = (span_bits(from, to, w) & (bits ? row_bits[half][w] : ~0u)) >> col_base;
-          }
-          for_each_element<kAccS>(col_base, [&](int e, int half, int) {
-            if (((allow[half][e / 16] >> column_bit(e)) & 1u) == 0) acc_s(e) = -kInf;
+          for (int half = 0; half < 2; ++half)
+            allow.set(half, whole ? TileSpan{0, kBlockN} : band.keys_of(my_row[half], qrows, kcols), bits,
+                      row_bits[half], col_base);
+          for_each_element<kAccS>(col_base, [&](int e, int, int) {
+            if (!allow.allows(e)) acc_s(e) = -kInf;
           });
         }
       }

@@ -1,19 +1,21 @@
 // What a consumer thread of the Hopper forward (fwd/kernel_sm90.cuh) does with
 // its elements of a key tile's S = Q K^T besides the walk's own tests (the
-// logits and the allowed set stay in the walk, whose register allocation is
-// sensitive to them): the loop over its elements, the online softmax; and a
-// block's epilogue.
+// key-only bias and the allowed set stay in the walk, whose register
+// allocation is sensitive to them): the loop over its elements, a bias tile's
+// logits, the online softmax; and a block's epilogue.
 // The thread's elements of S: two rows (my_row[0] and my_row[1], 8 apart in
 // its warp's 16), pairs of adjacent keys, kBlockN / 8 groups of 8 keys;
 // element e lies in row half e / 2 % 2 at key col_base + 8 (e / 4) + e % 2.
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/array.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "../common/element.cuh"
+#include "../common/sm90.cuh"
 #include "../common/softmax.cuh"
 #include "../params.h"
 #include "block.cuh"
@@ -25,6 +27,31 @@ template <int kAccS, class F>
 __device__ __forceinline__ void for_each_element(int col_base, F&& f) {
 #pragma unroll
   for (int e = 0; e < kAccS; ++e) f(e, e / 2 % 2, col_base + 8 * (e / 4) + e % 2);
+}
+
+// The logits of a bias tile (ForwardWalk::kRowBias): acc_s = acc_s pre + the
+// bias, whose kBlockM x kBlockN tile (Element, boxes of 64 keys laid out as
+// Q's atoms) is at `tile` in shared memory; 8 elements (e = 8 c ..: key
+// groups 2 c and 2 c + 1, both rows) an ldmatrix.
+template <class Config, class AccS>
+__device__ __forceinline__ void add_bias_tile(AccS& acc_s, const typename Config::Element* tile, int my_row0, int lane,
+                                              float pre) {
+  using Element = typename Config::Element;
+  constexpr int kAccS = decltype(cute::size(acc_s))::value;
+  const auto at = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+  const int row = my_row0 - lane / 4 + 8 * (lane / 8 % 2) + lane % 8;  // the lane's of matrix lane / 8
+#pragma unroll
+  for (int c = 0; c < kAccS / 8; ++c) {
+    const int kj = 8 * (2 * c + lane / 16);
+    std::uint32_t pairs[4];
+    ldsm_x4<false>(at + kj / 64 * (Config::kBlockM * 128) + sw128_offset(row, kj % 64), pairs);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const auto two = reinterpret_cast<const cutlass::Array<Element, 2>&>(pairs[i]);
+      acc_s(8 * c + 2 * i) = fmaf(acc_s(8 * c + 2 * i), pre, float(two[0]));
+      acc_s(8 * c + 2 * i + 1) = fmaf(acc_s(8 * c + 2 * i + 1), pre, float(two[1]));
+    }
+  }
 }
 
 // The online softmax of the tile (forward_kernel's): each row's max moved
