@@ -43,7 +43,7 @@ struct BiasGradOut {
 // keys) of bias heads [hb_lo, hb_hi] of batch entry b (BackwardParams::dbias_zeros:
 // a direct dbias, batched, dense rows): what a dk/dv CTA owns of dbias and
 // its walk does not reach. 16 threads a row, 16 bytes a store where the
-// addresses allow.
+// addresses allow, streamed (st.global.cs: no kernel reads them back).
 __device__ inline void zero_dbias_rows(const BackwardParams& p, int b, int hb_lo, int hb_hi, std::int64_t k0, int keys,
                                        std::int64_t lo, std::int64_t hi, int tid, int threads) {
   constexpr int kRowThreads = 16;
@@ -61,11 +61,11 @@ __device__ inline void zero_dbias_rows(const BackwardParams& p, int b, int hb_lo
         for (int u = tid % kRowThreads; u < units; u += kRowThreads) {
           const std::int64_t at = head0 + hb * db.sh + i * db.sr + u * width;
           if (vectors)
-            *reinterpret_cast<uint4*>(base + at * size) = make_uint4(0, 0, 0, 0);
+            __stcs(reinterpret_cast<uint4*>(base + at * size), make_uint4(0, 0, 0, 0));
           else if (size == 4)
-            reinterpret_cast<float*>(base)[at] = 0.0f;
+            __stcs(reinterpret_cast<float*>(base) + at, 0.0f);
           else
-            reinterpret_cast<std::uint16_t*>(base)[at] = 0;
+            __stcs(reinterpret_cast<unsigned short*>(base) + at, static_cast<unsigned short>(0));
         }
     }
 }
