@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
         const std::int64_t key = lists ? (c0 + tid < list_count ? list_keys[c0 + tid] : -1) : (c0 + tid < sk ? c0 + tid : -1);
         if (key >= 0)
           key_bias_next = load_float<Element>(p.bias.data, p.bias_float32,
-                                              b * p.bias.sb + (h / p.bias_group) * p.bias.sh + (seq.ks + key) * p.bias.sc);
+                                              element_at(p.bias, b, h / p.bias_group, 0, seq.ks + key));
       }
     }
   };
@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     const bool staged = !whole || (has_bias && p.bias.sr != 0) ||
                         (kKeyRows && !stats_only && p.bias_grad == BiasGrad::kPerElement);
     const bool key_bias = !staged && has_bias;
-    const std::int64_t bias_rows = b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + seq.ks * p.bias.sc;
+    const std::int64_t bias_rows = element_at(p.bias, b, hb, seq.qs + q0, seq.ks);
     if (staged) {
       stage_tile_terms<Config>(p, seq, b, h, q0, k0, c0, offset, mask_full, lists, list_keys, list_count,
                                has_bias, thresholds, bias_rows, tile_add, tid);

@@ -344,9 +344,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
       for (int half = 0; half < 2; ++half) {
         const std::int64_t key = thread_key(half);
         key_bias[half] =
-            key >= 0 ? load_float<Element>(p.bias.data, p.bias_float32,
-                                           b * p.bias.sb + hb * p.bias.sh + (seq.ks + key) * p.bias.sc)
-                     : 0.0f;
+            key >= 0 ? load_float<Element>(p.bias.data, p.bias_float32, element_at(p.bias, b, hb, 0, seq.ks + key)) : 0.0f;
       }
     }
     if (kKeyGroups && h / p.topk_group != rows_head) {  // the rows of the CTA's keys in this selection head
@@ -372,7 +370,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
     // A bias with rows: the step's tile from here (0 past the sequences).
     const std::int64_t bias_at =
-        kRowBias ? b * p.bias.sb + hb * p.bias.sh + (seq.qs + q0) * p.bias.sr + (seq.ks + row0) * p.bias.sc : 0;
+        kRowBias ? element_at(p.bias, b, hb, seq.qs + q0, seq.ks + row0) : 0;
     const bool db_close = !more || blk_next != blk || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb);
     warpgroup_wait<0>();
 

@@ -33,8 +33,8 @@ __device__ __forceinline__ void stage_tile_terms(const BackwardParams& p, const 
   const TileBand band(p.band, offset, q0, k0);
   const std::uint8_t* mask_tile = nullptr;
   if (!mask_full)
-    mask_tile = static_cast<const std::uint8_t*>(p.mask.data) + b * p.mask.sb + (h / p.mask_group) * p.mask.sh +
-                (seq.qs + q0) * p.mask.sr + (seq.ks + k0) * p.mask.sc;
+    mask_tile = static_cast<const std::uint8_t*>(p.mask.data) +
+                element_at(p.mask, b, h / p.mask_group, seq.qs + q0, seq.ks + k0);
 #pragma unroll 4
   for (int e = tid; e < kBlockRows * kStep; e += Config::kThreads) {
     const int r = e / kStep, c = e % kStep;

@@ -102,6 +102,15 @@ DMATTN_HOST_DEVICE inline bool band_covers(const Band& band, std::int64_t offset
          (band.right < 0 || k_last <= q_first + offset + band.right);
 }
 
+// Element (batch b, head h, row r, column c) of a strided 4-D operand (a
+// bias or a mask: Operand's strides, 0 along a broadcast extent), for every
+// reader of one (r = 0 where it reads a row's keys from c on).
+template <class Strided>
+DMATTN_HOST_DEVICE std::int64_t element_at(const Strided& o, std::int64_t b, std::int64_t h, std::int64_t r,
+                                           std::int64_t c) {
+  return b * o.sb + h * o.sh + r * o.sr + c * o.sc;
+}
+
 // Tile-local limits are clamped to +-kTileFar, far outside any tile, so that
 // 64-bit sequence arithmetic becomes 32-bit comparisons inside the tile.
 constexpr int kTileFar = 1 << 20;

@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     return has_mask ? mask_keys[std::int64_t{n} * kBlockN + r] : std::int64_t{n} * kBlockN + r;
   };
   std::int64_t bias_base = 0;
-  if (has_bias) bias_base = b * p.bias.sb + (h / p.bias_group) * p.bias.sh + (qs + row0) * p.bias.sr + ks * p.bias.sc;
+  if (has_bias) bias_base = element_at(p.bias, b, h / p.bias_group, qs + row0, ks);
 
   extern __shared__ __align__(128) char smem[];
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Config::SmemLayoutQ{});

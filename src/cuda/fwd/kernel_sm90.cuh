@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
         return Tile{n - 1, false};
       }
     };
-    const std::int64_t bias_base = has_bias ? b * p.bias.sb + (h / p.bias_group) * p.bias.sh + blk.ks * p.bias.sc : 0;
+    const std::int64_t bias_base = has_bias ? element_at(p.bias, b, h / p.bias_group, 0, blk.ks) : 0;
     // The key-only bias of a key (0 for -1), in float.
     auto key_bias_of = [&](std::int64_t key) {
       if (key < 0 || key >= sk) return 0.0f;

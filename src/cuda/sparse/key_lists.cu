@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) pack_mask(const KeyListParams p, int
   const std::int64_t row0 = std::int64_t{blockIdx.y} * kBlockM;
   const int rows = static_cast<int>(min(std::int64_t{kBlockM}, p.seqlen_q - row0));
   const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
-  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh;
+  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + element_at(p.mask, mb, mh, 0, 0);
   mark_tile<kThreads>(
       p, p.seqlen_q, p.seqlen_k, row0, rows, std::int64_t{n} * 64,
       [&](std::int64_t i, std::int64_t col) { return mask[i * p.mask.sr + col * p.mask.sc] != 0; },
@@ -182,8 +182,8 @@ __device__ inline TopkSlice topk_slice(const KeyListParams& p, int z) {
   }
   const Sequence seq(p, b);
   s.sq = seq.sq, s.sk = seq.sk;
-  s.bias = b * p.bias.sb + (h / p.bias_group) * p.bias.sh + seq.qs * p.bias.sr + seq.ks * p.bias.sc;
-  s.mask = b * p.mask.sb + (h / p.mask_group) * p.mask.sh + seq.qs * p.mask.sr + seq.ks * p.mask.sc;
+  s.bias = element_at(p.bias, b, h / p.bias_group, seq.qs, seq.ks);
+  s.mask = element_at(p.mask, b, h / p.mask_group, seq.qs, seq.ks);
   return s;
 }
 

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kClassifyThreads)
   const int tile_m = kByKey ? blockIdx.x : blockIdx.y, tile_n = kByKey ? blockIdx.y : blockIdx.x;
   const std::int64_t row0 = std::int64_t{tile_m} * kTileM, col0 = std::int64_t{tile_n} * kTileN;
   const int mb = blockIdx.z / mask_heads, mh = blockIdx.z % mask_heads;
-  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + mb * p.mask.sb + mh * p.mask.sh;
+  const auto* mask = static_cast<const std::uint8_t*>(p.mask.data) + element_at(p.mask, mb, mh, 0, 0);
   const int tile_rows = row_broadcast ? 1 : kTileM;
   // A tile outside the causal / window band is never walked: empty, its bits
   // neither read nor written (about half the mask's bytes under causal

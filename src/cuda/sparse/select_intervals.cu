@@ -54,8 +54,8 @@ __device__ std::uint64_t sort_key(const Params& p, const Chunk& c, std::int64_t 
   const Sequence s(p, b);
   std::uint32_t order = c.masked();
   if (j < s.sk &&
-      load_mask(p.mask, b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.ks + j) * p.mask.sc))
-    order = ~order_key(p.bias, b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.ks + j) * p.bias.sc) & c.masked();
+      load_mask(p.mask, element_at(p.mask, b, h / p.mask_group, 0, s.ks + j)))
+    order = ~order_key(p.bias, element_at(p.bias, b, h / p.bias_group, 0, s.ks + j)) & c.masked();
   const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
   return (static_cast<std::uint64_t>(t) << (c.ob + c.kb)) | (std::uint64_t{order} << c.kb) |
          (low - static_cast<std::uint64_t>(j));

@@ -26,8 +26,8 @@ __device__ RowSpan row_span(const Params& p, std::int64_t row) {
   const KeyRange keys = keys_of_queries(p.band, s.offset(), s.sk, i, i);
   r.lo = min(keys.first, s.sk);
   r.hi = max(keys.end, r.lo);
-  r.bias = b * p.bias.sb + h / p.bias_group * p.bias.sh + (s.qs + i) * p.bias.sr + s.ks * p.bias.sc;
-  r.mask = b * p.mask.sb + h / p.mask_group * p.mask.sh + (s.qs + i) * p.mask.sr + s.ks * p.mask.sc;
+  r.bias = element_at(p.bias, b, h / p.bias_group, s.qs + i, s.ks);
+  r.mask = element_at(p.mask, b, h / p.mask_group, s.qs + i, s.ks);
   return r;
 }
 
