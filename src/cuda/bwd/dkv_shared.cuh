@@ -1,74 +1,15 @@
-// What both dk/dv kernels (sm80 and Hopper) share: where their dbias values
-// go, the keys of a top-k key group and the hand-over of a key's pieces.
+// What both dk/dv kernels (sm80 and Hopper) share besides the bias policy
+// (common/bias.cuh): the keys of a top-k key group and the hand-over of a
+// key's pieces.
 #pragma once
 
 #include <cstdint>
 
-#include "../common/element.cuh"
+#include "../common/bias.cuh"
 #include "../common/geometry.h"
 #include "../params.h"
 
 namespace dmattn::cuda {
-
-// Where a dk/dv CTA's dbias values go: element (bias head hb, local row i,
-// local key j) of dbias directly in its dtype, or added into the CTA's float32
-// slice of BackwardParams::scratch (reduce_bias_grad sums the slices).
-template <class Element>
-struct BiasGradOut {
-  float* slice = nullptr;
-  int db_b = 0;
-  std::int64_t qs = 0, ks = 0;
-  __device__ BiasGradOut(const BackwardParams& p, int b, int kvh, const Sequence& seq)
-      : db_b(p.db_batch == 1 ? 0 : b), qs(seq.qs), ks(seq.ks) {
-    const std::int64_t elements = p.db_batch * p.db_heads * p.db_rows * p.db_cols;
-    if (p.scratch != nullptr)
-      slice = p.scratch + (std::int64_t{p.contrib_b > 1 ? b : 0} * p.contrib_h + (p.contrib_h > 1 ? kvh : 0)) * elements;
-  }
-  // The element's index in the dense (db_batch, db_heads, db_rows, db_cols) slice.
-  __device__ std::int64_t dense(const BackwardParams& p, int hb, std::int64_t i, std::int64_t j) const {
-    return ((std::int64_t{db_b} * p.db_heads + hb) * p.db_rows + (p.db_rows == 1 ? 0 : i)) * p.db_cols + j;
-  }
-  __device__ void add(const BackwardParams& p, int hb, std::int64_t i, std::int64_t j, float x) const {
-    if (slice != nullptr)
-      slice[dense(p, hb, i, j)] += x;
-    else
-      store_float<Element>(p.dbias.data, p.bias_float32,
-                           db_b * p.dbias.sb + hb * p.dbias.sh + (p.db_rows == 1 ? 0 : qs + i) * p.dbias.sr +
-                               (ks + j) * p.dbias.sc,
-                           x);
-  }
-};
-
-// Zeros into the dbias rows [0, lo) and [hi, db_rows) of keys [k0, k0 +
-// keys) of bias heads [hb_lo, hb_hi] of batch entry b (BackwardParams::dbias_zeros:
-// a direct dbias, batched, dense rows): what a dk/dv CTA owns of dbias and
-// its walk does not reach. 16 threads a row, 16 bytes a store where the
-// addresses allow, streamed (st.global.cs: no kernel reads them back).
-__device__ inline void zero_dbias_rows(const BackwardParams& p, int b, int hb_lo, int hb_hi, std::int64_t k0, int keys,
-                                       std::int64_t lo, std::int64_t hi, int tid, int threads) {
-  constexpr int kRowThreads = 16;
-  const int size = p.bias_float32 ? 4 : 2, per = 16 / size;
-  const Operand& db = p.dbias;
-  auto* base = static_cast<char*>(db.data);
-  const bool vectors = reinterpret_cast<std::uintptr_t>(base) % 16 == 0 && db.sr * size % 16 == 0 &&
-                       db.sh * size % 16 == 0 && db.sb * size % 16 == 0 && k0 * size % 16 == 0 && keys % per == 0;
-  const int units = vectors ? keys / per : keys, width = vectors ? per : 1;
-  const std::int64_t head0 = (p.db_batch == 1 ? 0 : b) * db.sb + k0;
-  for (int hb = hb_lo; hb <= hb_hi; ++hb)
-    for (int part = 0; part < 2; ++part) {
-      const std::int64_t end = part == 0 ? lo : p.db_rows;
-      for (std::int64_t i = (part == 0 ? 0 : hi) + tid / kRowThreads; i < end; i += threads / kRowThreads)
-        for (int u = tid % kRowThreads; u < units; u += kRowThreads) {
-          const std::int64_t at = head0 + hb * db.sh + i * db.sr + u * width;
-          if (vectors)
-            __stcs(reinterpret_cast<uint4*>(base + at * size), make_uint4(0, 0, 0, 0));
-          else if (size == 4)
-            __stcs(reinterpret_cast<float*>(base) + at, 0.0f);
-          else
-            __stcs(reinterpret_cast<unsigned short*>(base) + at, static_cast<unsigned short>(0));
-        }
-    }
-}
 
 // Top-k key groups of the dk/dv walk (BackwardParams::group_rows), helpers of
 // both dk/dv kernels. Key r of a CTA: entry r of its group in key_order from

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/bias.cuh"
 #include "../common/element.cuh"
 #include "../common/geometry.h"
 #include "../common/softmax.cuh"
@@ -266,8 +267,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
       if (key_only_bias && tid < kStep) {
         const std::int64_t key = lists ? (c0 + tid < list_count ? list_keys[c0 + tid] : -1) : (c0 + tid < sk ? c0 + tid : -1);
         if (key >= 0)
-          key_bias_next = load_float<Element>(p.bias.data, p.bias_float32,
-                                              element_at(p.bias, b, h / p.bias_group, 0, seq.ks + key));
+          key_bias_next = BiasReader<Element>(p, b, h / p.bias_group, 0, seq.ks).key(key);
       }
     }
   };
@@ -389,10 +389,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     const bool staged = !whole || (has_bias && p.bias.sr != 0) ||
                         (kKeyRows && !stats_only && p.bias_grad == BiasGrad::kPerElement);
     const bool key_bias = !staged && has_bias;
-    const std::int64_t bias_rows = element_at(p.bias, b, hb, seq.qs + q0, seq.ks);
+    const BiasReader<Element> bias_in(p, b, hb, seq.qs + q0, seq.ks);
     if (staged) {
       stage_tile_terms<Config>(p, seq, b, h, q0, k0, c0, offset, mask_full, lists, list_keys, list_count,
-                               has_bias, thresholds, bias_rows, tile_add, tid);
+                               has_bias, thresholds, bias_in, tile_add, tid);
     } else if (key_bias) {
       if constexpr (kKeyRows) {  // the CTA's keys: read again only when the bias head changes
         if (hb != key_bias_head) {
@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
             for (int half = 0; half < 2; ++half) {
               const int key = own_keys[get<0>(cS(make_coord(make_coord(0, half), m, 0)))];
               key_bias_rows[2 * m + half] =
-                  key >= 0 ? load_float<Element>(p.bias.data, p.bias_float32, bias_rows + key * p.bias.sc) : 0.0f;
+                  key >= 0 ? bias_in.key(key) : 0.0f;
             }
         }
       } else if (tid < kK) {

@@ -52,6 +52,7 @@
 #include <type_traits>
 
 #include "../common/allowed.cuh"
+#include "../common/bias.cuh"
 #include "../common/element.cuh"
 #include "../common/geometry.h"
 #include "../common/sm90.cuh"
@@ -344,7 +345,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
       for (int half = 0; half < 2; ++half) {
         const std::int64_t key = thread_key(half);
         key_bias[half] =
-            key >= 0 ? load_float<Element>(p.bias.data, p.bias_float32, element_at(p.bias, b, hb, 0, seq.ks + key)) : 0.0f;
+            key >= 0 ? BiasReader<Element>(p, b, hb, 0, seq.ks).key(key) : 0.0f;
       }
     }
     if (kKeyGroups && h / p.topk_group != rows_head) {  // the rows of the CTA's keys in this selection head
@@ -369,8 +370,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     const int h_next = step_head(next.s), blk_next = step_block(next.s);
     const int qrows = clamp_to_tile(sq - q0), kcols = clamp_to_tile(sk - row0);
     // A bias with rows: the step's tile from here (0 past the sequences).
-    const std::int64_t bias_at =
-        kRowBias ? element_at(p.bias, b, hb, seq.qs + q0, seq.ks + row0) : 0;
+    const BiasReader<Element> step_bias(p, b, hb, seq.qs + q0, seq.ks + row0);
     const bool db_close = !more || blk_next != blk || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb);
     warpgroup_wait<0>();
 
@@ -416,9 +416,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
 #pragma unroll
           for (int i = 0; i < kChunk; ++i) {
             const int kj = get<0>(cS(c * kChunk + i)), qi = get<1>(cS(c * kChunk + i));
-            to[i] = !kTested || (qi < qrows && kj < kcols)
-                        ? load_float<Element>(p.bias.data, p.bias_float32, bias_at + qi * p.bias.sr + kj * p.bias.sc)
-                        : 0.0f;
+            to[i] = !kTested || (qi < qrows && kj < kcols) ? step_bias.at(qi, kj) : 0.0f;
           }
         }
       };

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "../common/element.cuh"
+#include "../common/bias.cuh"
 #include "../common/geometry.h"
 #include "../common/softmax.cuh"
 #include "../params.h"
@@ -18,15 +18,14 @@ namespace dmattn::cuda {
 // tile_add[r * Config::kAddLd + c], by the CTA's threads. A dq step over a key
 // list (`lists`; list_keys, list_count: its keys) takes its columns'
 // keys from positions [c0, c0 + kStep) of the list; mask_full: the user's mask
-// allows the whole tile (or there is none); bias_rows: the bias of the tile's
-// first query row and key 0.
+// allows the whole tile (or there is none); bias_in: the bias from the
+// tile's first query row and key 0.
 template <class Config>
 __device__ __forceinline__ void stage_tile_terms(const BackwardParams& p, const Sequence& seq, int b, int h,
                                                  std::int64_t q0, std::int64_t k0, std::int64_t c0, std::int64_t offset,
                                                  bool mask_full, bool lists, const std::int32_t* list_keys, int list_count,
-                                                 bool has_bias, bool thresholds, std::int64_t bias_rows,
+                                                 bool has_bias, bool thresholds, const BiasReader<typename Config::Element>& bias_in,
                                                  float* tile_add, int tid) {
-  using Element = typename Config::Element;
   constexpr bool kKeyRows = Config::kKeyRows;
   constexpr int kBlockRows = Config::kBlockRows, kStep = Config::kStep, kAddLd = Config::kAddLd;
   const int qrows = clamp_to_tile(seq.sq - q0), kcols = clamp_to_tile(seq.sk - k0);
@@ -44,7 +43,7 @@ __device__ __forceinline__ void stage_tile_terms(const BackwardParams& p, const 
                           : band.allows(qi, kj, qrows, kcols) &&
                                 (mask_full || mask_tile[qi * p.mask.sr + kj * p.mask.sc] != 0);
     float x = ok ? 0.0f : -kInf;
-    if (has_bias && ok) x = load_float<Element>(p.bias.data, p.bias_float32, bias_rows + qi * p.bias.sr + key * p.bias.sc);
+    if (has_bias && ok) x = bias_in.at(qi, key);
     if (thresholds && ok) {  // (bias_ij, j) >= the row's threshold (SPEC 3)
       const RowThreshold thr =
           p.topk_thresholds[(std::int64_t{b} * p.topk_heads + h / p.topk_group) * p.seqlen_q + q0 + qi];

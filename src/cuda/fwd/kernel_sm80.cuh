@@ -111,6 +111,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     if (r >= tile_count(n)) return -1;
     return has_mask ? mask_keys[std::int64_t{n} * kBlockN + r] : std::int64_t{n} * kBlockN + r;
   };
+  // BiasReader's base (common/bias.cuh), written out: this walk stages a
+  // key-only bias's raw bits and 16-byte chunks, and the reader compiled to
+  // other SASS here.
   std::int64_t bias_base = 0;
   if (has_bias) bias_base = element_at(p.bias, b, h / p.bias_group, qs + row0, ks);
 

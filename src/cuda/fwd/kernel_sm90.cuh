@@ -39,6 +39,7 @@
 #include <type_traits>
 
 #include "../common/allowed.cuh"
+#include "../common/bias.cuh"
 #include "../common/element.cuh"
 #include "../common/geometry.h"
 #include "../common/sm90.cuh"
@@ -204,12 +205,9 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
         return Tile{n - 1, false};
       }
     };
-    const std::int64_t bias_base = has_bias ? element_at(p.bias, b, h / p.bias_group, 0, blk.ks) : 0;
+    const BiasReader<Element> bias_in(p, b, h / p.bias_group, 0, blk.ks, has_bias);
     // The key-only bias of a key (0 for -1), in float.
-    auto key_bias_of = [&](std::int64_t key) {
-      if (key < 0 || key >= sk) return 0.0f;
-      return load_float<Element>(p.bias.data, p.bias_float32, bias_base + key * p.bias.sc);
-    };
+    auto key_bias_of = [&](std::int64_t key) { return key < 0 || key >= sk ? 0.0f : bias_in.key(key); };
     // ... of key t < kBlockN of tile n (of a list: the key at its position t,
     // staged in buffer s); the lock-step list walk's thread t stages key t.
     auto bias_of = [&](int n, int s, int t) {
