@@ -15,7 +15,8 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_gpu import SUITES, Case, make_dmattn
+from bench_gpu import SUITES, Case
+from bench_systems import make_dmattn
 
 
 def main():
