@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/element.cuh"
 #include "../common/geometry.h"
 #include "../common/softmax.cuh"
 #include "../common/tile_sm80.cuh"
@@ -466,8 +467,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   }
 
   // Epilogue: o = acc / sum (0 for a row with no allowed key), lse = max + log(sum).
+  // A thread's pairs (col_base + 8 dd, + 1) start at even columns: whole or
+  // padding (past a head dim of whole 8-feature chunks); one 32-bit store
+  // each where out's strides allow, every word of a row rounded first
+  // (rounded_word).
   auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (qs + row0) * p.out.sr;
   auto* lse = static_cast<float*>(p.lse.data);
+  const bool aligned = pairs_aligned(p.out.data, p.out.sb, p.out.sh, p.out.sr);
 #pragma unroll
   for (int m = 0; m < size<1>(acc_o); ++m) {
 #pragma unroll
@@ -490,13 +496,25 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
         if (lane % 4 == 0) p.stat_partial[partial_row] = make_float2(sum > 0.0f ? row_max[r] * unit : -kInf, sum);
         continue;
       }
+      constexpr int kPairs = decltype(size<2>(acc_o))::value;
+      if (aligned) {
+        std::uint32_t words[kPairs];
 #pragma unroll
-      for (int dd = 0; dd < size<2>(acc_o); ++dd)
+        for (int dd = 0; dd < kPairs; ++dd)
+          words[dd] = rounded_word<Element>(acc_o(make_coord(0, half), m, dd) * inv,
+                                            acc_o(make_coord(1, half), m, dd) * inv);
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int col = 8 * dd + col_base + c;
-          if (col < d) out[row * p.out.sr + col] = static_cast<Element>(acc_o(make_coord(c, half), m, dd) * inv);
-        }
+        for (int dd = 0; dd < kPairs; ++dd)
+          if (8 * dd + col_base < d) store_word(out + row * p.out.sr + 8 * dd + col_base, words[dd]);
+      } else {
+#pragma unroll
+        for (int dd = 0; dd < kPairs; ++dd)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = 8 * dd + col_base + c;
+            if (col < d) out[row * p.out.sr + col] = static_cast<Element>(acc_o(make_coord(c, half), m, dd) * inv);
+          }
+      }
       if (lse != nullptr && lane % 4 == 0)
         lse[b * p.lse.sb + h * p.lse.sh + (qs + row0 + row) * p.lse.sr] = sum > 0.0f ? row_max[r] * unit + logf(sum) : -kInf;
     }

@@ -124,11 +124,24 @@ __device__ __forceinline__ void store_block(const ForwardParams& p, const Forwar
 #pragma unroll
   for (int half = 0; half < 2; ++half)
     row_out[half] = out + my_row[half] * p.out.sr + f0, row_in[half] = row0 + my_row[half] < sq;
+  constexpr int kAccO = decltype(size(acc_o))::value;
+  if (aligned) {
+    std::uint32_t words[kAccO / 2];
 #pragma unroll
-  for (int e = 0; e < size(acc_o); e += 2) {
-    const int half = e / 2 % 2, f = get<1>(cO(e));
-    if (row_in[half] && f < p.head_dim)
-      store_pair(row_out[half] + (f - f0), acc_o(e) * inv[half], acc_o(e + 1) * inv[half], aligned);
+    for (int e = 0; e < kAccO; e += 2)
+      words[e / 2] = rounded_word<Element>(acc_o(e) * inv[e / 2 % 2], acc_o(e + 1) * inv[e / 2 % 2]);
+#pragma unroll
+    for (int e = 0; e < kAccO; e += 2) {
+      const int half = e / 2 % 2, f = get<1>(cO(e));
+      if (row_in[half] && f < p.head_dim) store_word(row_out[half] + (f - f0), words[e / 2]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kAccO; e += 2) {
+      const int half = e / 2 % 2, f = get<1>(cO(e));
+      if (row_in[half] && f < p.head_dim)
+        store_pair(row_out[half] + (f - f0), acc_o(e) * inv[half], acc_o(e + 1) * inv[half], false);
+    }
   }
 }
 
