@@ -5,7 +5,6 @@
 
 #include <cstdint>
 
-#include "../common/bias.cuh"
 #include "../common/geometry.h"
 #include "../params.h"
 

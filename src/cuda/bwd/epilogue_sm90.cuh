@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "../common/bias.cuh"
 #include "../common/element.cuh"
 #include "../common/geometry.h"
 #include "../common/sm90.cuh"

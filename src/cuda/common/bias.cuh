@@ -33,7 +33,7 @@ struct BiasReader {
     return load_float<Element>(p.bias.data, p.bias_float32, offset(i, j));
   }
   // Key j of a key-only bias.
-  __device__ float key(std::int64_t j) const { return load_float<Element>(p.bias.data, p.bias_float32, base + j * p.bias.sc); }
+  __device__ float key(std::int64_t j) const { return at(0, j); }
 };
 
 // Where a dk/dv CTA's dbias values go: element (bias head hb, local row i,
