@@ -104,13 +104,17 @@ struct ForwardSm90Config {
   static constexpr int kQElems = kBlockM * kHeadDim, kKvElems = kBlockN * kHeadDim;
   // Q, two buffers of K, two of V, two of the key-only bias (floats, a K
   // buffer's tile), three of a key list's keys (ints), then the barriers (at
-  // these indices): Q full, the K and V buffers full, the K and V buffers
-  // empty, Q empty.
-  static constexpr int kQFull = 0, kKFull = 1, kVFull = 3, kKEmpty = 5, kVEmpty = 7, kQEmpty = 9, kBarriers = 10;
+  // these indices): the Q buffers full, the K and V buffers full, the K and V
+  // buffers empty, the Q buffers empty. The persistent dense walk has a
+  // second Q buffer behind them where it fits (kSecondQ), so that the
+  // producer loads the next block's Q while the consumers still use this one's.
+  static constexpr int kQFull = 0, kKFull = 2, kVFull = 4, kKEmpty = 6, kVEmpty = 8, kQEmpty = 10, kBarriers = 12;
   static constexpr int kBiasAt = (kQElems + 4 * kKvElems) * int(sizeof(Element));
   static constexpr int kKeysAt = kBiasAt + 2 * kBlockN * int(sizeof(float));
   static constexpr int kBarriersAt = kKeysAt + 3 * kBlockN * int(sizeof(int));
   static constexpr int kSmemBytes = kBarriersAt + kBarriers * 8;
+  static constexpr int kQ1At = (kSmemBytes + 1023) / 1024 * 1024;
+  static constexpr bool kSecondQ = kQ1At + kQElems * int(sizeof(Element)) <= kSmemSm90;
   // The walk of a bias with rows (ForwardWalk::kRowBias) has two buffers of
   // its kBlockM x kBlockN tiles (Element, boxes of 64 keys laid out as Q's
   // atoms) where the others keep the key-only bias and the list's keys.
@@ -131,8 +135,8 @@ struct ForwardSm90Config {
     using Barrier = cutlass::arch::ClusterTransactionBarrier;
     constexpr bool kProducer = kProducerThreads > 0;
     constexpr int kListArrivals = 2 * kProducerThreads;
-    Barrier::init(bars + kQFull, 1), Barrier::init(bars + kQEmpty, kConsumerThreads);
     for (int s = 0; s < 2; ++s) {
+      Barrier::init(bars + kQFull + s, 1), Barrier::init(bars + kQEmpty + s, kConsumerThreads);
       Barrier::init(bars + kKFull + s, kLists && kProducer ? kListArrivals : kProducer ? 32 : 1);
       Barrier::init(bars + kVFull + s, kLists && kProducer ? kListArrivals : 1);
       Barrier::init(bars + kKEmpty + s, kConsumerThreads), Barrier::init(bars + kVEmpty + s, kConsumerThreads / 32);
@@ -140,7 +144,10 @@ struct ForwardSm90Config {
     cutlass::arch::fence_barrier_init();
   }
   static constexpr int barriers_at(bool tiles) { return tiles ? kTileBarriersAt : kBarriersAt; }
-  static constexpr int smem_bytes(bool tiles) { return tiles ? kTileSmemBytes : kSmemBytes; }
+  // A walk's shared memory: with bias tiles, or with two Q buffers, or neither.
+  static constexpr int smem_bytes(bool tiles, bool two_q) {
+    return tiles ? kTileSmemBytes : two_q ? kQ1At + kQElems * int(sizeof(Element)) : kSmemBytes;
+  }
 };
 
 // The TMA descriptors of Q, K and V: (feature, row, head, batch), boxes of 64

@@ -55,6 +55,15 @@ namespace dmattn::cuda {
 // class and bit, the key lists (top-k, with a mask or not).
 enum class ForwardWalk { kDense, kMasked, kKeyLists, kRowBias };
 
+// The walks with two Q buffers: the persistent dense one, where they fit. Its
+// blocks' epilogues then run under the next block's first S = Q K^T (the
+// persistent mask walk spilled 80 B so; the key lists' walk, whose producer
+// gathers, ran 3% slower at S = 16384, w = 1024 with the shared memory they take).
+template <class Config>
+constexpr bool forward_two_q(ForwardWalk walk, bool persistent) {
+  return persistent && walk == ForwardWalk::kDense && Config::kSecondQ;
+}
+
 // kPersistent (a producer walk's): the CTAs take the query blocks in turn
 // (heuristics.h forward_sm90_persistent); otherwise a CTA a block.
 template <class Config, ForwardWalk kWalk, bool kPersistent>
@@ -87,6 +96,12 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
 
   extern __shared__ __align__(1024) char smem[];
   auto* q_smem = reinterpret_cast<Element*>(smem);
+  // The Q buffers (forward_two_q): the CTA's u-th Q in buffer u % kQBuffers.
+  // With two, a block's epilogue waits for the next block's first S = Q K^T
+  // to be issued and runs under it (kDeferStore).
+  constexpr int kQBuffers = forward_two_q<Config>(kWalk, kPersistent) ? 2 : 1;
+  constexpr bool kDeferStore = kQBuffers == 2;
+  auto q_buffer = [&](int qb) { return qb == 0 ? q_smem : reinterpret_cast<Element*>(smem + Config::kQ1At); };
   Element* k_smem = q_smem + Config::kQElems;  // two buffers
   Element* v_smem = k_smem + 2 * Config::kKvElems;  // two buffers
   auto* bias_smem = reinterpret_cast<float*>(smem + Config::kBiasAt);  // two buffers
@@ -95,13 +110,12 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
   // staged one iteration ahead of their gathers.
   auto* keys_smem = reinterpret_cast<int*>(smem + Config::kKeysAt);
   auto* bars = reinterpret_cast<std::uint64_t*>(smem + Config::barriers_at(kRowBias));
-  std::uint64_t* q_full = bars + Config::kQFull;
+  std::uint64_t* q_full = bars + Config::kQFull;    // kQBuffers
   std::uint64_t* k_full = bars + Config::kKFull;    // two
   std::uint64_t* v_full = bars + Config::kVFull;    // two
   std::uint64_t* k_empty = bars + Config::kKEmpty;  // two (producer walks)
   std::uint64_t* v_empty = bars + Config::kVEmpty;  // two (producer walks)
-  std::uint64_t* q_empty = bars + Config::kQEmpty;  // producer walks: the consumers are done with Q's S = Q K^T
-  Tensor sQ = make_tensor(make_smem_ptr(q_smem), typename Config::LayoutQ{});
+  std::uint64_t* q_empty = bars + Config::kQEmpty;  // kQBuffers, persistent walks: the consumers are done with its S = Q K^T
   auto stage_k = [&](int s) {
     return make_tensor(make_smem_ptr(k_smem + s * Config::kKvElems), typename Config::LayoutKV{});
   };
@@ -118,9 +132,45 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
   // the blocks evens out over the CTAs; otherwise blockIdx.x), one after the
   // other: the buffers' and barriers' uses count on across them, tile j of
   // the CTA's walk in K and V buffer j % 2 (phase j / 2 % 2), the u-th Q in
-  // phase u % 2, so that the producer loads the next block's Q and first
-  // tiles while the consumers finish a block.
+  // buffer u % kQBuffers (phase u / kQBuffers % 2), so that the producer loads
+  // the next block's Q and first tiles while the consumers finish a block.
   int walked = 0, q_loads = 0;  // tiles walked and Qs loaded so far
+  typename Config::MmaS mma_s;
+  typename Config::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  // The thread's (row, key) of S: two rows (r and r + 8 of its warp's 16),
+  // pairs of adjacent keys, 16 groups of 8 keys; element e = c + 2 half + 4 j.
+  auto thread_rows = [&] {
+    Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    return cute::array<int, 3>{get<0>(cS(0)), get<0>(cS(2)), get<1>(cS(0))};
+  };
+  constexpr int kAccS = kBlockN / 2;
+
+  // The logit l is x * unit, x: with neither softcap nor bias the raw product
+  // q.k (unit = scale); otherwise the logits themselves (unit = 1). As in
+  // forward_kernel, exp(l - max l) = exp2(x c - max x c), c = unit log2 e.
+  const float scale = p.scale, softcap = p.softcap;
+  const bool logits = has_bias || softcap > 0.0f;
+  const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
+  float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
+  clear(acc_o);
+  // A block's start: the epilogue of the block before (kDeferStore; its rows
+  // in `pending`), then zero O and the row statistics.
+  BlockRows pending;
+  bool has_pending = false;
+  auto start_block = [&] {
+    if (kDeferStore && has_pending) {
+      const auto at = thread_rows();
+      const int my_row[2] = {at[0], at[1]};
+      store_block<Config>(p, pending, acc_o, thr_o, row_max, row_sum, my_row, unit, lane);
+    }
+    has_pending = false;
+    clear(acc_o);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) row_max[half] = -kInf, row_sum[half] = 0.0f;
+  };
   // Block `item`: by every thread, the producer warpgroup and the consumers
   // parting here (kEveryone: a CTA a block, as the compiler then keeps the
   // uniform datapath: a key-only bias at S = 16384 ran 4% slower with the
@@ -131,6 +181,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
     constexpr Role kRole = decltype(role)::value;
     const ForwardBlock blk(p, kBlockM, kBlockN, item);
     if (blk.row0 >= blk.sq) return;
+    const int qb = q_loads % kQBuffers;  // the block's Q buffer, where it walks
     const int h = blk.h, b = blk.b, hk = h / p.group;
     const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
     const int tile_first = blk.tile_first;
@@ -221,26 +272,10 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       if (!kProducer && key_bias && tid < kBlockN) bias_smem[s * kBlockN + tid] = x;
     };
 
-    typename Config::MmaS mma_s;
-    typename Config::MmaO mma_o;
-    auto thr_s = mma_s.get_thread_slice(tid);
-    auto thr_o = mma_o.get_thread_slice(tid);
-    Tensor tSrQ = thr_s.partition_fragment_A(sQ);
-    Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    clear(acc_o);
-    // The thread's (row, key) of S: two rows (r and r + 8 of its warp's 16),
-    // pairs of adjacent keys, 16 groups of 8 keys; element e = c + 2 half + 4 j.
-    Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    constexpr int kAccS = decltype(size(cS))::value;  // kBlockN / 2
-    const int my_row[2] = {get<0>(cS(0)), get<0>(cS(2))}, col_base = get<1>(cS(0));
-
-    // The logit l is x * unit, x: with neither softcap nor bias the raw product
-    // q.k (unit = scale); otherwise the logits themselves (unit = 1). As in
-    // forward_kernel, exp(l - max l) = exp2(x c - max x c), c = unit log2 e.
-    const float scale = p.scale, softcap = p.softcap;
-    const bool logits = has_bias || softcap > 0.0f;
-    const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
-    float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
+    Tensor tSrQ = thr_s.partition_fragment_A(make_tensor(make_smem_ptr(q_buffer(qb)), typename Config::LayoutQ{}));
+    const auto at = thread_rows();
+    const int my_row[2] = {at[0], at[1]}, col_base = at[2];
+    if constexpr (kPersistent && !kDeferStore) start_block();  // (a CTA a block: set above)
 
     // P of the previous tile, the A operand of O += P V: the accumulator's 16
     // groups of 8 keys are 8 k-slices of 16.
@@ -329,8 +364,8 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
         };
         // Q once the consumers are done with the last one's.
         if (walks) {
-          if (q_loads > 0) Barrier::wait(q_empty, (q_loads - 1) & 1);
-          if (t == 0) load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
+          if (q_loads >= kQBuffers) Barrier::wait(&q_empty[qb], ((q_loads - kQBuffers) / kQBuffers) & 1);
+          if (t == 0) load(Int<kBlockM>{}, &maps.q, &q_full[qb], q_buffer(qb), blk.qs, row0, h);
           ++q_loads;
         }
         // Tile j's K into buffer j % 2 (its bias first, which the buffer's
@@ -374,7 +409,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       }
       if constexpr (kRole == kEveryone) cutlass::arch::warpgroup_reg_alloc<Config::consumer_regs(kLists)>();
     } else if (tid == 0 && walks) {  // Q and the first tile's K, its bias (the CTA's only block)
-      load(Int<kBlockM>{}, &maps.q, q_full, q_smem, blk.qs, row0, h);
+      load(Int<kBlockM>{}, &maps.q, &q_full[0], q_smem, blk.qs, row0, h);
       if (!kLists || cur.key0 >= 0) load_k(0, kLists ? cur.key0 : std::int64_t{cur.n} * kBlockN);
     }
     if (walks) {
@@ -383,7 +418,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
         cute::cp_async_fence();
       }
       store_bias(0, fetch_bias(cur.n, 0));
-      Barrier::wait(q_full, kPersistent ? q_loads & 1 : 0);
+      Barrier::wait(&q_full[qb], kPersistent ? (q_loads / kQBuffers) & 1 : 0);
     }
     // Iteration i over `tile` (n; `following`: the next iteration's, next_n <
     // tile_first: none); kPipelined (all but the first): with the previous
@@ -453,6 +488,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       if constexpr (kPipelined) mma_pv(i - 1);
       if constexpr (kProducer)
         if (kPersistent || next_n >= tile_first || wg == 0) NamedBarrier::arrive(kConsumers, kTurn + 1 - wg);
+      if constexpr (kDeferStore && !kPipelined) start_block();  // the block before's epilogue, under this S = Q K^T
       if constexpr (kGatherAll) {
         if (next_n >= tile_first && !k_next_loads)
           gather_staged(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
@@ -552,7 +588,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       step(std::false_type{});
       while (cur.n >= tile_first) step(std::true_type{});
       // Every S = Q K^T of the block is done: the producer may load the next Q.
-      if constexpr (kPersistent) Barrier::arrive(q_empty), ++q_loads;
+      if constexpr (kPersistent) Barrier::arrive(&q_empty[qb]), ++q_loads;
       // The last tile's P V.
       if constexpr (kGatherAll) {
         cute::cp_async_wait<0>();
@@ -565,7 +601,14 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       if (kPersistent && lane == 0) Barrier::arrive(&v_empty[(walked - 1) & 1]);
     }
 
-    store_block<Config>(p, blk, acc_o, thr_o, row_max, row_sum, my_row, unit, lane);
+    if constexpr (kDeferStore) {
+      if (walks) {  // stored at the next block's start
+        pending = BlockRows::of(blk), has_pending = true;
+        return;
+      }
+      start_block();  // the block before's; this one walks no tile (zeros, lse -inf)
+    }
+    store_block<Config>(p, BlockRows::of(blk), acc_o, thr_o, row_max, row_sum, my_row, unit, lane);
   };
   // The persistent CTA's blocks, round by round, in one role.
   auto walk_rounds = [&](auto role) {
@@ -586,6 +629,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
     }
     cutlass::arch::warpgroup_reg_alloc<Config::consumer_regs(true)>();
     walk_rounds(std::integral_constant<Role, kConsuming>{});
+    if constexpr (kDeferStore) start_block();  // the last block's epilogue
     if (wg == 0 && walked > 0) NamedBarrier::sync(kConsumers, kTurn);  // warpgroup 1's last turn
   } else {
     walk_block(blockIdx.x, std::integral_constant<Role, kEveryone>{});

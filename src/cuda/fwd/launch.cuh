@@ -102,7 +102,7 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
                                                   : forward_kernel_sm90<Config, ForwardWalk::kDense, kInTurn>;
         };
         auto kernel = persistent ? pick(std::true_type{}) : pick(std::false_type{});
-        const int smem = Config::smem_bytes(plan.bias_tiles);
+        const int smem = Config::smem_bytes(plan.bias_tiles, forward_two_q<Config>(walk, persistent));
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (err != cudaSuccess) return err;
         const unsigned blocks = ForwardBlock::count(p, Config::kBlockM);

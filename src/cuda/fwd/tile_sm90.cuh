@@ -90,6 +90,14 @@ __device__ __forceinline__ void tile_softmax(AccS& acc_s, float (&row_max)[2], f
   }
 }
 
+// The rows a block's epilogue writes: a persistent walk keeps them while it
+// issues the next block's first S = Q K^T.
+struct BlockRows {
+  int h = 0, b = 0;
+  std::int64_t qs = 0, row0 = 0, sq = 0;
+  __device__ static BlockRows of(const ForwardBlock& blk) { return {blk.h, blk.b, blk.qs, blk.row0, blk.sq}; }
+};
+
 // The block's epilogue: o = acc / sum (0 for a row with no allowed key), lse
 // = max + log(sum). A thread's pairs (f, f + 1) start at even features: one
 // 32-bit store each where out's strides allow; a pair is whole or padding
@@ -98,7 +106,7 @@ __device__ __forceinline__ void tile_softmax(AccS& acc_s, float (&row_max)[2], f
 // that pointer and a constant (an address computed for each store into one
 // register had each store wait for the one before it to read that register).
 template <class Config, class AccO, class ThrO>
-__device__ __forceinline__ void store_block(const ForwardParams& p, const ForwardBlock& blk, const AccO& acc_o,
+__device__ __forceinline__ void store_block(const ForwardParams& p, const BlockRows& blk, const AccO& acc_o,
                                             const ThrO& thr_o, const float (&row_max)[2], const float (&row_sum)[2],
                                             const int (&my_row)[2], float unit, int lane) {
   using namespace cute;
