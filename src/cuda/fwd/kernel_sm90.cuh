@@ -156,20 +156,23 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
   const float unit = logits ? 1.0f : scale, c_log2 = unit * kLog2e;
   float row_max[2] = {-kInf, -kInf}, row_sum[2] = {0.0f, 0.0f};
   clear(acc_o);
-  // A block's start: the epilogue of the block before (kDeferStore; its rows
-  // in `pending`), then zero O and the row statistics.
-  BlockRows pending;
-  bool has_pending = false;
+  // A block's start: zero O and the row statistics.
   auto start_block = [&] {
-    if (kDeferStore && has_pending) {
-      const auto at = thread_rows();
-      const int my_row[2] = {at[0], at[1]};
-      store_block<Config>(p, pending, acc_o, thr_o, row_max, row_sum, my_row, unit, lane);
-    }
-    has_pending = false;
     clear(acc_o);
 #pragma unroll
     for (int half = 0; half < 2; ++half) row_max[half] = -kInf, row_sum[half] = 0.0f;
+  };
+  // kDeferStore: the walked block before's rows and rounded output, written
+  // under the next block's first S = Q K^T (tile_sm90.cuh RoundedBlock).
+  BlockRows pending_rows;
+  decltype(round_block<Config>(acc_o, row_max, row_sum, unit)) pending_out;
+  bool has_pending = false;
+  auto write_pending = [&] {
+    if (!has_pending) return;
+    const auto at = thread_rows();
+    const int my_row[2] = {at[0], at[1]};
+    write_block<Config>(p, pending_rows, pending_out, thr_o, my_row, lane);
+    has_pending = false;
   };
   // Block `item`: by every thread, the producer warpgroup and the consumers
   // parting here (kEveryone: a CTA a block, as the compiler then keeps the
@@ -488,7 +491,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       if constexpr (kPipelined) mma_pv(i - 1);
       if constexpr (kProducer)
         if (kPersistent || next_n >= tile_first || wg == 0) NamedBarrier::arrive(kConsumers, kTurn + 1 - wg);
-      if constexpr (kDeferStore && !kPipelined) start_block();  // the block before's epilogue, under this S = Q K^T
+      if constexpr (kDeferStore && !kPipelined) write_pending();  // the block before's epilogue, under this S = Q K^T
       if constexpr (kGatherAll) {
         if (next_n >= tile_first && !k_next_loads)
           gather_staged(k_rows, p.k.sr, k_smem + (buf ^ 1) * Config::kKvElems, keys_next);
@@ -602,11 +605,13 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
     }
 
     if constexpr (kDeferStore) {
-      if (walks) {  // stored at the next block's start
-        pending = BlockRows::of(blk), has_pending = true;
+      if (walks) {  // written at the next block's first S = Q K^T
+        pending_rows = BlockRows::of(blk), pending_out = round_block<Config>(acc_o, row_max, row_sum, unit);
+        has_pending = true;
+        start_block();
         return;
       }
-      start_block();  // the block before's; this one walks no tile (zeros, lse -inf)
+      write_pending();  // the block before's; this one walks no tile (zeros, lse -inf)
     }
     store_block<Config>(p, BlockRows::of(blk), acc_o, thr_o, row_max, row_sum, my_row, unit, lane);
   };
@@ -629,7 +634,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
     }
     cutlass::arch::warpgroup_reg_alloc<Config::consumer_regs(true)>();
     walk_rounds(std::integral_constant<Role, kConsuming>{});
-    if constexpr (kDeferStore) start_block();  // the last block's epilogue
+    if constexpr (kDeferStore) write_pending();  // the last block's epilogue
     if (wg == 0 && walked > 0) NamedBarrier::sync(kConsumers, kTurn);  // warpgroup 1's last turn
   } else {
     walk_block(blockIdx.x, std::integral_constant<Role, kEveryone>{});

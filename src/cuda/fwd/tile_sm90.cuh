@@ -90,40 +90,61 @@ __device__ __forceinline__ void tile_softmax(AccS& acc_s, float (&row_max)[2], f
   }
 }
 
-// The rows a block's epilogue writes: a persistent walk keeps them while it
-// issues the next block's first S = Q K^T.
+// The rows a block's epilogue writes, and its output rounded: o = acc / sum
+// (0 for a row with no allowed key) in words of a pair each (the pair's
+// first element in the low half), lse = max + log(sum) of the thread's two
+// rows. A persistent walk rounds a block's output once its last P V is done
+// and writes it under the next block's first S = Q K^T, holding no register
+// that a wgmma wrote (ptxas waits for the wgmma in flight before reading one).
 struct BlockRows {
   int h = 0, b = 0;
   std::int64_t qs = 0, row0 = 0, sq = 0;
   __device__ static BlockRows of(const ForwardBlock& blk) { return {blk.h, blk.b, blk.qs, blk.row0, blk.sq}; }
 };
+template <int kWords>
+struct RoundedBlock {
+  std::uint32_t words[kWords];
+  float lse[2];
+};
+template <class Config, class AccO>
+__device__ __forceinline__ auto round_block(const AccO& acc_o, const float (&row_max)[2], const float (&row_sum)[2],
+                                            float unit) {
+  constexpr int kAccO = decltype(cute::size(acc_o))::value;
+  RoundedBlock<kAccO / 2> r;
+  float inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float sum = quad_sum(row_sum[half]);
+    inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    r.lse[half] = sum > 0.0f ? row_max[half] * unit + logf(sum) : -kInf;
+  }
+#pragma unroll
+  for (int e = 0; e < kAccO; e += 2)
+    r.words[e / 2] = rounded_word<typename Config::Element>(acc_o(e) * inv[e / 2 % 2], acc_o(e + 1) * inv[e / 2 % 2]);
+  return r;
+}
 
-// The block's epilogue: o = acc / sum (0 for a row with no allowed key), lse
-// = max + log(sum). A thread's pairs (f, f + 1) start at even features: one
-// 32-bit store each where out's strides allow; a pair is whole or padding
-// (past a head dim of whole 8-feature chunks). Each of the thread's two rows
-// has its pointer at the thread's first feature, so that a store's address is
-// that pointer and a constant (an address computed for each store into one
-// register had each store wait for the one before it to read that register).
-template <class Config, class AccO, class ThrO>
-__device__ __forceinline__ void store_block(const ForwardParams& p, const BlockRows& blk, const AccO& acc_o,
-                                            const ThrO& thr_o, const float (&row_max)[2], const float (&row_sum)[2],
-                                            const int (&my_row)[2], float unit, int lane) {
+// The block's epilogue from its rounded output. A thread's pairs (f, f + 1)
+// start at even features: one 32-bit store each where out's strides allow,
+// else two 16-bit ones; a pair is whole or padding (past a head dim of whole
+// 8-feature chunks). Each of the thread's two rows has its pointer at the
+// thread's first feature, so that a store's address is that pointer and a
+// constant (an address computed for each store into one register had each
+// store wait for the one before it to read that register).
+template <class Config, class ThrO, int kWords>
+__device__ __forceinline__ void write_block(const ForwardParams& p, const BlockRows& blk, const RoundedBlock<kWords>& r,
+                                            const ThrO& thr_o, const int (&my_row)[2], int lane) {
   using namespace cute;
   using Element = typename Config::Element;
   const int h = blk.h, b = blk.b;
   const std::int64_t row0 = blk.row0, sq = blk.sq;
   auto* out = static_cast<Element*>(p.out.data) + b * p.out.sb + h * p.out.sh + (blk.qs + row0) * p.out.sr;
   Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<Config::kBlockM>, Int<Config::kHeadDim>>{}));
-  float inv[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const float sum = quad_sum(row_sum[half]);
-    inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
     const std::int64_t row = row0 + my_row[half];
     if (p.lse.data != nullptr && lane % 4 == 0 && row < sq)
-      static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (blk.qs + row) * p.lse.sr] =
-          sum > 0.0f ? row_max[half] * unit + logf(sum) : -kInf;
+      static_cast<float*>(p.lse.data)[b * p.lse.sb + h * p.lse.sh + (blk.qs + row) * p.lse.sr] = r.lse[half];
   }
   const bool aligned = pairs_aligned(p.out.data, p.out.sb, p.out.sh, p.out.sr);
   const int f0 = get<1>(cO(0));
@@ -132,25 +153,29 @@ __device__ __forceinline__ void store_block(const ForwardParams& p, const BlockR
 #pragma unroll
   for (int half = 0; half < 2; ++half)
     row_out[half] = out + my_row[half] * p.out.sr + f0, row_in[half] = row0 + my_row[half] < sq;
-  constexpr int kAccO = decltype(size(acc_o))::value;
   if (aligned) {
-    std::uint32_t words[kAccO / 2];
 #pragma unroll
-    for (int e = 0; e < kAccO; e += 2)
-      words[e / 2] = rounded_word<Element>(acc_o(e) * inv[e / 2 % 2], acc_o(e + 1) * inv[e / 2 % 2]);
-#pragma unroll
-    for (int e = 0; e < kAccO; e += 2) {
-      const int half = e / 2 % 2, f = get<1>(cO(e));
-      if (row_in[half] && f < p.head_dim) store_word(row_out[half] + (f - f0), words[e / 2]);
+    for (int w = 0; w < kWords; ++w) {
+      const int half = w % 2, f = get<1>(cO(2 * w));
+      if (row_in[half] && f < p.head_dim) store_word(row_out[half] + (f - f0), r.words[w]);
     }
   } else {
 #pragma unroll
-    for (int e = 0; e < kAccO; e += 2) {
-      const int half = e / 2 % 2, f = get<1>(cO(e));
+    for (int w = 0; w < kWords; ++w) {
+      const int half = w % 2, f = get<1>(cO(2 * w));
+      auto* pair = reinterpret_cast<std::uint16_t*>(row_out[half] + (f - f0));
       if (row_in[half] && f < p.head_dim)
-        store_pair(row_out[half] + (f - f0), acc_o(e) * inv[half], acc_o(e + 1) * inv[half], false);
+        pair[0] = static_cast<std::uint16_t>(r.words[w]), pair[1] = static_cast<std::uint16_t>(r.words[w] >> 16);
     }
   }
+}
+
+// The block's epilogue at once.
+template <class Config, class AccO, class ThrO>
+__device__ __forceinline__ void store_block(const ForwardParams& p, const BlockRows& blk, const AccO& acc_o,
+                                            const ThrO& thr_o, const float (&row_max)[2], const float (&row_sum)[2],
+                                            const int (&my_row)[2], float unit, int lane) {
+  write_block<Config>(p, blk, round_block<Config>(acc_o, row_max, row_sum, unit), thr_o, my_row, lane);
 }
 
 }  // namespace dmattn::cuda
