@@ -16,7 +16,9 @@
 // take turns at issuing their MMAs (named barriers); at D = 64 one thread
 // issues the loads and the CTA meets at one barrier a tile. Persistent walks
 // (heuristics.h forward_sm90_persistent) take a query block a round, the
-// producer loading the next block's Q and first tiles under the last ones.
+// producer loading the next block's Q and first tiles under the last ones
+// (the dense walk: into a second Q buffer, and a block's epilogue is written
+// under the next block's first S = Q K^T: forward_two_q).
 //
 // The walks (ForwardWalk), a kernel each so that the dense walk keeps its
 // registers: kDense; kRowBias, a full bias whose tile loads by TMA with its K;
