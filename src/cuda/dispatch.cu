@@ -167,8 +167,9 @@ Instance make_instance() {
     i.dkv_smem[1] = BackwardKernelConfig<half_t, kHeadDim, true, true>::kSmemBytes;
   }
   if constexpr (sm90_forward_head_dim(kHeadDim)) {
-    i.forward_sm90_smem = ForwardSm90Config<half_t, kHeadDim>::smem_bytes(false, ForwardSm90Config<half_t, kHeadDim>::kSecondQ);  // the most a walk without bias tiles takes
-    i.forward_sm90_tile_smem = ForwardSm90Config<half_t, kHeadDim>::kTileSmemBytes;
+    using Config = ForwardSm90Config<half_t, kHeadDim>;
+    i.forward_sm90_smem = Config::smem_bytes(false, Config::kSecondQ);  // the most a walk without bias tiles takes
+    i.forward_sm90_tile_smem = Config::kTileSmemBytes;
   }
   if constexpr (sm90_backward_head_dim(kHeadDim)) {
     i.dkv_sm90_smem = DkvSm90Config<half_t, kHeadDim>::kSmemBytes;

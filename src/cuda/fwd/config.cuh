@@ -114,7 +114,8 @@ struct ForwardSm90Config {
   static constexpr int kBarriersAt = kKeysAt + 3 * kBlockN * int(sizeof(int));
   static constexpr int kSmemBytes = kBarriersAt + kBarriers * 8;
   static constexpr int kQ1At = (kSmemBytes + 1023) / 1024 * 1024;
-  static constexpr bool kSecondQ = kQ1At + kQElems * int(sizeof(Element)) <= kSmemSm90;
+  static constexpr int kTwoQSmemBytes = kQ1At + kQElems * int(sizeof(Element));
+  static constexpr bool kSecondQ = kTwoQSmemBytes <= kSmemSm90;
   // The walk of a bias with rows (ForwardWalk::kRowBias) has two buffers of
   // its kBlockM x kBlockN tiles (Element, boxes of 64 keys laid out as Q's
   // atoms) where the others keep the key-only bias and the list's keys.
@@ -146,7 +147,7 @@ struct ForwardSm90Config {
   static constexpr int barriers_at(bool tiles) { return tiles ? kTileBarriersAt : kBarriersAt; }
   // A walk's shared memory: with bias tiles, or with two Q buffers, or neither.
   static constexpr int smem_bytes(bool tiles, bool two_q) {
-    return tiles ? kTileSmemBytes : two_q ? kQ1At + kQElems * int(sizeof(Element)) : kSmemBytes;
+    return tiles ? kTileSmemBytes : two_q ? kTwoQSmemBytes : kSmemBytes;
   }
 };
 

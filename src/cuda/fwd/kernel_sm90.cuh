@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
   std::uint64_t* v_full = bars + Config::kVFull;    // two
   std::uint64_t* k_empty = bars + Config::kKEmpty;  // two (producer walks)
   std::uint64_t* v_empty = bars + Config::kVEmpty;  // two (producer walks)
-  std::uint64_t* q_empty = bars + Config::kQEmpty;  // kQBuffers, persistent walks: the consumers are done with its S = Q K^T
+  std::uint64_t* q_empty = bars + Config::kQEmpty;  // kQBuffers (persistent walks): its S = Q K^T are done
   auto stage_k = [&](int s) {
     return make_tensor(make_smem_ptr(k_smem + s * Config::kKvElems), typename Config::LayoutKV{});
   };
