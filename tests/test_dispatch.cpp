@@ -495,6 +495,17 @@ TEST_F(Dispatch, FusedSelectionSharesHeadsWhereSmsIdle) {
   EXPECT_EQ(cuda::fused_selection_parts(1, 132), 8);
 }
 
+// The counted top-k selection: few heads of at most 4096 keys, where its
+// O(heads x keys^2) compares take less than a sort per head.
+TEST_F(Dispatch, CountedSelectionForFewShortHeads) {
+  EXPECT_TRUE(cuda::counted_selection(8, 2048));     // B = 1, 8 kv heads, S = 2048
+  EXPECT_TRUE(cuda::counted_selection(32, 1024));
+  EXPECT_TRUE(cuda::counted_selection(1, 4096));
+  EXPECT_FALSE(cuda::counted_selection(8, 4096));    // 2^27 pairs: the sort
+  EXPECT_FALSE(cuda::counted_selection(32, 2048));   // B = 4
+  EXPECT_FALSE(cuda::counted_selection(1, 4097));    // past the shared memory of a head's keys
+}
+
 // ---- Refusals: before anything is enqueued, naming the argument ----
 
 TEST_F(Dispatch, RefusalsOlderGpuHeadDimAndSharedMemory) {

@@ -278,6 +278,14 @@ std::vector<Case> matrix(Rng& rng, bool small) {
         if (counter % 5 == 0) c.right = rng.integer(0, 9);
         cases.push_back(c);
       }
+  // Many selection heads (B = 2, 64 bias heads): the sort per head at 4095
+  // keys, the counted selection at 1000 (heuristics.h counted_selection).
+  if (!small)
+    for (std::int64_t sk : {std::int64_t{1000}, std::int64_t{4095}}) {
+      Case c = base(sk, 300, 2);
+      c.batch = c.bias_batch = 2, c.heads = c.kv_heads = c.bias_heads = 64;
+      cases.push_back(c);
+    }
   for (std::int64_t sk : threshold_sk)
     for (std::int64_t w : windows)
       for (int shape = 0; shape < 4; ++shape) {
@@ -356,6 +364,12 @@ int bench() {
     c.sq = c.sk = s, c.w = 1024, c.causal = true, c.dtype = DType::kBFloat16;
     cases.push_back(c);
   }
+  for (std::int64_t batch : {1, 4, 16})  // short rows: B x (1, 8, 1, S), w = 256
+    for (std::int64_t s : {1024, 2048, 4096}) {
+      Case c = cases[0];
+      c.batch = c.bias_batch = batch, c.sq = c.sk = s, c.w = 256;
+      cases.push_back(c);
+    }
   Case rows = cases[0];  // thresholds: per-row bias (1, 8, S, S)
   rows.sq = rows.sk = 2048, rows.bias_per_row = true;
   cases.push_back(rows);

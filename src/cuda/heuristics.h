@@ -117,6 +117,17 @@ constexpr int fused_selection_parts(std::int64_t heads, int sms) {
   while (parts < kMaxFusedSelectionParts && heads * parts * 2 <= sms) parts *= 2;
   return parts;
 }
+// Few heads of at most 4096 keys count each key's beaters instead (no sort,
+// O(n^2) compares a head, 64 keys a CTA): up to 2^26 (selection heads x
+// keys^2), where the counting takes less than the sort's ~35-45 us (H100,
+// key bias, w = 256, ms a call, sorted -> counted: 8 heads x 1024 / 2048 /
+// 4096 keys 0.034 -> 0.011, 0.038 -> 0.016, 0.046 -> 0.040; 32 heads x
+// 1024 / 2048 0.035 -> 0.022, 0.039 -> 0.048; 128 x 1024 0.037 -> 0.065).
+constexpr int kMaxCountedSelectionKeys = 4096;
+constexpr std::int64_t kCountedSelectionPairs = std::int64_t{1} << 26;
+constexpr bool counted_selection(std::int64_t heads, std::int64_t keys) {
+  return keys <= kMaxCountedSelectionKeys && heads * keys * keys <= kCountedSelectionPairs;
+}
 
 // ---- Split-KV (forward) ----
 // Key splits for a grid of `ctas` CTAs over `key_blocks` key blocks: as many as

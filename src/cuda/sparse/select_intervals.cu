@@ -48,14 +48,20 @@ __device__ std::int64_t key_index(const Chunk& c, std::uint64_t key) {
   return static_cast<std::int64_t>(low - (key & low));
 }
 
+// The strength of key j of selection head g: its bias's order_key, 0 where no
+// row may see it (masked, or past the sequence). A key of strength 0 is never
+// kept and beats no key of greater strength (a bias whose order key is 0, a
+// NaN, counts as masked, in both interval methods).
+__device__ std::uint32_t key_strength(const Params& p, std::int64_t g, std::int64_t j) {
+  const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
+  const Sequence s(p, b);
+  if (j >= s.sk || !load_mask(p.mask, element_at(p.mask, b, h / p.mask_group, 0, s.ks + j))) return 0;
+  return order_key(p.bias, element_at(p.bias, b, h / p.bias_group, 0, s.ks + j));
+}
+
 // The sort key of key j (< c.n) of local segment t.
 __device__ std::uint64_t sort_key(const Params& p, const Chunk& c, std::int64_t t, std::int64_t j) {
-  const std::int64_t g = c.g0 + t, b = g / p.heads, h = (g % p.heads) * p.group;
-  const Sequence s(p, b);
-  std::uint32_t order = c.masked();
-  if (j < s.sk &&
-      load_mask(p.mask, element_at(p.mask, b, h / p.mask_group, 0, s.ks + j)))
-    order = ~order_key(p.bias, element_at(p.bias, b, h / p.bias_group, 0, s.ks + j)) & c.masked();
+  const std::uint32_t order = ~key_strength(p, c.g0 + t, j) & c.masked();
   const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
   return (static_cast<std::uint64_t>(t) << (c.ob + c.kb)) | (std::uint64_t{order} << c.kb) |
          (low - static_cast<std::uint64_t>(j));
@@ -170,21 +176,27 @@ __global__ void init_tile_states(char* states, std::size_t stride, int tiles) {
   state.InitializeStatus(tiles);
 }
 
-// Key `key` at sorted position r of local segment t: it has r beaters; rows stop
-// selecting it at the first row that sees the w-th smallest beater index,
-// `beater` (read where r >= w).
-__device__ void write_key_rows(const Params& p, const Chunk& c, std::int64_t t, std::int64_t r, std::uint64_t key,
-                               std::int64_t beater, KeyRows* out) {
-  const std::int64_t j = key_index(c, key), g = c.g0 + t;
+// Key j of selection head g: no row keeps it unless `kept`; else rows keep it
+// from the first that sees it to the first that sees `beater`, its w-th
+// smallest beater index (-1: fewer than w keys beat it).
+__device__ void write_key_rows(const Params& p, std::int64_t g, std::int64_t j, bool kept, std::int64_t beater,
+                               KeyRows* out) {
   if (j >= p.seqlen_k) return;  // padding of the chunk layout
   KeyRows rows{0, 0};
-  if (((key >> c.kb) & c.masked()) != c.masked()) {
+  if (kept) {
     const Sequence s(p, g / p.heads);
     const std::int64_t start = first_row(p, s, j);
-    const std::int64_t end = r < p.w ? s.sq : first_row(p, s, beater);
+    const std::int64_t end = beater < 0 ? s.sq : first_row(p, s, beater);
     if (start < end) rows = {static_cast<std::int32_t>(start), static_cast<std::int32_t>(end)};
   }
   out[g * p.seqlen_k + j] = rows;
+}
+
+// Key `key` at sorted position r of local segment t: it has r beaters.
+__device__ void write_sorted_key_rows(const Params& p, const Chunk& c, std::int64_t t, std::int64_t r,
+                                      std::uint64_t key, std::int64_t beater, KeyRows* out) {
+  write_key_rows(p, c.g0 + t, key_index(c, key), ((key >> c.kb) & c.masked()) != c.masked(), r < p.w ? -1 : beater,
+                 out);
 }
 
 __global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t* keys, KeyRows* out) {
@@ -193,7 +205,7 @@ __global__ void key_intervals(Params p, Chunk c, Wavelet wm, const std::uint64_t
   const std::int64_t t = i / c.n, r[1] = {i % c.n};
   std::int64_t beater[1] = {0};
   if (r[0] >= p.w) wm.kth_smallest(c, t, r, p.w, beater);
-  write_key_rows(p, c, t, r[0], keys[i], beater[0], out);
+  write_sorted_key_rows(p, c, t, r[0], keys[i], beater[0], out);
 }
 
 // Heads of at most kFusedKeys keys: one CTA a head (segment) does it all in
@@ -282,7 +294,108 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
   for (int k = 0; k < kFusedItems; ++k) r[k] = min(max(first + k, w), static_cast<int>(c.n));
   Wavelet{levels}.kth_smallest(c, 0, r, w, beater);
   for (int k = 0; k < kFusedItems; ++k)
-    if (first + k < c.n) write_key_rows(p, c, 0, first + k, keys[k], beater[k], out);
+    if (first + k < c.n) write_sorted_key_rows(p, c, 0, first + k, keys[k], beater[k], out);
+}
+
+// Few heads of at most kCountedKeys keys (heuristics.h counted_selection):
+// no sort; each key counts its beaters in index order, and the w-th is its
+// beater. O(n^2) compares a head, spread over the GPU where the sort of
+// fused_intervals would leave most SMs idle for tens of microseconds. A CTA
+// takes 64 keys of a head (lane l of every warp: keys l and 32 + l); warp x
+// counts their beaters in its share of the head's 32-key chunks, one count a
+// chunk in registers, the warps' totals meet in shared memory, and the warp
+// where a key's count reaches w finds the key that makes it in that chunk.
+// Key k beats key j before j with a greater strength, after j with one at
+// least as great: v > u, or v > u - 1 (a kept key's u is at least 1).
+constexpr int kCountedWarps = 8, kCountedThreads = 32 * kCountedWarps, kCountedKeys = 4096;
+constexpr int kCountedCtaKeys = 64, kCountedWarpChunks = (kCountedKeys / 32 + kCountedWarps - 1) / kCountedWarps;
+
+// n + the keys of v at most t: sub.cc's carry is t >= v.
+__device__ __forceinline__ unsigned at_most(unsigned n, std::uint32_t t, uint4 v) {
+  asm("{\n\t.reg .u32 d;\n\t"
+      "sub.cc.u32 d, %1, %2;\n\taddc.u32 %0, %0, 0;\n\t"
+      "sub.cc.u32 d, %1, %3;\n\taddc.u32 %0, %0, 0;\n\t"
+      "sub.cc.u32 d, %1, %4;\n\taddc.u32 %0, %0, 0;\n\t"
+      "sub.cc.u32 d, %1, %5;\n\taddc.u32 %0, %0, 0;\n\t}"
+      : "+r"(n)
+      : "r"(t), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+  return n;
+}
+
+// Whether key k (strength v) beats key j (strength u).
+__device__ __forceinline__ bool beats(int k, std::uint32_t v, int j, std::uint32_t u) {
+  return k < j ? v > u : k > j && v >= u;
+}
+
+__global__ void __launch_bounds__(kCountedThreads) counted_intervals(Params p, int n, KeyRows* out) {
+  __shared__ __align__(16) std::uint32_t strength[kCountedKeys];
+  __shared__ int totals[2][kCountedWarps][32];
+  const int parts = (n + kCountedCtaKeys - 1) / kCountedCtaKeys, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t g = blockIdx.x / parts;
+  for (int k = threadIdx.x; k < n; k += kCountedThreads) strength[k] = key_strength(p, g, k);
+  __syncthreads();
+  const int first = static_cast<int>(blockIdx.x % parts) * kCountedCtaKeys, j[2] = {first + lane, first + 32 + lane};
+  const std::uint32_t u[2] = {strength[j[0]], j[1] < n ? strength[j[1]] : 0u};  // whole chunks: j[0] < n
+  const int chunks = n / 32, begin = warp * chunks / kCountedWarps, end = (warp + 1) * chunks / kCountedWarps;
+  const int own = first / 32;  // the chunk of key j[0]; j[1]'s is the next
+  // Key j[t]'s own chunk is first counted as if after it (v >= u), then
+  // corrected: it does not beat itself, and keys before it beat it only with
+  // a greater strength.
+  int counts[2][kCountedWarpChunks], total[2] = {0, 0};
+#pragma unroll
+  for (int i = 0; i < kCountedWarpChunks; ++i) {
+    const int c = begin + i;
+    counts[0][i] = counts[1][i] = 0;
+    if (c >= end) continue;
+    const std::uint32_t below[2] = {c < own ? u[0] : u[0] - 1, c < own + 1 ? u[1] : u[1] - 1};
+    unsigned not_beaten[2] = {0, 0};
+    for (int e = 0; e < 32; e += 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(strength + 32 * c + e);
+      for (int t = 0; t < 2; ++t) not_beaten[t] = at_most(not_beaten[t], below[t], v);
+    }
+    for (int t = 0; t < 2; ++t) counts[t][i] = 32 - static_cast<int>(not_beaten[t]);
+  }
+  for (int t = 0; t < 2; ++t) {
+    const int c = own + t;
+    if (c < begin || c >= end) continue;  // warp-uniform
+    int ties = 1;
+    for (int k = 32 * c; k < j[t]; ++k) ties += strength[k] == u[t];
+#pragma unroll
+    for (int i = 0; i < kCountedWarpChunks; ++i)
+      if (begin + i == c) counts[t][i] -= ties;
+  }
+#pragma unroll
+  for (int i = 0; i < kCountedWarpChunks; ++i)
+    for (int t = 0; t < 2; ++t) total[t] += counts[t][i];
+  for (int t = 0; t < 2; ++t) totals[t][warp][lane] = total[t];
+  __syncthreads();
+  const int w = static_cast<int>(min(p.w, std::int64_t{n} + 1));
+  for (int t = 0; t < 2; ++t) {
+    if (j[t] >= n) continue;
+    int before = 0, all = 0;
+    for (int x = 0; x < kCountedWarps; ++x) {
+      before += x < warp ? totals[t][x][lane] : 0;
+      all += totals[t][x][lane];
+    }
+    if (u[t] == 0 || all < w) {  // not kept, or fewer than w beaters: written once, by warp 0
+      if (warp == 0) write_key_rows(p, g, j[t], u[t] != 0, -1, out);
+      continue;
+    }
+    if (before >= w || before + total[t] < w) continue;  // the w-th beater is in another warp's chunks
+    int chunk = -1, need = w - before;
+#pragma unroll
+    for (int i = 0; i < kCountedWarpChunks; ++i)
+      if (chunk < 0 && begin + i < end) {
+        if (need <= counts[t][i])
+          chunk = begin + i;
+        else
+          need -= counts[t][i];
+      }
+    int k = 32 * chunk;
+    for (;; ++k)
+      if (beats(k, strength[k], j[t], u[t]) && --need == 0) break;
+    write_key_rows(p, g, j[t], true, k, out);
+  }
 }
 
 }  // namespace
@@ -296,6 +409,14 @@ void select_intervals(const Params& p, std::int64_t batch, int sms, KeyRows* out
   full.ob = order_width(p.bias.dtype);
   // Segment ids take the top bits of the 64-bit sort key; items are counted in int.
   full.segments = std::min({total, std::int64_t{1} << (64 - full.ob - full.kb), std::int64_t{INT_MAX} / full.n});
+  if (counted_selection(total, full.n)) {
+    static_assert(kCountedKeys == kMaxCountedSelectionKeys, "heuristics.h sizes the counted selection");
+    const auto parts = static_cast<unsigned>((full.n + kCountedCtaKeys - 1) / kCountedCtaKeys);
+    counted_intervals<<<static_cast<unsigned>(total) * parts, kCountedThreads, 0, stream>>>(p, static_cast<int>(full.n),
+                                                                                           out);
+    check_cuda(cudaGetLastError(), "counted interval kernel");
+    return;
+  }
   if (full.n <= kFusedKeys) {
     full.segments = 1;
     const int parts = fused_selection_parts(total, sms);
