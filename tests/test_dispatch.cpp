@@ -499,10 +499,10 @@ TEST_F(Dispatch, FusedSelectionSharesHeadsWhereSmsIdle) {
 // O(heads x keys^2) compares take less than a sort per head.
 TEST_F(Dispatch, CountedSelectionForFewShortHeads) {
   EXPECT_TRUE(cuda::counted_selection(8, 2048));     // B = 1, 8 kv heads, S = 2048
-  EXPECT_TRUE(cuda::counted_selection(32, 1024));
-  EXPECT_TRUE(cuda::counted_selection(1, 4096));
-  EXPECT_FALSE(cuda::counted_selection(8, 4096));    // 2^27 pairs: the sort
-  EXPECT_FALSE(cuda::counted_selection(32, 2048));   // B = 4
+  EXPECT_TRUE(cuda::counted_selection(8, 4096));
+  EXPECT_TRUE(cuda::counted_selection(64, 1024));    // B = 8, S = 1024
+  EXPECT_FALSE(cuda::counted_selection(32, 2048));   // B = 4, S = 2048: the sort
+  EXPECT_FALSE(cuda::counted_selection(128, 1024));
   EXPECT_FALSE(cuda::counted_selection(1, 4097));    // past the shared memory of a head's keys
 }
 

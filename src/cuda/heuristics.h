@@ -118,15 +118,15 @@ constexpr int fused_selection_parts(std::int64_t heads, int sms) {
   return parts;
 }
 // Few heads of at most 4096 keys count each key's beaters instead (no sort,
-// O(n^2) compares a head, 64 keys a CTA): up to 2^26 (selection heads x
-// keys^2), where the counting takes less than the sort's ~35-45 us (H100,
-// key bias, w = 256, ms a call, sorted -> counted: 8 heads x 1024 / 2048 /
-// 4096 keys 0.034 -> 0.011, 0.038 -> 0.016, 0.046 -> 0.040; 32 heads x
-// 1024 / 2048 0.035 -> 0.022, 0.039 -> 0.048; 128 x 1024 0.037 -> 0.065).
+// O(n^2) compares a head, 64 keys a CTA, each CTA loading the head's n
+// strengths): heads x keys x (keys + 1536) up to 3 x 2^26, where the counting
+// takes less than the sort's ~35-50 us. H100, key bias, w = 256, ms a call,
+// sorted -> counted: 8 heads x 1024 / 2048 / 4096 keys 0.035 -> 0.010,
+// 0.038 -> 0.015, 0.047 -> 0.033; 32 heads x 1024 / 2048 / 4096 0.035 ->
+// 0.018, 0.039 -> 0.040, 0.050 -> 0.109; 128 x 1024 0.038 -> 0.058.
 constexpr int kMaxCountedSelectionKeys = 4096;
-constexpr std::int64_t kCountedSelectionPairs = std::int64_t{1} << 26;
 constexpr bool counted_selection(std::int64_t heads, std::int64_t keys) {
-  return keys <= kMaxCountedSelectionKeys && heads * keys * keys <= kCountedSelectionPairs;
+  return keys <= kMaxCountedSelectionKeys && heads * keys * (keys + 1536) <= (std::int64_t{3} << 26);
 }
 
 // ---- Split-KV (forward) ----

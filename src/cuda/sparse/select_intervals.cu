@@ -48,20 +48,29 @@ __device__ std::int64_t key_index(const Chunk& c, std::uint64_t key) {
   return static_cast<std::int64_t>(low - (key & low));
 }
 
-// The strength of key j of selection head g: its bias's order_key, 0 where no
-// row may see it (masked, or past the sequence). A key of strength 0 is never
-// kept and beats no key of greater strength (a bias whose order key is 0, a
-// NaN, counts as masked, in both interval methods).
-__device__ std::uint32_t key_strength(const Params& p, std::int64_t g, std::int64_t j) {
-  const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
-  const Sequence s(p, b);
-  if (j >= s.sk || !load_mask(p.mask, element_at(p.mask, b, h / p.mask_group, 0, s.ks + j))) return 0;
-  return order_key(p.bias, element_at(p.bias, b, h / p.bias_group, 0, s.ks + j));
-}
+// The keys of selection head g: strength(j) is key j's bias's order_key, 0
+// where no row may see it (masked, or past the sequence). A key of strength 0
+// is never kept and beats no key of greater strength (a bias whose order key
+// is 0, a NaN, counts as masked, in both interval methods).
+struct HeadKeys {
+  std::int64_t bias = 0, mask = 0, sk = 0;  // the head's first key's elements; its keys
+  __device__ HeadKeys(const Params& p, std::int64_t g) {
+    const std::int64_t b = g / p.heads, h = (g % p.heads) * p.group;
+    const Sequence s(p, b);
+    bias = element_at(p.bias, b, h / p.bias_group, 0, s.ks), mask = element_at(p.mask, b, h / p.mask_group, 0, s.ks);
+    sk = s.sk;
+  }
+  __device__ std::uint32_t strength(const Params& p, std::int64_t j) const {
+    if (j >= sk) return 0;
+    const bool seen = load_mask(p.mask, mask + j * p.mask.sc);
+    const std::uint32_t order = order_key(p.bias, bias + j * p.bias.sc);
+    return seen ? order : 0;  // both loads issued at once
+  }
+};
 
 // The sort key of key j (< c.n) of local segment t.
 __device__ std::uint64_t sort_key(const Params& p, const Chunk& c, std::int64_t t, std::int64_t j) {
-  const std::uint32_t order = ~key_strength(p, c.g0 + t, j) & c.masked();
+  const std::uint32_t order = ~HeadKeys(p, c.g0 + t).strength(p, j) & c.masked();
   const std::uint64_t low = (std::uint64_t{1} << c.kb) - 1;
   return (static_cast<std::uint64_t>(t) << (c.ob + c.kb)) | (std::uint64_t{order} << c.kb) |
          (low - static_cast<std::uint64_t>(j));
@@ -301,14 +310,17 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
 // no sort; each key counts its beaters in index order, and the w-th is its
 // beater. O(n^2) compares a head, spread over the GPU where the sort of
 // fused_intervals would leave most SMs idle for tens of microseconds. A CTA
-// takes 64 keys of a head (lane l of every warp: keys l and 32 + l); warp x
-// counts their beaters in its share of the head's 32-key chunks, one count a
-// chunk in registers, the warps' totals meet in shared memory, and the warp
-// where a key's count reaches w finds the key that makes it in that chunk.
-// Key k beats key j before j with a greater strength, after j with one at
-// least as great: v > u, or v > u - 1 (a kept key's u is at least 1).
+// takes 64 keys of a head (lane l of every warp: keys l and l + 32); warp x
+// counts their beaters in its share of the head's 32-key chunks, a chunk's
+// two counts packed in a register (16 bits each), the warps' totals
+// meet in shared memory, and the warp where a key's count reaches w finds the
+// key that makes it in that chunk. Key k beats key j before j with a greater
+// strength, after j with one at least as great: v > u, or v > u - 1 (a kept
+// key's u is at least 1).
 constexpr int kCountedWarps = 8, kCountedThreads = 32 * kCountedWarps, kCountedKeys = 4096;
-constexpr int kCountedCtaKeys = 64, kCountedWarpChunks = (kCountedKeys / 32 + kCountedWarps - 1) / kCountedWarps;
+constexpr int kCountedLaneKeys = 2, kCountedCtaKeys = 32 * kCountedLaneKeys, kCountBits = 32 / kCountedLaneKeys;
+constexpr unsigned kCountMask = (1u << kCountBits) - 1;
+constexpr int kCountedWarpChunks = (kCountedKeys / 32 + kCountedWarps - 1) / kCountedWarps;
 
 // n + the keys of v at most t: sub.cc's carry is t >= v.
 __device__ __forceinline__ unsigned at_most(unsigned n, std::uint32_t t, uint4 v) {
@@ -328,49 +340,60 @@ __device__ __forceinline__ bool beats(int k, std::uint32_t v, int j, std::uint32
 }
 
 __global__ void __launch_bounds__(kCountedThreads) counted_intervals(Params p, int n, KeyRows* out) {
+  constexpr int kT = kCountedLaneKeys;
   __shared__ __align__(16) std::uint32_t strength[kCountedKeys];
-  __shared__ int totals[2][kCountedWarps][32];
+  __shared__ int totals[kT][kCountedWarps][32];
   const int parts = (n + kCountedCtaKeys - 1) / kCountedCtaKeys, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::int64_t g = blockIdx.x / parts;
-  for (int k = threadIdx.x; k < n; k += kCountedThreads) strength[k] = key_strength(p, g, k);
+  const HeadKeys head(p, g);
+  for (int k0 = threadIdx.x; k0 < n; k0 += 4 * kCountedThreads) {  // four keys' loads in flight
+    std::uint32_t v[4];
+    for (int e = 0; e < 4; ++e) v[e] = head.strength(p, k0 + e * kCountedThreads);
+    for (int e = 0; e < 4; ++e)
+      if (k0 + e * kCountedThreads < n) strength[k0 + e * kCountedThreads] = v[e];
+  }
   __syncthreads();
-  const int first = static_cast<int>(blockIdx.x % parts) * kCountedCtaKeys, j[2] = {first + lane, first + 32 + lane};
-  const std::uint32_t u[2] = {strength[j[0]], j[1] < n ? strength[j[1]] : 0u};  // whole chunks: j[0] < n
+  const int first = static_cast<int>(blockIdx.x % parts) * kCountedCtaKeys, own = first / 32;  // key t's chunk: own + t
+  int j[kT];
+  std::uint32_t u[kT];
+  for (int t = 0; t < kT; ++t) j[t] = first + 32 * t + lane, u[t] = j[t] < n ? strength[j[t]] : 0u;
   const int chunks = n / 32, begin = warp * chunks / kCountedWarps, end = (warp + 1) * chunks / kCountedWarps;
-  const int own = first / 32;  // the chunk of key j[0]; j[1]'s is the next
-  // Key j[t]'s own chunk is first counted as if after it (v >= u), then
+  // Key t's own chunk is first counted as if after it (v >= u), then
   // corrected: it does not beat itself, and keys before it beat it only with
   // a greater strength.
-  int counts[2][kCountedWarpChunks], total[2] = {0, 0};
+  unsigned counts[kCountedWarpChunks];  // field t (kCountBits): key t's beaters in chunk begin + i
 #pragma unroll
   for (int i = 0; i < kCountedWarpChunks; ++i) {
     const int c = begin + i;
-    counts[0][i] = counts[1][i] = 0;
+    counts[i] = 0;
     if (c >= end) continue;
-    const std::uint32_t below[2] = {c < own ? u[0] : u[0] - 1, c < own + 1 ? u[1] : u[1] - 1};
-    unsigned not_beaten[2] = {0, 0};
+    std::uint32_t below[kT];
+    unsigned not_beaten[kT];
+    for (int t = 0; t < kT; ++t) below[t] = c < own + t ? u[t] : u[t] - 1, not_beaten[t] = 0;
     for (int e = 0; e < 32; e += 4) {
       const uint4 v = *reinterpret_cast<const uint4*>(strength + 32 * c + e);
-      for (int t = 0; t < 2; ++t) not_beaten[t] = at_most(not_beaten[t], below[t], v);
+      for (int t = 0; t < kT; ++t) not_beaten[t] = at_most(not_beaten[t], below[t], v);
     }
-    for (int t = 0; t < 2; ++t) counts[t][i] = 32 - static_cast<int>(not_beaten[t]);
+    for (int t = 0; t < kT; ++t) counts[i] |= (32u - not_beaten[t]) << (kCountBits * t);
   }
-  for (int t = 0; t < 2; ++t) {
+  for (int t = 0; t < kT; ++t) {
     const int c = own + t;
-    if (c < begin || c >= end) continue;  // warp-uniform
-    int ties = 1;
+    if (c < begin || c >= end || u[t] == 0) continue;  // a kept key's own count holds itself: no borrow
+    unsigned ties = 1;
     for (int k = 32 * c; k < j[t]; ++k) ties += strength[k] == u[t];
 #pragma unroll
     for (int i = 0; i < kCountedWarpChunks; ++i)
-      if (begin + i == c) counts[t][i] -= ties;
+      if (begin + i == c) counts[i] -= ties << (kCountBits * t);
   }
+  int total[kT] = {};
 #pragma unroll
   for (int i = 0; i < kCountedWarpChunks; ++i)
-    for (int t = 0; t < 2; ++t) total[t] += counts[t][i];
-  for (int t = 0; t < 2; ++t) totals[t][warp][lane] = total[t];
+    for (int t = 0; t < kT; ++t) total[t] += (counts[i] >> (kCountBits * t)) & kCountMask;
+  for (int t = 0; t < kT; ++t) totals[t][warp][lane] = total[t];
   __syncthreads();
   const int w = static_cast<int>(min(p.w, std::int64_t{n} + 1));
-  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+  for (int t = 0; t < kT; ++t) {
     if (j[t] >= n) continue;
     int before = 0, all = 0;
     for (int x = 0; x < kCountedWarps; ++x) {
@@ -386,15 +409,22 @@ __global__ void __launch_bounds__(kCountedThreads) counted_intervals(Params p, i
 #pragma unroll
     for (int i = 0; i < kCountedWarpChunks; ++i)
       if (chunk < 0 && begin + i < end) {
-        if (need <= counts[t][i])
+        const int count = static_cast<int>((counts[i] >> (kCountBits * t)) & kCountMask);
+        if (need <= count)
           chunk = begin + i;
         else
-          need -= counts[t][i];
+          need -= count;
       }
-    int k = 32 * chunk;
-    for (;; ++k)
-      if (beats(k, strength[k], j[t], u[t]) && --need == 0) break;
-    write_key_rows(p, g, j[t], true, k, out);
+    unsigned bits = 0;  // the chunk's beaters of key t, then the need-th of them
+#pragma unroll
+    for (int e = 0; e < 32; e += 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(strength + 32 * chunk + e);
+      const int k = 32 * chunk + e;
+      bits |= unsigned{beats(k, v.x, j[t], u[t])} << e | unsigned{beats(k + 1, v.y, j[t], u[t])} << (e + 1) |
+              unsigned{beats(k + 2, v.z, j[t], u[t])} << (e + 2) | unsigned{beats(k + 3, v.w, j[t], u[t])} << (e + 3);
+    }
+    for (; need > 1; --need) bits &= bits - 1;
+    write_key_rows(p, g, j[t], true, 32 * chunk + __ffs(bits) - 1, out);
   }
 }
 
