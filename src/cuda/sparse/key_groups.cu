@@ -71,21 +71,56 @@ struct GroupParams {
   }
 };
 
-// Sort keys, one thread per (slice, segment, key): (slice, segment) in the top
-// bits, then the end of the key's piece there (from the segment's first row)
-// in end_bits; no piece (or out of sequence): all ones there.
+// Sort keys of (slice, segment) v = z * segments + s: v in the top bits, then
+// the end of key j's piece there (from the segment's first row) in end_bits;
+// no piece (or out of sequence): all ones there.
+__device__ std::uint32_t piece_end(const GroupParams& p, std::int64_t z, std::int64_t s, std::int64_t j) {
+  if (j < p.sk(z)) {
+    const KeyRows r = p.piece(z, s, j);
+    if (r.end > r.start) return static_cast<std::uint32_t>(r.end - s * p.segment_rows);
+  }
+  return static_cast<std::uint32_t>(p.no_end());
+}
+
+// One thread per (slice, segment, key), for the device-wide sort.
 __global__ void __launch_bounds__(kThreads) group_sort_keys(const GroupParams p, std::int64_t items, std::uint64_t* keys,
                                                             std::int32_t* values) {
   const std::int64_t e = std::int64_t{blockIdx.x} * kThreads + threadIdx.x;
   if (e >= items) return;
-  const std::int64_t v = e / p.seqlen_k, j = e % p.seqlen_k, z = v / p.segments, s = v % p.segments;
-  std::uint64_t end = p.no_end();
-  if (j < p.sk(z)) {
-    const KeyRows r = p.piece(z, s, j);
-    if (r.end > r.start) end = static_cast<std::uint64_t>(r.end - s * p.segment_rows);
-  }
-  keys[e] = static_cast<std::uint64_t>(v) << p.end_bits | end;
+  const std::int64_t v = e / p.seqlen_k, j = e % p.seqlen_k;
+  keys[e] = static_cast<std::uint64_t>(v) << p.end_bits | piece_end(p, v / p.segments, v % p.segments, j);
   values[e] = static_cast<std::int32_t>(j);
+}
+
+// At most kSegmentSortKeys keys: one CTA sorts a (slice, segment) by the end
+// alone (a block radix sort), one launch instead of the sort keys' kernel and
+// the device-wide sort's kernels and memsets. The same order: both sorts are
+// stable and take the keys in index order.
+constexpr int kSegmentSortThreads = 1024, kSegmentSortItems = 4;
+constexpr int kSegmentSortKeys = kSegmentSortThreads * kSegmentSortItems;
+using SegmentSort = cub::BlockRadixSort<std::uint32_t, kSegmentSortThreads, kSegmentSortItems, std::int32_t>;
+
+__global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const GroupParams p, std::uint64_t* sorted,
+                                                                     std::int32_t* order) {
+  __shared__ typename SegmentSort::TempStorage storage;
+  const std::int64_t v = blockIdx.x;
+  std::uint32_t end[kSegmentSortItems];
+  std::int32_t key[kSegmentSortItems];
+#pragma unroll
+  for (int i = 0; i < kSegmentSortItems; ++i) {
+    const int j = kSegmentSortItems * threadIdx.x + i;
+    key[i] = j;
+    end[i] = j < p.seqlen_k ? piece_end(p, v / p.segments, v % p.segments, j) : 1u << p.end_bits;  // past the keys: last
+  }
+  SegmentSort(storage).Sort(end, key, 0, p.end_bits + 1);
+#pragma unroll
+  for (int i = 0; i < kSegmentSortItems; ++i) {
+    const int pos = kSegmentSortItems * threadIdx.x + i;
+    if (pos < p.seqlen_k) {
+      sorted[v * p.seqlen_k + pos] = static_cast<std::uint64_t>(v) << p.end_bits | end[i];
+      order[v * p.seqlen_k + pos] = key[i];
+    }
+  }
 }
 
 // The number of pieces of each key, one thread per (slice, key).
@@ -249,8 +284,9 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
     g.groups = std::min(p.segments * key_groups, (pieces + block - 1) / block + p.segments - 1);
   }
   const int sort_bits = p.end_bits + ceil_log2(slices * p.segments);
+  const bool by_segment = seqlen_k <= kSegmentSortKeys;
   std::size_t sort_bytes = 0;
-  if (sort)
+  if (sort && !by_segment)
     check_cuda(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const std::uint64_t*>(nullptr),
                                                static_cast<std::uint64_t*>(nullptr), static_cast<const std::int32_t*>(nullptr),
                                                static_cast<std::int32_t*>(nullptr), static_cast<int>(items), 0,
@@ -269,17 +305,20 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   if (sort) {
     memory.add(g.order, n, false);
     if (p.segments > 1) memory.add(g.rank, n, false);
-    memory.add(g.pieces, keys, false), memory.add(g.first, group_entries, false);
-    memory.add(keys_in, n, false), memory.add(keys_out, n, false), memory.add(values_in, n, false);
-    memory.add(temp, sort_bytes, false);
+    memory.add(g.pieces, keys, false), memory.add(g.first, group_entries, false), memory.add(keys_out, n, false);
+    if (!by_segment) memory.add(keys_in, n, false), memory.add(values_in, n, false), memory.add(temp, sort_bytes, false);
   }
   check_cuda(memory.allocate(stream), "cudaMallocAsync (key groups)");
   if (sort) {
-    group_sort_keys<<<blocks_for(items), kThreads, 0, stream>>>(p, items, keys_in, values_in);
     count_pieces<<<blocks_for(slices * seqlen_k), kThreads, 0, stream>>>(p, slices * seqlen_k, g.pieces);
-    check_cuda(cub::DeviceRadixSort::SortPairs(temp, sort_bytes, keys_in, keys_out, values_in, g.order,
-                                               static_cast<int>(items), 0, sort_bits, stream),
-               "radix sort");
+    if (by_segment) {
+      sort_segments<<<static_cast<unsigned>(slices * p.segments), kSegmentSortThreads, 0, stream>>>(p, keys_out, g.order);
+    } else {
+      group_sort_keys<<<blocks_for(items), kThreads, 0, stream>>>(p, items, keys_in, values_in);
+      check_cuda(cub::DeviceRadixSort::SortPairs(temp, sort_bytes, keys_in, keys_out, values_in, g.order,
+                                                 static_cast<int>(items), 0, sort_bits, stream),
+                 "radix sort");
+    }
     const std::int64_t strips = (seqlen_k + block * kStripGroups - 1) / (block * kStripGroups);
     sort_strips<block><<<dim3(static_cast<unsigned>(strips), static_cast<unsigned>(slices * p.segments)), block, 0, stream>>>(
         p, keys_out, g.order, g.rank);
