@@ -312,11 +312,11 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
 // fused_intervals would leave most SMs idle for tens of microseconds. A CTA
 // takes 64 keys of a head (lane l of every warp: keys l and l + 32); warp x
 // counts their beaters in its share of the head's 32-key chunks, a chunk's
-// two counts packed in a register (16 bits each), the warps' totals
-// meet in shared memory, and the warp where a key's count reaches w finds the
-// key that makes it in that chunk. Key k beats key j before j with a greater
-// strength, after j with one at least as great: v > u, or v > u - 1 (a kept
-// key's u is at least 1).
+// two counts packed in a register (16 bits each), the warps' totals meet in
+// shared memory, and the warp where a key's count reaches w finds the key that
+// makes it in that chunk. Key k beats key j before j with a greater strength,
+// after j with one at least as great: v > u, or v > u - 1 (a kept key's u is
+// at least 1).
 constexpr int kCountedWarps = 8, kCountedThreads = 32 * kCountedWarps, kCountedKeys = 4096;
 constexpr int kCountedLaneKeys = 2, kCountedCtaKeys = 32 * kCountedLaneKeys, kCountBits = 32 / kCountedLaneKeys;
 constexpr unsigned kCountMask = (1u << kCountBits) - 1;
