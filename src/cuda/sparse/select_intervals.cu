@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kFusedThreads) fused_intervals(Params p, Chunk
 // makes it in that chunk. Key k beats key j before j with a greater strength,
 // after j with one at least as great: v > u, or v > u - 1 (a kept key's u is
 // at least 1).
-constexpr int kCountedWarps = 8, kCountedThreads = 32 * kCountedWarps, kCountedKeys = 4096;
+constexpr int kCountedWarps = 8, kCountedThreads = 32 * kCountedWarps, kCountedKeys = kMaxCountedSelectionKeys;
 constexpr int kCountedLaneKeys = 2, kCountedCtaKeys = 32 * kCountedLaneKeys, kCountBits = 32 / kCountedLaneKeys;
 constexpr unsigned kCountMask = (1u << kCountBits) - 1;
 constexpr int kCountedWarpChunks = (kCountedKeys / 32 + kCountedWarps - 1) / kCountedWarps;
@@ -435,18 +435,17 @@ void select_intervals(const Params& p, std::int64_t batch, int sms, KeyRows* out
   const std::int64_t total = batch * p.heads;
   Chunk full;
   full.n = (std::max<std::int64_t>(p.seqlen_k, 1) + 31) / 32 * 32;
-  full.kb = std::max(ceil_log2(full.n), 1);
-  full.ob = order_width(p.bias.dtype);
-  // Segment ids take the top bits of the 64-bit sort key; items are counted in int.
-  full.segments = std::min({total, std::int64_t{1} << (64 - full.ob - full.kb), std::int64_t{INT_MAX} / full.n});
   if (counted_selection(total, full.n)) {
-    static_assert(kCountedKeys == kMaxCountedSelectionKeys, "heuristics.h sizes the counted selection");
     const auto parts = static_cast<unsigned>((full.n + kCountedCtaKeys - 1) / kCountedCtaKeys);
     counted_intervals<<<static_cast<unsigned>(total) * parts, kCountedThreads, 0, stream>>>(p, static_cast<int>(full.n),
                                                                                            out);
     check_cuda(cudaGetLastError(), "counted interval kernel");
     return;
   }
+  full.kb = std::max(ceil_log2(full.n), 1);
+  full.ob = order_width(p.bias.dtype);
+  // Segment ids take the top bits of the 64-bit sort key; items are counted in int.
+  full.segments = std::min({total, std::int64_t{1} << (64 - full.ob - full.kb), std::int64_t{INT_MAX} / full.n});
   if (full.n <= kFusedKeys) {
     full.segments = 1;
     const int parts = fused_selection_parts(total, sms);
