@@ -143,6 +143,24 @@ std::vector<Case> topk_backward_cases(Make&& make) {
     c.name = "bwd top-k given intervals " + c.name;
     cases.push_back(c);
   }
+  {  // more than 4096 keys: the key groups sorted a segment a CTA over rounds of 4096 keys (a selection's
+     // pieces are bounded: key_groups.cu group_keys) ...
+    Case c = make("top-k pieces over 4096 keys", 1030, 4200, 2, 1);
+    c.B = 1;
+    c.options.causal = true;
+    c.options.keep_window_size = 200;
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    cases.push_back(c);
+    // ... and given intervals that are no selection of the call (every key in every row), more pieces
+    // than that sort takes: they stay in key order
+    Case g = make("top-k given intervals of every key, over 4096 keys", 100, 4400, 4, 2);
+    g.B = 1;
+    g.options.causal = false;
+    g.options.keep_window_size = 50;
+    g.bias_shape = {g.B, g.Hk, 1, g.Sk};
+    g.given_intervals = true, g.given_keep = 4400;
+    cases.push_back(g);
+  }
   Case keys = make("top-k 50 bias over heads only", 300, 400, 4, 2);  // dbias summed over keys
   keys.B = 2;
   keys.options.causal = true;

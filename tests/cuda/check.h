@@ -54,6 +54,10 @@ struct Case {
   // The top-k selection given to the GPU calls (Inputs::topk_intervals): the CPU's
   // select_topk, which the GPU's select_topk must write byte for byte.
   bool given_intervals = false;
+  // With given_intervals, the keep window they are selected with (0: the
+  // call's): another one gives intervals that are no selection of the call,
+  // which the CPU oracle is given too (batched cases).
+  std::int64_t given_keep = 0;
   bool varlen() const { return !seqlens_q.empty(); }
 };
 
@@ -129,6 +133,8 @@ struct GivenIntervals {
 };
 GivenIntervals given_intervals(const Case& c, const CaseInputs& inputs, const dmattn::Inputs& gpu_in,
                                const dmattn::VarlenLayout* gpu_layout);
+// The options of the selection given to a case's calls (Case::given_keep).
+dmattn::Options given_options(const Case& c);
 
 // ---- Shared by the two matrices (matrix_forward.cpp).
 std::string dtype_tag(DType d);

@@ -180,6 +180,12 @@ DeviceVarlen::DeviceVarlen(const Case& c) {
   layout_ = varlen_layout(c, host_, p);
 }
 
+dmattn::Options given_options(const Case& c) {
+  dmattn::Options o = c.options;
+  if (c.given_keep > 0) o.keep_window_size = c.given_keep;
+  return o;
+}
+
 GivenIntervals given_intervals(const Case& c, const CaseInputs& inputs, const dmattn::Inputs& gpu_in,
                                const dmattn::VarlenLayout* gpu_layout) {
   GivenIntervals given;
@@ -195,12 +201,13 @@ GivenIntervals given_intervals(const Case& c, const CaseInputs& inputs, const dm
   dmattn::Inputs in{inputs.q.view(), inputs.k.view(), inputs.v.view(), std::nullopt, std::nullopt};
   if (inputs.mask) in.mask = inputs.mask->view();
   if (inputs.bias) in.bias = inputs.bias->view();
+  const dmattn::Options o = given_options(c);
   if (layout) {
-    dmattn::varlen_select_topk(in, *layout, c.options, host.view());
-    dmattn::varlen_select_topk(gpu_in, *gpu_layout, c.options, gpu.view());
+    dmattn::varlen_select_topk(in, *layout, o, host.view());
+    dmattn::varlen_select_topk(gpu_in, *gpu_layout, o, gpu.view());
   } else {
-    dmattn::select_topk(in, c.options, host.view());
-    dmattn::select_topk(gpu_in, c.options, gpu.view());
+    dmattn::select_topk(in, o, host.view());
+    dmattn::select_topk(gpu_in, o, gpu.view());
   }
   check_cuda(cudaDeviceSynchronize(), "select_topk");
   bool untouched = true;

@@ -277,6 +277,15 @@ std::vector<Case> backward_matrix(bool small) {
       c.name += shape == 2 ? " window (0,0)" : "";
       cases.push_back(finish(c));
     }
+  {  // every row recomputed, with more dq blocks than the dq kernel has CTAs (BackwardPlan::dq_ctas): each CTA walks several
+    Case c = make("extreme bias -1e30, the dq kernel's CTAs walking several blocks", 520, 200, 16, 2);
+    c.B = 2;
+    c.dtype = DType::kBFloat16;
+    c.bias_dtype = DType::kFloat32;
+    c.bias_lo = c.bias_hi = -1e30;
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    cases.push_back(finish(c));
+  }
   for (Case& c : bias_magnitude_sweep("bwd ")) cases.push_back(c);
   for (Case& c : topk_backward_cases(make)) cases.push_back(finish(c));
   for (Case& c : deterministic_pairs(make)) cases.push_back(finish(c));

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "../common/scratch.h"
@@ -92,34 +93,87 @@ __global__ void __launch_bounds__(kThreads) group_sort_keys(const GroupParams p,
   values[e] = static_cast<std::int32_t>(j);
 }
 
-// At most kSegmentSortKeys keys: one CTA sorts a (slice, segment) by the end
-// alone (a block radix sort), one launch instead of the sort keys' kernel and
-// the device-wide sort's kernels and memsets. The same order: both sorts are
-// stable and take the keys in index order.
+// One CTA a (slice, segment) where at most kSegmentSortKeys keys have a piece
+// there (group_keys: every key's, or a bound on a selection's): one launch
+// instead of the sort keys' kernel and the device-wide sort's kernels and
+// memsets. At most kSegmentSortKeys keys are sorted by their pieces' ends
+// alone (a block radix sort; no piece: all ones, after the pieces); more are
+// first compacted, those with a piece in index order (kSegmentSortItems a
+// thread a round, one block scan), to be sorted the same way, the others
+// after them (end all ones, key -1, which sort_strips gives those in any
+// case). Either is the device-wide sort's order, as both sorts are stable over
+// the keys in index order. More pieces than the sort takes (given intervals
+// that are no selection) stay in key order, which the groups take as well
+// (only the fill of the dk/dv walk depends on the order).
 constexpr int kSegmentSortThreads = 1024, kSegmentSortItems = 4;
 constexpr int kSegmentSortKeys = kSegmentSortThreads * kSegmentSortItems;
 using SegmentSort = cub::BlockRadixSort<std::uint32_t, kSegmentSortThreads, kSegmentSortItems, std::int32_t>;
+using SegmentScan = cub::BlockScan<int, kSegmentSortThreads>;
 
 __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const GroupParams p, std::uint64_t* sorted,
                                                                      std::int32_t* order) {
-  __shared__ typename SegmentSort::TempStorage storage;
-  const std::int64_t v = blockIdx.x;
+  __shared__ union {
+    typename SegmentSort::TempStorage sort;
+    struct {
+      std::uint32_t end[kSegmentSortKeys];
+      std::int32_t key[kSegmentSortKeys];
+    } pieces;
+  } storage;
+  __shared__ typename SegmentScan::TempStorage scan;
+  const std::int64_t v = blockIdx.x, z = v / p.segments, s = v % p.segments;
+  const auto no_end = static_cast<std::uint32_t>(p.no_end()), past = 1u << p.end_bits;  // past: after every key
+  const std::uint64_t tag = static_cast<std::uint64_t>(v) << p.end_bits;
+  std::uint64_t* out = sorted + v * p.seqlen_k;
+  std::int32_t* keys = order + v * p.seqlen_k;
   std::uint32_t end[kSegmentSortItems];
   std::int32_t key[kSegmentSortItems];
+  int count = p.seqlen_k <= kSegmentSortKeys ? static_cast<int>(p.seqlen_k) : 0;  // the entries to sort
+  if (p.seqlen_k <= kSegmentSortKeys) {
 #pragma unroll
-  for (int i = 0; i < kSegmentSortItems; ++i) {
-    const int j = kSegmentSortItems * threadIdx.x + i;
-    key[i] = j;
-    end[i] = j < p.seqlen_k ? piece_end(p, v / p.segments, v % p.segments, j) : 1u << p.end_bits;  // past the keys: last
-  }
-  SegmentSort(storage).Sort(end, key, 0, p.end_bits + 1);
-#pragma unroll
-  for (int i = 0; i < kSegmentSortItems; ++i) {
-    const int pos = kSegmentSortItems * threadIdx.x + i;
-    if (pos < p.seqlen_k) {
-      sorted[v * p.seqlen_k + pos] = static_cast<std::uint64_t>(v) << p.end_bits | end[i];
-      order[v * p.seqlen_k + pos] = key[i];
+    for (int i = 0; i < kSegmentSortItems; ++i) {
+      const int j = kSegmentSortItems * threadIdx.x + i;
+      key[i] = j;
+      end[i] = j < count ? piece_end(p, z, s, j) : past;
     }
+  } else {
+    for (std::int64_t j0 = 0; j0 < p.seqlen_k; j0 += kSegmentSortKeys) {
+      int mine = 0;
+#pragma unroll
+      for (int i = 0; i < kSegmentSortItems; ++i) {
+        const std::int64_t j = j0 + kSegmentSortItems * threadIdx.x + i;
+        end[i] = j < p.seqlen_k ? piece_end(p, z, s, j) : no_end;
+        mine += end[i] != no_end;
+      }
+      int at, round;
+      SegmentScan(scan).ExclusiveSum(mine, at, round);
+      at += count;
+#pragma unroll
+      for (int i = 0; i < kSegmentSortItems; ++i) {
+        if (end[i] == no_end) continue;
+        const auto j = static_cast<std::int32_t>(j0 + kSegmentSortItems * threadIdx.x + i);
+        out[at] = tag | end[i], keys[at] = j;
+        if (at < kSegmentSortKeys) storage.pieces.end[at] = end[i], storage.pieces.key[at] = j;
+        ++at;
+      }
+      count += round;
+      __syncthreads();  // the scan's storage is free again
+    }
+    for (std::int64_t at = count + threadIdx.x; at < p.seqlen_k; at += kSegmentSortThreads)
+      out[at] = tag | no_end, keys[at] = -1;
+    if (count > kSegmentSortKeys) return;
+#pragma unroll
+    for (int i = 0; i < kSegmentSortItems; ++i) {
+      const int at = kSegmentSortItems * threadIdx.x + i;
+      end[i] = at < count ? storage.pieces.end[at] : past;
+      key[i] = at < count ? storage.pieces.key[at] : -1;
+    }
+    __syncthreads();  // the pieces are read before the sort's storage takes their place
+  }
+  SegmentSort(storage.sort).Sort(end, key, 0, p.end_bits + 1);
+#pragma unroll
+  for (int i = 0; i < kSegmentSortItems; ++i) {
+    const int at = kSegmentSortItems * threadIdx.x + i;
+    if (at < count) out[at] = tag | end[i], keys[at] = key[i];
   }
 }
 
@@ -262,6 +316,9 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   p.end_bits = ceil_log2(std::min(seqlen_q, p.segment_rows) + 2);  // ends 1..rows and the all-ones value
   g.segments = p.segments, g.segment_rows = p.segment_rows;
   const std::int64_t items = slices * p.segments * seqlen_k;
+  std::int64_t slice_heads = 1;  // most selection heads of a slice's query heads
+  for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh)
+    slice_heads = std::max(slice_heads, (kvh * p.group + p.group - 1) / sel.group - kvh * p.group / sel.group + 1);
   if (sort) {
     // The dk/dv grid: a bound on the groups of a slice, known without reading
     // the selection (no host sync). Proof: a key's piece in segment s exists
@@ -276,15 +333,23 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
     // ceil(n_s / 128) groups; summed over the segments that is at most
     // ceil(sum n_s / 128) + segments - 1, and at most segments ceil(seqlen_k /
     // 128).
-    std::int64_t slice_heads = 1;  // most selection heads of a slice's query heads
-    for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh)
-      slice_heads = std::max(slice_heads, (kvh * p.group + p.group - 1) / sel.group - kvh * p.group / sel.group + 1);
     const std::int64_t pieces = std::min(p.segments * seqlen_k,
                                          slice_heads * (seqlen_k + (p.segments - 1) * std::min(w, seqlen_k)));
     g.groups = std::min(p.segments * key_groups, (pieces + block - 1) / block + p.segments - 1);
   }
   const int sort_bits = p.end_bits + ceil_log2(slices * p.segments);
-  const bool by_segment = seqlen_k <= kSegmentSortKeys;
+  // One CTA a segment (sort_segments) where its pieces fit the CTA's sort: at
+  // most seqlen_k, and for a selection at most slice_heads (min(w, seqlen_k) +
+  // rows - 1) in a segment of `rows` rows. Proof: intervals express a
+  // selection only where each row's allowed keys are the row before's and at
+  // most one more (no left window, no mask with rows), so a row selects at
+  // most one key the row before did not (its new key: the others' order is
+  // unchanged), and a segment's rows at most min(w, seqlen_k) + rows - 1 keys
+  // a head. Given intervals that are no selection may exceed it; then the
+  // pieces stay in key order (sort_segments).
+  const bool by_segment =
+      seqlen_k <= kSegmentSortKeys ||
+      slice_heads * (std::min(w, seqlen_k) + std::min(p.segment_rows, seqlen_q) - 1) <= kSegmentSortKeys;
   std::size_t sort_bytes = 0;
   if (sort && !by_segment)
     check_cuda(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const std::uint64_t*>(nullptr),
