@@ -165,7 +165,6 @@ TEST_F(Dispatch, H100DenseRunsHopperBothWaysAtEachHeadDim) {
     const BackwardPlan b = c.backward(kH100);
     EXPECT_EQ(b.dkv, DkvKernel::kSm90) << "D " << d;
     EXPECT_TRUE(b.params.atomic_dq && b.params.dq_blocks && !b.ordered_dq) << "D " << d;
-    EXPECT_EQ(b.dq_ctas, kH100.sms) << "D " << d;  // the dq kernel only recomputes flagged rows: a CTA an SM
   }
 }
 
@@ -351,7 +350,6 @@ TEST_F(Dispatch, H100Deterministic) {
   const BackwardPlan b = masked.backward(kH100);
   EXPECT_EQ(b.dkv, DkvKernel::kSm80);
   EXPECT_FALSE(b.ordered_dq || b.params.atomic_dq || b.params.dq_blocks);
-  EXPECT_EQ(b.dq_ctas, 0);  // dq by the dq kernel: a CTA a block
 }
 
 // Decode with grouped kv heads: the query heads folded into the 64-row tile.

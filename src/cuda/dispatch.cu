@@ -527,7 +527,6 @@ BackwardPlan plan_backward_on(const Problem& p, const DeviceInfo& device, const 
                        (plan.dbias_slices == 0 && tma_addressable(params.dbias, db_tiles.tokens, db_tiles.heads)));
   }
   params.dq_blocks = plan.dkv != DkvKernel::kSm80;
-  plan.dq_ctas = params.atomic_dq ? device.sms : 0;
   plan.run = instance.backward[dtype];
   return plan;
 }

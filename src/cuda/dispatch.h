@@ -90,10 +90,6 @@ struct BackwardPlan {
   // The small tile of the sm80-class dq and dk/dv kernels (bwd/config.cuh
   // backward_tile) where the large one does not fit the device's shared memory.
   bool small_dq = false, small_dkv = false;
-  // CTAs of the sm80-class dq kernel, which walk its blocks (0: a CTA a
-  // block): where dq is summed by atomics and the kernel only recomputes the
-  // statistics of rows whose lse float32 cannot hold (none, mostly), a CTA an SM.
-  int dq_ctas = 0;
   int dbias_slices = 0;      // float32 slices of dbias that reduce_bias_grad sums (0: written directly)
   bool ordered_dq = false;   // dq summed in order (deterministic): the Hopper dk/dv kernel's turn counters
   bool bias_tiles = false;   // the Hopper row-bias walk loads a full bias by tiles (DkvWalk::kBiasTiles)

@@ -277,8 +277,8 @@ std::vector<Case> backward_matrix(bool small) {
       c.name += shape == 2 ? " window (0,0)" : "";
       cases.push_back(finish(c));
     }
-  {  // every row recomputed, with more dq blocks than the dq kernel has CTAs (BackwardPlan::dq_ctas): each CTA walks several
-    Case c = make("extreme bias -1e30, the dq kernel's CTAs walking several blocks", 520, 200, 16, 2);
+  {  // every row's statistics recomputed by the dq kernel, over more query blocks than the GPU has SMs
+    Case c = make("extreme bias -1e30, every row recomputed, many query blocks", 520, 200, 16, 2);
     c.B = 2;
     c.dtype = DType::kBFloat16;
     c.bias_dtype = DType::kFloat32;

@@ -50,9 +50,8 @@
 
 namespace dmattn::cuda {
 
-// The walk of one CTA: block `block` of a grid of `grid` blocks.
 template <class Config>
-__device__ __forceinline__ void backward_block(const BackwardParams& p, uint3 block, dim3 grid) {
+__global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const BackwardParams p) {
   using namespace cute;
   using Element = typename Config::Element;
   constexpr bool kKeyRows = Config::kKeyRows;
@@ -60,7 +59,7 @@ __device__ __forceinline__ void backward_block(const BackwardParams& p, uint3 bl
   using SmemLayoutCols = typename Config::SmemLayoutCols;
   using SmemLayoutColsT = typename Config::SmemLayoutColsT;
 
-  const int b = block.z;
+  const int b = blockIdx.z;
   const Sequence seq(p, b);
   const std::int64_t sq = seq.sq, sk = seq.sk, offset = seq.offset();
   // CTAs start in order of work under causal, heads fastest, so that the longest
@@ -69,8 +68,8 @@ __device__ __forceinline__ void backward_block(const BackwardParams& p, uint3 bl
   // whose keys' rows end last and span the most) start first for every head.
   // Sorted key groups come in segment order (a key's pieces wait for the
   // earlier ones), each segment's widest first (selection.h group_keys).
-  const int blocks = grid.x, linear = block.x + blocks * block.y;
-  const int head = linear % grid.y, order = linear / grid.y;
+  const int blocks = gridDim.x, linear = blockIdx.x + blocks * blockIdx.y;
+  const int head = linear % gridDim.y, order = linear / gridDim.y;
   const bool key_groups = kKeyRows && p.group_rows != nullptr;
   const int row_block = kKeyRows ? order : blocks - 1 - order;
   const std::int64_t row0 = std::int64_t{row_block} * kBlockRows, own_len = kKeyRows ? sk : sq;
@@ -92,6 +91,7 @@ __device__ __forceinline__ void backward_block(const BackwardParams& p, uint3 bl
     return;
   }
   const bool pieces = key_groups && p.key_segments > 1;
+  if (!kKeyRows && p.huge_rows != nullptr && *p.huge_rows == 0) return;  // dq by atomics: no row to recompute
   const std::int64_t row_last = min(row0 + kBlockRows, own_len) - 1;
   const int kvh = kKeyRows ? head : head / p.group;
   const int h_first = kKeyRows ? kvh * p.group : head;
@@ -592,29 +592,6 @@ __device__ __forceinline__ void backward_block(const BackwardParams& p, uint3 bl
 
   store_backward<Config>(p, seq, b, kvh, h_first, acc_a, acc_b, thr, cS, own_keys, piece_info, row0, own_len, feature0,
                          holder, stager, pieces, key_sum, add_key_sum_parts, store_key_sums, cols_smem, lane, d, scale);
-}
-
-// dk/dv: a CTA a block of the launch's grid. dq: the CTAs take the blocks of
-// `blocks` in the order of their linear index, a CTA a block or, where dq is
-// summed by atomics and this kernel only recomputes the statistics of rows
-// row_stats flagged (BackwardPlan::dq_ctas), a CTA an SM, each returning at
-// once where there is none (a CTA a block, each returning, took 16 us at
-// D = 64, B = 16, 16 heads, S = 2048 on an H100).
-template <class Config>
-__global__ void __launch_bounds__(Config::kThreads, 1)
-    backward_kernel(const __grid_constant__ BackwardParams p, const dim3 blocks) {
-  if constexpr (Config::kKeyRows) {
-    backward_block<Config>(p, blockIdx, gridDim);
-  } else {
-    if (p.huge_rows != nullptr && *p.huge_rows == 0) return;  // dq by atomics: no row to recompute
-    const std::int64_t plane = std::int64_t{blocks.x} * blocks.y, n = plane * blocks.z;
-    for (std::int64_t v = blockIdx.x; v < n; v += gridDim.x) {
-      backward_block<Config>(p, make_uint3(static_cast<unsigned>(v % blocks.x), static_cast<unsigned>(v % plane / blocks.x),
-                                           static_cast<unsigned>(v / plane)),
-                             blocks);
-      __syncthreads();
-    }
-  }
 }
 
 }  // namespace dmattn::cuda

@@ -47,17 +47,13 @@ DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch, bool bias_tiles) {
   }
 }
 
-// Launches the sm80-class kernel of Config over `blocks`, its shared-memory
-// limit raised: a CTA a block, or (dq) `ctas` CTAs that walk them (0: a CTA a
-// block).
+// Launches the sm80-class kernel of Config over `grid`, its shared-memory limit raised.
 template <class Config>
-cudaError_t launch_sm80_kernel(const BackwardParams& p, dim3 blocks, cudaStream_t stream, int ctas = 0) {
+cudaError_t launch_sm80_kernel(const BackwardParams& p, dim3 grid, cudaStream_t stream) {
   auto kernel = backward_kernel<Config>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const std::int64_t n = std::int64_t{blocks.x} * blocks.y * blocks.z;
-  const dim3 grid = Config::kKeyRows ? blocks : dim3(static_cast<unsigned>(ctas > 0 ? std::min<std::int64_t>(n, ctas) : n));
-  kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p, blocks);
+  kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -183,9 +179,8 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   }
   if (err == cudaSuccess && query_blocks > 0) {
     const dim3 grid(static_cast<unsigned>(query_blocks), static_cast<unsigned>(p.heads), static_cast<unsigned>(batch));
-    err = plan.small_dq
-              ? launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, false, true>>(p, grid, stream, plan.dq_ctas)
-              : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, false, false>>(p, grid, stream, plan.dq_ctas);
+    err = plan.small_dq ? launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, false, true>>(p, grid, stream)
+                        : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, false, false>>(p, grid, stream);
   }
   // dk/dv CTAs: the key blocks, or the key groups (a CTA a group's dkv_rows keys on the sm80 kernel).
   const std::int64_t dkv_blocks =

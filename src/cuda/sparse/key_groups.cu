@@ -3,6 +3,7 @@
 // pieces at row segments.
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
@@ -96,52 +97,58 @@ __global__ void __launch_bounds__(kThreads) group_sort_keys(const GroupParams p,
 // One CTA a (slice, segment) where at most kSegmentSortKeys keys have a piece
 // there (group_keys: every key's, or a bound on a selection's): one launch
 // instead of the sort keys' kernel and the device-wide sort's kernels and
-// memsets. At most kSegmentSortKeys keys are sorted by their pieces' ends
-// alone (a block radix sort; no piece: all ones, after the pieces); more are
-// first compacted, those with a piece in index order (kSegmentSortItems a
-// thread a round, one block scan), to be sorted the same way, the others
-// after them (end all ones, key -1, which sort_strips gives those in any
-// case). Either is the device-wide sort's order, as both sorts are stable over
-// the keys in index order. More pieces than the sort takes (given intervals
-// that are no selection) stay in key order, which the groups take as well
-// (only the fill of the dk/dv walk depends on the order).
+// memsets. At most kSegmentSortKeys keys (kCompact false) are sorted by their
+// pieces' ends alone (a block radix sort; no piece: all ones, after the
+// pieces); more (kCompact) are first compacted, those with a piece in index
+// order (kSegmentSortItems a thread a round, one block scan), to be sorted the
+// same way, the others after them (end all ones, key -1, which sort_strips
+// gives those in any case). Either is the device-wide sort's order, as both
+// sorts are stable over the keys in index order. More pieces than the sort
+// takes (given intervals that are no selection) stay in key order, which the
+// groups take as well (only the fill of the dk/dv walk depends on the order).
+// Two kernels: the compacting one's registers and shared memory (64 a thread,
+// 42 KB) cost top-k at S = 4096, w = 256 20 us of fwd+bwd where it sorted
+// every key (H100, CUDA graphs).
 constexpr int kSegmentSortThreads = 1024, kSegmentSortItems = 4;
 constexpr int kSegmentSortKeys = kSegmentSortThreads * kSegmentSortItems;
 using SegmentSort = cub::BlockRadixSort<std::uint32_t, kSegmentSortThreads, kSegmentSortItems, std::int32_t>;
 using SegmentScan = cub::BlockScan<int, kSegmentSortThreads>;
+struct CompactedPieces {
+  std::uint32_t end[kSegmentSortKeys];
+  std::int32_t key[kSegmentSortKeys];
+};
 
+template <bool kCompact>
 __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const GroupParams p, std::uint64_t* sorted,
                                                                      std::int32_t* order) {
   __shared__ union {
     typename SegmentSort::TempStorage sort;
-    struct {
-      std::uint32_t end[kSegmentSortKeys];
-      std::int32_t key[kSegmentSortKeys];
-    } pieces;
+    std::conditional_t<kCompact, CompactedPieces, char> pieces;
   } storage;
-  __shared__ typename SegmentScan::TempStorage scan;
-  const std::int64_t v = blockIdx.x, z = v / p.segments, s = v % p.segments;
+  const std::int64_t v = blockIdx.x;
   const auto no_end = static_cast<std::uint32_t>(p.no_end()), past = 1u << p.end_bits;  // past: after every key
-  const std::uint64_t tag = static_cast<std::uint64_t>(v) << p.end_bits;
-  std::uint64_t* out = sorted + v * p.seqlen_k;
-  std::int32_t* keys = order + v * p.seqlen_k;
+  const auto put = [&](std::int64_t at, std::uint32_t e, std::int32_t j) {  // entry `at` of the segment
+    sorted[v * p.seqlen_k + at] = static_cast<std::uint64_t>(v) << p.end_bits | e;
+    order[v * p.seqlen_k + at] = j;
+  };
   std::uint32_t end[kSegmentSortItems];
   std::int32_t key[kSegmentSortItems];
-  int count = p.seqlen_k <= kSegmentSortKeys ? static_cast<int>(p.seqlen_k) : 0;  // the entries to sort
-  if (p.seqlen_k <= kSegmentSortKeys) {
+  int count = kCompact ? 0 : static_cast<int>(p.seqlen_k);  // the entries to sort
+  if constexpr (!kCompact) {
 #pragma unroll
     for (int i = 0; i < kSegmentSortItems; ++i) {
       const int j = kSegmentSortItems * threadIdx.x + i;
       key[i] = j;
-      end[i] = j < count ? piece_end(p, z, s, j) : past;
+      end[i] = j < count ? piece_end(p, v / p.segments, v % p.segments, j) : past;
     }
   } else {
+    __shared__ typename SegmentScan::TempStorage scan;
     for (std::int64_t j0 = 0; j0 < p.seqlen_k; j0 += kSegmentSortKeys) {
       int mine = 0;
 #pragma unroll
       for (int i = 0; i < kSegmentSortItems; ++i) {
         const std::int64_t j = j0 + kSegmentSortItems * threadIdx.x + i;
-        end[i] = j < p.seqlen_k ? piece_end(p, z, s, j) : no_end;
+        end[i] = j < p.seqlen_k ? piece_end(p, v / p.segments, v % p.segments, j) : no_end;
         mine += end[i] != no_end;
       }
       int at, round;
@@ -151,7 +158,7 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
       for (int i = 0; i < kSegmentSortItems; ++i) {
         if (end[i] == no_end) continue;
         const auto j = static_cast<std::int32_t>(j0 + kSegmentSortItems * threadIdx.x + i);
-        out[at] = tag | end[i], keys[at] = j;
+        put(at, end[i], j);
         if (at < kSegmentSortKeys) storage.pieces.end[at] = end[i], storage.pieces.key[at] = j;
         ++at;
       }
@@ -159,7 +166,7 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
       __syncthreads();  // the scan's storage is free again
     }
     for (std::int64_t at = count + threadIdx.x; at < p.seqlen_k; at += kSegmentSortThreads)
-      out[at] = tag | no_end, keys[at] = -1;
+      put(at, no_end, -1);
     if (count > kSegmentSortKeys) return;
 #pragma unroll
     for (int i = 0; i < kSegmentSortItems; ++i) {
@@ -173,7 +180,7 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
 #pragma unroll
   for (int i = 0; i < kSegmentSortItems; ++i) {
     const int at = kSegmentSortItems * threadIdx.x + i;
-    if (at < count) out[at] = tag | end[i], keys[at] = key[i];
+    if (at < count) put(at, end[i], key[i]);
   }
 }
 
@@ -377,7 +384,8 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   if (sort) {
     count_pieces<<<blocks_for(slices * seqlen_k), kThreads, 0, stream>>>(p, slices * seqlen_k, g.pieces);
     if (by_segment) {
-      sort_segments<<<static_cast<unsigned>(slices * p.segments), kSegmentSortThreads, 0, stream>>>(p, keys_out, g.order);
+      const auto segment_sort = seqlen_k <= kSegmentSortKeys ? sort_segments<false> : sort_segments<true>;
+      segment_sort<<<static_cast<unsigned>(slices * p.segments), kSegmentSortThreads, 0, stream>>>(p, keys_out, g.order);
     } else {
       group_sort_keys<<<blocks_for(items), kThreads, 0, stream>>>(p, items, keys_in, values_in);
       check_cuda(cub::DeviceRadixSort::SortPairs(temp, sort_bytes, keys_in, keys_out, values_in, g.order,
