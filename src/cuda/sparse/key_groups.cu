@@ -106,43 +106,43 @@ __global__ void __launch_bounds__(kThreads) group_sort_keys(const GroupParams p,
 // sorts are stable over the keys in index order. More pieces than the sort
 // takes (given intervals that are no selection) stay in key order, which the
 // groups take as well (only the fill of the dk/dv walk depends on the order).
-// Two kernels: the compacting one's registers and shared memory (64 a thread,
-// 42 KB) cost top-k at S = 4096, w = 256 20 us of fwd+bwd where it sorted
-// every key (H100, CUDA graphs).
+// Two kernels: as one, the sort of every key of a segment took 25 us against
+// 20 (top-k at S = 4096, w = 256, H100); sort_segments<false> is the kernel of
+// 0954372 (the same SASS).
 constexpr int kSegmentSortThreads = 1024, kSegmentSortItems = 4;
 constexpr int kSegmentSortKeys = kSegmentSortThreads * kSegmentSortItems;
 using SegmentSort = cub::BlockRadixSort<std::uint32_t, kSegmentSortThreads, kSegmentSortItems, std::int32_t>;
 using SegmentScan = cub::BlockScan<int, kSegmentSortThreads>;
-struct CompactedPieces {
-  std::uint32_t end[kSegmentSortKeys];
-  std::int32_t key[kSegmentSortKeys];
+union CompactingStorage {  // the compacted pieces, then the sort's storage in their place
+  typename SegmentSort::TempStorage sort;
+  struct {
+    std::uint32_t end[kSegmentSortKeys];
+    std::int32_t key[kSegmentSortKeys];
+  } pieces;
 };
 
 template <bool kCompact>
 __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const GroupParams p, std::uint64_t* sorted,
                                                                      std::int32_t* order) {
-  __shared__ union {
-    typename SegmentSort::TempStorage sort;
-    std::conditional_t<kCompact, CompactedPieces, char> pieces;
-  } storage;
+  __shared__ std::conditional_t<kCompact, CompactingStorage, typename SegmentSort::TempStorage> storage;
   const std::int64_t v = blockIdx.x;
-  const auto no_end = static_cast<std::uint32_t>(p.no_end()), past = 1u << p.end_bits;  // past: after every key
   const auto put = [&](std::int64_t at, std::uint32_t e, std::int32_t j) {  // entry `at` of the segment
     sorted[v * p.seqlen_k + at] = static_cast<std::uint64_t>(v) << p.end_bits | e;
     order[v * p.seqlen_k + at] = j;
   };
   std::uint32_t end[kSegmentSortItems];
   std::int32_t key[kSegmentSortItems];
-  int count = kCompact ? 0 : static_cast<int>(p.seqlen_k);  // the entries to sort
+  std::int64_t count = kCompact ? 0 : p.seqlen_k;  // the entries to sort
   if constexpr (!kCompact) {
 #pragma unroll
     for (int i = 0; i < kSegmentSortItems; ++i) {
       const int j = kSegmentSortItems * threadIdx.x + i;
       key[i] = j;
-      end[i] = j < count ? piece_end(p, v / p.segments, v % p.segments, j) : past;
+      end[i] = j < p.seqlen_k ? piece_end(p, v / p.segments, v % p.segments, j) : 1u << p.end_bits;  // past: last
     }
   } else {
     __shared__ typename SegmentScan::TempStorage scan;
+    const auto no_end = static_cast<std::uint32_t>(p.no_end());
     for (std::int64_t j0 = 0; j0 < p.seqlen_k; j0 += kSegmentSortKeys) {
       int mine = 0;
 #pragma unroll
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
       }
       int at, round;
       SegmentScan(scan).ExclusiveSum(mine, at, round);
-      at += count;
+      at += static_cast<int>(count);
 #pragma unroll
       for (int i = 0; i < kSegmentSortItems; ++i) {
         if (end[i] == no_end) continue;
@@ -171,12 +171,15 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
 #pragma unroll
     for (int i = 0; i < kSegmentSortItems; ++i) {
       const int at = kSegmentSortItems * threadIdx.x + i;
-      end[i] = at < count ? storage.pieces.end[at] : past;
+      end[i] = at < count ? storage.pieces.end[at] : 1u << p.end_bits;
       key[i] = at < count ? storage.pieces.key[at] : -1;
     }
     __syncthreads();  // the pieces are read before the sort's storage takes their place
   }
-  SegmentSort(storage.sort).Sort(end, key, 0, p.end_bits + 1);
+  if constexpr (kCompact)
+    SegmentSort(storage.sort).Sort(end, key, 0, p.end_bits + 1);
+  else
+    SegmentSort(storage).Sort(end, key, 0, p.end_bits + 1);
 #pragma unroll
   for (int i = 0; i < kSegmentSortItems; ++i) {
     const int at = kSegmentSortItems * threadIdx.x + i;
