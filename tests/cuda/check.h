@@ -133,7 +133,9 @@ struct GivenIntervals {
 };
 GivenIntervals given_intervals(const Case& c, const CaseInputs& inputs, const dmattn::Inputs& gpu_in,
                                const dmattn::VarlenLayout* gpu_layout);
-// The options of the selection given to a case's calls (Case::given_keep).
+// The selection heads of a case's intervals (Hs: max(bias heads, mask heads)),
+// and the options of the selection given to its calls (Case::given_keep).
+std::int64_t selection_heads(const Case& c);
 dmattn::Options given_options(const Case& c);
 
 // ---- Shared by the two matrices (matrix_forward.cpp).

@@ -93,8 +93,7 @@ Outcome run_backward_case(const Case& c, Rng& rng) {
     if (bias) in.bias = bias->view();
     std::optional<HostTensor> intervals;  // another keep window's selection (Case::given_keep), batched
     if (c.given_intervals && c.given_keep > 0) {
-      const std::int64_t heads = std::max(c.bias_shape[1], c.mask_shape.empty() ? std::int64_t{1} : c.mask_shape[1]);
-      intervals.emplace(DType::kInt32, Shape{c.B, heads, c.Sk, 2});
+      intervals.emplace(DType::kInt32, Shape{c.B, selection_heads(c), c.Sk, 2});
       dmattn::select_topk(in, given_options(c), intervals->view());
       in.topk_intervals = intervals->view();
     }

@@ -180,6 +180,10 @@ DeviceVarlen::DeviceVarlen(const Case& c) {
   layout_ = varlen_layout(c, host_, p);
 }
 
+std::int64_t selection_heads(const Case& c) {
+  return std::max(c.bias_shape[1], c.mask_shape.empty() ? std::int64_t{1} : c.mask_shape[1]);
+}
+
 dmattn::Options given_options(const Case& c) {
   dmattn::Options o = c.options;
   if (c.given_keep > 0) o.keep_window_size = c.given_keep;
@@ -193,8 +197,7 @@ GivenIntervals given_intervals(const Case& c, const CaseInputs& inputs, const dm
   std::vector<std::int32_t> cu;
   const std::optional<dmattn::VarlenLayout> layout =
       c.varlen() ? std::optional<dmattn::VarlenLayout>(varlen_layout(c, cu, nullptr)) : std::nullopt;
-  const std::int64_t heads = std::max(c.bias_shape[1], c.mask_shape.empty() ? std::int64_t{1} : c.mask_shape[1]);
-  HostTensor host(DType::kInt32, {layout ? static_cast<std::int64_t>(c.seqlens_q.size()) : c.B, heads,
+  HostTensor host(DType::kInt32, {layout ? static_cast<std::int64_t>(c.seqlens_q.size()) : c.B, selection_heads(c),
                                   layout ? layout->max_seqlen_k : c.Sk, 2});
   host.poison();
   const DeviceTensor gpu(host);
