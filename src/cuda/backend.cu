@@ -207,6 +207,7 @@ void run_backward(const Problem& p) {
             params.key_order = groups.order, params.key_rank = groups.rank, params.key_pieces = groups.pieces;
             params.group_first = groups.first, params.group_rows = groups.rows, params.key_groups = groups.groups;
             params.key_segments = groups.segments, params.segment_rows = groups.segment_rows;
+            params.segment_entries = groups.entries, params.groups_overflow = groups.overflow;
           }
           params.selection_ready = side.done();
         }

@@ -192,6 +192,8 @@ struct BackwardParams : KeyListParams {
   const std::int32_t* group_first = nullptr;
   const KeyRows* group_rows = nullptr;
   std::int64_t key_groups = 0, key_segments = 1, segment_rows = 0;
+  std::int64_t segment_entries = 0;      // entries of key_order and key_rank a (slice, segment)
+  const int* groups_overflow = nullptr;  // set: a segment had more pieces than its entries (KeyPieces)
   // Pieces (key_segments > 1): the pieces of a key add their dK, dV (unscaled)
   // and key dbias sums in segment order through the float32 slot of the key
   // (z * seqlen_k + j, piece_slot_floats(head dim) floats) in piece_acc, piece_turn of the

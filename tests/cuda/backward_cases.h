@@ -143,16 +143,29 @@ std::vector<Case> topk_backward_cases(Make&& make) {
     c.name = "bwd top-k given intervals " + c.name;
     cases.push_back(c);
   }
-  {  // more than 4096 keys: the key groups sorted a segment a CTA over rounds of 4096 keys (a selection's
-     // pieces are bounded: key_groups.cu group_keys) ...
-    Case c = make("top-k pieces over 4096 keys", 1030, 4200, 2, 1);
+  // More than 4096 keys: the key groups sorted a segment a CTA over rounds of 4096 keys (a selection's
+  // pieces are bounded: key_groups.cu group_keys); past 16 segments of 1024 rows too, segments of 2048 rows
+  // of 4096 entries each (causal with Sq > Sk: the rows from Sq - Sk on see keys, cut at four segment
+  // boundaries; one head, so that the naive oracle runs: check_forward.cpp kNaiveEntries).
+  for (const std::int64_t sq : {1030, 16500}) {
+    const bool compact = sq > 16384;
+    Case c = make(compact ? "top-k compact segments" : "top-k pieces over 4096 keys", sq, 4200, compact ? 1 : 2, 1);
     c.B = 1;
     c.options.causal = true;
     c.options.keep_window_size = 200;
     c.bias_shape = {c.B, c.Hk, 1, c.Sk};
     cases.push_back(c);
-    // ... and given intervals that are no selection of the call (every key in every row), more pieces
-    // than that sort takes: they stay in key order
+  }
+  {  // ... the compact segments in varlen
+    Case v = make("top-k compact segments varlen", 1, 1, 1, 1);
+    v.seqlens_q = {300, 16500}, v.seqlens_k = {200, 4300};
+    v.bias_shape = {4500, v.Hk};
+    v.options.causal = true;
+    v.options.keep_window_size = 150;
+    cases.push_back(v);
+  }
+  {  // ... and given intervals that are no selection of the call (every key in every row), more pieces
+     // than that sort takes: they stay in key order
     Case g = make("top-k given intervals of every key, over 4096 keys", 100, 4400, 4, 2);
     g.B = 1;
     g.options.causal = false;

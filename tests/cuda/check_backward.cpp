@@ -252,7 +252,7 @@ Outcome topk_nan_sweep(Rng& rng) {
   return r;
 }
 
-const char* const kWildIntervalsName = "top-k wild given intervals bf16 B2 S2100 H4/2 D128 w64 causal";
+const char* const kWildIntervalsName = "top-k wild given intervals bf16 B2 S2100, B1 Sq16500 Sk6000 H4/2 D128 w64 causal";
 
 // Given intervals are user data (Inputs::topk_intervals): wild values (negative,
 // past the rows, start after end, the int32 extremes) select other keys, past
@@ -260,40 +260,49 @@ const char* const kWildIntervalsName = "top-k wild given intervals bf16 B2 S2100
 // the gradients of some keys unwritten), but the forward and the backward finish
 // without a CUDA error, write nothing outside their views and, under
 // compute-sanitizer (the Small suite), read and write nothing out of bounds.
+// At Sq = 16500, Sk = 6000 the key groups have segments of 2048 rows and 4096
+// entries each (key_groups.cu), which intervals of every row for three keys in
+// four overflow: no piece then waits for one the grouping dropped.
 Outcome wild_intervals(Rng& rng) {
-  const std::int64_t B = 2, S = 2100, H = 4, Hk = 2, D = 128;
-  const Layout sliced{true, false, {}};
-  HostTensor q(DType::kBFloat16, {B, S, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D}),
-      dout(DType::kBFloat16, {B, S, H, D}), bias(DType::kBFloat16, {B, Hk, 1, S}), intervals(DType::kInt32, {B, Hk, S, 2});
-  for (HostTensor* t : {&q, &k, &v, &dout, &bias}) t->fill([&](std::int64_t) { return rng.uniform(-2.0, 2.0); });
-  const double extremes[] = {std::numeric_limits<std::int32_t>::min(), -1, 0, 1, S - 1, S, S + 1,
-                             std::numeric_limits<std::int32_t>::max()};
-  intervals.fill([&](std::int64_t) {
-    return rng.bernoulli(0.5) ? extremes[rng.integer(0, 7)] : static_cast<double>(rng.integer(-5, S + 5));
-  });
-  HostTensor out(DType::kBFloat16, {B, S, H, D}, sliced), lse(DType::kFloat32, {B, H, S}, sliced),
-      dq(DType::kBFloat16, {B, S, H, D}, sliced), dk(DType::kBFloat16, {B, S, Hk, D}, sliced),
-      dv(DType::kBFloat16, {B, S, Hk, D}, sliced), dbias(DType::kBFloat16, {B, Hk, 1, S}, sliced);
-  for (HostTensor* t : {&out, &lse, &dq, &dk, &dv, &dbias}) t->poison();
-  const DeviceTensor gq(q), gk(k), gv(v), gdout(dout), gbias(bias), gintervals(intervals), gout(out), glse(lse), gdq(dq),
-      gdk(dk), gdv(dv), gdbias(dbias);
-  dmattn::Options o;
-  o.causal = true;
-  o.keep_window_size = 64;
-  dmattn::Inputs in{gq.view(), gk.view(), gv.view(), std::nullopt, gbias.view()};
-  in.topk_intervals = gintervals.view();
-  dmattn::forward(in, gout.view(), glse.view(), o);
-  dmattn::backward(in, gout.view(), gdout.view(), glse.view(), {gdq.view(), gdk.view(), gdv.view(), gdbias.view()}, o);
-  check_cuda(cudaDeviceSynchronize(), "top-k forward + backward with wild intervals");
   Outcome r;
-  const char* names[6] = {"out", "lse", "dq", "dk", "dv", "dbias"};
-  const DeviceTensor* outputs[6] = {&gout, &glse, &gdq, &gdk, &gdv, &gdbias};
-  for (int t = 0; t < 6; ++t) {
-    bool untouched = true;
-    outputs[t]->values(&untouched);
-    if (!untouched) r.pass = false, r.detail += std::string(names[t]) + " WROTE OUTSIDE THE VIEW  ";
+  for (const std::int64_t Sq : {2100, 16500}) {
+    const bool compact = Sq > 4096;
+    const std::int64_t B = compact ? 1 : 2, S = compact ? 6000 : Sq, H = 4, Hk = 2, D = 128;
+    const Layout sliced{true, false, {}};
+    HostTensor q(DType::kBFloat16, {B, Sq, H, D}), k(DType::kBFloat16, {B, S, Hk, D}), v(DType::kBFloat16, {B, S, Hk, D}),
+        dout(DType::kBFloat16, {B, Sq, H, D}), bias(DType::kBFloat16, {B, Hk, 1, S}), intervals(DType::kInt32, {B, Hk, S, 2});
+    for (HostTensor* t : {&q, &k, &v, &dout, &bias}) t->fill([&](std::int64_t) { return rng.uniform(-2.0, 2.0); });
+    const double extremes[] = {std::numeric_limits<std::int32_t>::min(), -1, 0, 1, double(Sq - 1), double(Sq),
+                               double(Sq + 1), std::numeric_limits<std::int32_t>::max()};
+    std::vector<bool> every_row(static_cast<std::size_t>(intervals.numel() / 2));
+    for (std::size_t i = 0; i < every_row.size(); ++i) every_row[i] = compact && rng.bernoulli(0.75);
+    intervals.fill([&](std::int64_t i) {
+      if (every_row[static_cast<std::size_t>(i / 2)]) return i % 2 ? double(Sq) : 0.0;
+      return rng.bernoulli(0.5) ? extremes[rng.integer(0, 7)] : static_cast<double>(rng.integer(-5, Sq + 5));
+    });
+    HostTensor out(DType::kBFloat16, {B, Sq, H, D}, sliced), lse(DType::kFloat32, {B, H, Sq}, sliced),
+        dq(DType::kBFloat16, {B, Sq, H, D}, sliced), dk(DType::kBFloat16, {B, S, Hk, D}, sliced),
+        dv(DType::kBFloat16, {B, S, Hk, D}, sliced), dbias(DType::kBFloat16, {B, Hk, 1, S}, sliced);
+    for (HostTensor* t : {&out, &lse, &dq, &dk, &dv, &dbias}) t->poison();
+    const DeviceTensor gq(q), gk(k), gv(v), gdout(dout), gbias(bias), gintervals(intervals), gout(out), glse(lse),
+        gdq(dq), gdk(dk), gdv(dv), gdbias(dbias);
+    dmattn::Options o;
+    o.causal = true;
+    o.keep_window_size = 64;
+    dmattn::Inputs in{gq.view(), gk.view(), gv.view(), std::nullopt, gbias.view()};
+    in.topk_intervals = gintervals.view();
+    dmattn::forward(in, gout.view(), glse.view(), o);
+    dmattn::backward(in, gout.view(), gdout.view(), glse.view(), {gdq.view(), gdk.view(), gdv.view(), gdbias.view()}, o);
+    check_cuda(cudaDeviceSynchronize(), "top-k forward + backward with wild intervals");
+    const char* names[6] = {"out", "lse", "dq", "dk", "dv", "dbias"};
+    const DeviceTensor* outputs[6] = {&gout, &glse, &gdq, &gdk, &gdv, &gdbias};
+    for (int t = 0; t < 6; ++t) {
+      bool untouched = true;
+      outputs[t]->values(&untouched);
+      if (!untouched) r.pass = false, r.detail += "Sq" + std::to_string(Sq) + " " + names[t] + " WROTE OUTSIDE THE VIEW  ";
+    }
   }
-  if (r.pass) r.detail = "forward and backward finished, nothing written outside the views";
+  if (r.pass) r.detail = "forward and backward finished at both shapes, nothing written outside the views";
   return r;
 }
 

@@ -77,6 +77,13 @@ std::vector<Case> backward_matrix(bool small) {
     given.given_intervals = true;
     given.name += " given intervals";
     cases.push_back(given);
+    // Past 16 segments of 1024 rows and 4096 keys: segments of 2048 rows, 4096 entries each (key_groups.cu)
+    Case compact = make("small top-k 64 compact segments", 16400, 4150, 1, 1);
+    compact.B = 1;
+    compact.options.causal = true;
+    compact.options.keep_window_size = 64;
+    compact.bias_shape = {1, 1, 1, compact.Sk};
+    cases.push_back(finish(compact));
     Case gqa = make("small top-k 100 pieces mask heads H", 1500, 1300, 4, 2);  // two selection heads a kv head
     gqa.options.causal = true;
     gqa.options.keep_window_size = 100;

@@ -15,12 +15,13 @@ namespace dmattn::cuda {
 // entry0 (sorted groups), else key row0 + r (-1: none past sk).
 __device__ inline std::int64_t group_key(const BackwardParams& p, std::int64_t entry0, std::int64_t row0, std::int64_t sk,
                                          int r) {
-  if (p.key_order != nullptr) return entry0 % p.seqlen_k + r < p.seqlen_k ? p.key_order[entry0 + r] : -1;
+  if (p.key_order != nullptr)
+    return entry0 % p.segment_entries + r < p.segment_entries ? p.key_order[entry0 + r] : -1;
   return row0 + r < sk ? row0 + r : -1;
 }
 // The first row of the segment of the group whose entries start at entry0.
 __device__ inline int group_segment_lo(const BackwardParams& p, std::int64_t entry0) {
-  return static_cast<int>(entry0 / p.seqlen_k % p.key_segments * p.segment_rows);
+  return static_cast<int>(entry0 / p.segment_entries % p.key_segments * p.segment_rows);
 }
 // The rows of selection head sh of batch b (sq rows) that select key `key`
 // (>= 0), within the segment from row segment_lo.
@@ -36,8 +37,10 @@ __device__ inline KeyRows segment_key_rows(const BackwardParams& p, int b, int s
 // and key dbias sums in segment order through the key's float32 slot: piece r
 // waits until the key's turn counter reads r (its earlier pieces are in earlier
 // segments, whose CTAs started before it: CTAs start in order), adds the slot,
-// and passes it on; the last piece writes the gradients. Row r of the CTA's
-// kRows holds key keys[r] (-1: none) with info[r] (info()).
+// and passes it on; the last piece writes the gradients. Where the grouping
+// dropped pieces (BackwardParams::groups_overflow: given intervals that are no
+// selection of the call) no piece waits, so that none waits for a dropped one.
+// Row r of the CTA's kRows holds key keys[r] (-1: none) with info[r] (info()).
 // A key's slot: dK, dV, key dbias, 32-byte aligned, so that a quad's eight
 // consecutive features (a pair a lane) are one sector.
 constexpr int piece_slot_floats(int head_dim) { return 2 * head_dim + 8; }
@@ -48,8 +51,9 @@ struct KeyPieces {
   int* turns;
   const std::int32_t* keys;
   const int* info;
+  bool dropped;
   __device__ KeyPieces(const BackwardParams& p, int b, int kvh, const std::int32_t* keys_, const int* info_)
-      : keys(keys_), info(info_) {
+      : keys(keys_), info(info_), dropped(p.groups_overflow != nullptr && *p.groups_overflow != 0) {
     const std::int64_t slice = std::int64_t{b} * (p.heads / p.group) + kvh;
     slots = p.piece_acc + slice * p.seqlen_k * kSlot;
     turns = p.piece_turn + slice * p.seqlen_k;
@@ -92,7 +96,7 @@ struct KeyPieces {
   // The whole CTA: waits for the turns of its keys; passes them on.
   __device__ void wait() const {
     const int tid = threadIdx.x;
-    if (tid < kRows && keys[tid] >= 0) {
+    if (tid < kRows && keys[tid] >= 0 && !dropped) {
       while (atomicAdd(turns + keys[tid], 0) != info[tid] >> 1) __nanosleep(256);
       __threadfence();
     }

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     if (entry0 < 0) return;
     if constexpr (Config::kGroupBlocks > 1) {  // this CTA's share of the group's entries: none past its pieces
       const int share = row_block % Config::kGroupBlocks * kBlockRows;
-      if (entry0 % p.seqlen_k + share >= p.seqlen_k || p.key_order[entry0 + share] < 0) return;
+      if (entry0 % p.segment_entries + share >= p.segment_entries || p.key_order[entry0 + share] < 0) return;
       entry0 += share;
     }
   } else if (row0 >= own_len) {

@@ -26,6 +26,11 @@ struct GroupParams {
   const KeyRows* intervals = nullptr;
   std::int64_t sel_heads = 0, sel_group = 1, group = 1, kv_heads = 1, seqlen_q = 0, seqlen_k = 0;
   std::int64_t segments = 1, segment_rows = 0;
+  // The entries of a (slice, segment) in the sorted arrays: seqlen_k, or
+  // kSegmentSortKeys where the compacting sort bounds its pieces (`compact`
+  // in group_keys); more pieces there set *overflow.
+  std::int64_t entries = 0;
+  int* overflow = nullptr;
   const std::int32_t* cu_seqlens_q = nullptr;
   const std::int32_t* cu_seqlens_k = nullptr;
   int end_bits = 32;  // sort key: (slice, segment) << end_bits | end in the segment; all ones: no piece
@@ -89,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) group_sort_keys(const GroupParams p,
                                                             std::int32_t* values) {
   const std::int64_t e = std::int64_t{blockIdx.x} * kThreads + threadIdx.x;
   if (e >= items) return;
-  const std::int64_t v = e / p.seqlen_k, j = e % p.seqlen_k;
+  const std::int64_t v = e / p.entries, j = e % p.entries;
   keys[e] = static_cast<std::uint64_t>(v) << p.end_bits | piece_end(p, v / p.segments, v % p.segments, j);
   values[e] = static_cast<std::int32_t>(j);
 }
@@ -105,7 +110,9 @@ __global__ void __launch_bounds__(kThreads) group_sort_keys(const GroupParams p,
 // gives those in any case). Either is the device-wide sort's order, as both
 // sorts are stable over the keys in index order. More pieces than the sort
 // takes (given intervals that are no selection) stay in key order, which the
-// groups take as well (only the fill of the dk/dv walk depends on the order).
+// groups take as well (only the fill of the dk/dv walk depends on the order);
+// in compact entries (p.entries < seqlen_k) only the first p.entries of them,
+// and *p.overflow is set.
 // Two kernels: as one, the sort of every key of a segment took 25 us against
 // 20 (top-k at S = 4096, w = 256, H100); sort_segments<false> is the kernel of
 // 0954372 (the same SASS).
@@ -127,8 +134,8 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
   __shared__ std::conditional_t<kCompact, CompactingStorage, typename SegmentSort::TempStorage> storage;
   const std::int64_t v = blockIdx.x;
   const auto put = [&](std::int64_t at, std::uint32_t e, std::int32_t j) {  // entry `at` of the segment
-    sorted[v * p.seqlen_k + at] = static_cast<std::uint64_t>(v) << p.end_bits | e;
-    order[v * p.seqlen_k + at] = j;
+    sorted[v * p.entries + at] = static_cast<std::uint64_t>(v) << p.end_bits | e;
+    order[v * p.entries + at] = j;
   };
   std::uint32_t end[kSegmentSortItems];
   std::int32_t key[kSegmentSortItems];
@@ -158,15 +165,16 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
       for (int i = 0; i < kSegmentSortItems; ++i) {
         if (end[i] == no_end) continue;
         const auto j = static_cast<std::int32_t>(j0 + kSegmentSortItems * threadIdx.x + i);
-        put(at, end[i], j);
+        if (at < p.entries) put(at, end[i], j);
         if (at < kSegmentSortKeys) storage.pieces.end[at] = end[i], storage.pieces.key[at] = j;
         ++at;
       }
       count += round;
       __syncthreads();  // the scan's storage is free again
     }
-    for (std::int64_t at = count + threadIdx.x; at < p.seqlen_k; at += kSegmentSortThreads)
+    for (std::int64_t at = count + threadIdx.x; at < p.entries; at += kSegmentSortThreads)
       put(at, no_end, -1);
+    if (count > p.entries && threadIdx.x == 0) *p.overflow = 1;
     if (count > kSegmentSortKeys) return;
 #pragma unroll
     for (int i = 0; i < kSegmentSortItems; ++i) {
@@ -187,9 +195,11 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
   }
 }
 
-// The number of pieces of each key, one thread per (slice, key).
+// The number of pieces of each key, one thread per (slice, key); and the
+// overflow flag cleared (sort_segments may set it after).
 __global__ void __launch_bounds__(kThreads) count_pieces(const GroupParams p, std::int64_t items, std::int32_t* pieces) {
   const std::int64_t e = std::int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  if (e == 0 && p.overflow != nullptr) *p.overflow = 0;
   if (e >= items) return;
   const std::int64_t z = e / p.seqlen_k, j = e % p.seqlen_k;
   pieces[e] = j < p.sk(z) ? p.pieces_before(z, j, p.segments) : 0;
@@ -214,9 +224,9 @@ __global__ void __launch_bounds__(kBlock) sort_strips(const GroupParams p, const
   __shared__ typename Sort::TempStorage storage;
   const std::int64_t v = blockIdx.y, z = v / p.segments, s = v % p.segments;
   const std::int64_t pos0 = std::int64_t{blockIdx.x} * kBlock * kStripGroups + threadIdx.x * kStripGroups;
-  if ((sorted[v * p.seqlen_k + std::int64_t{blockIdx.x} * kBlock * kStripGroups] & p.no_end()) == p.no_end()) {
+  if ((sorted[v * p.entries + std::int64_t{blockIdx.x} * kBlock * kStripGroups] & p.no_end()) == p.no_end()) {
     for (int i = 0; i < kStripGroups; ++i)  // a strip past the pieces (most of them with many segments)
-      if (pos0 + i < p.seqlen_k) order[v * p.seqlen_k + pos0 + i] = -1;
+      if (pos0 + i < p.entries) order[v * p.entries + pos0 + i] = -1;
     return;
   }
   std::uint32_t start[kStripGroups];
@@ -224,14 +234,14 @@ __global__ void __launch_bounds__(kBlock) sort_strips(const GroupParams p, const
   for (int i = 0; i < kStripGroups; ++i) {
     const std::int64_t pos = pos0 + i;
     start[i] = 0xffffffffu, key[i] = -1;
-    if (pos >= p.seqlen_k || (sorted[v * p.seqlen_k + pos] & p.no_end()) == p.no_end()) continue;
-    key[i] = order[v * p.seqlen_k + pos];
+    if (pos >= p.entries || (sorted[v * p.entries + pos] & p.no_end()) == p.no_end()) continue;
+    key[i] = order[v * p.entries + pos];
     start[i] = static_cast<std::uint32_t>(p.piece(z, s, key[i]).start);
   }
   Sort(storage).Sort(start, key);
   for (int i = 0; i < kStripGroups; ++i) {
-    const std::int64_t at = v * p.seqlen_k + pos0 + i;
-    if (pos0 + i >= p.seqlen_k) continue;
+    const std::int64_t at = v * p.entries + pos0 + i;
+    if (pos0 + i >= p.entries) continue;
     order[at] = key[i];
     if (rank != nullptr) rank[at] = key[i] >= 0 ? p.pieces_before(z, key[i], s) : 0;
   }
@@ -245,8 +255,8 @@ __global__ void group_firsts(const GroupParams p, const std::uint64_t* sorted, s
   extern __shared__ std::int64_t seg_first[];  // [segments + 1]: the segments' first group
   const std::int64_t z = blockIdx.x;
   for (std::int64_t s = threadIdx.x; s < p.segments; s += blockDim.x) {
-    const std::uint64_t* keys = sorted + (z * p.segments + s) * p.seqlen_k;
-    std::int64_t lo = 0, hi = p.seqlen_k;  // the first entry without a piece
+    const std::uint64_t* keys = sorted + (z * p.segments + s) * p.entries;
+    std::int64_t lo = 0, hi = p.entries;  // the first entry without a piece
     while (lo < hi) {
       const std::int64_t mid = (lo + hi) / 2;
       if ((keys[mid] & p.no_end()) == p.no_end()) hi = mid; else lo = mid + 1;
@@ -262,7 +272,7 @@ __global__ void group_firsts(const GroupParams p, const std::uint64_t* sorted, s
   for (std::int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
     std::int64_t s = 0;
     while (s < p.segments && seg_first[s + 1] <= g) ++s;
-    first[z * groups + g] = s < p.segments ? static_cast<std::int32_t>((z * p.segments + s) * p.seqlen_k +
+    first[z * groups + g] = s < p.segments ? static_cast<std::int32_t>((z * p.segments + s) * p.entries +
                                                                       (seg_first[s + 1] - 1 - g) * kKeyGroupKeys)
                                            : -1;
   }
@@ -279,8 +289,8 @@ __global__ void group_rows(const GroupParams p, const std::int32_t* order, const
   std::int64_t j = -1, s = 0;
   if (first != nullptr) {
     const std::int64_t at = first[z * groups + blockIdx.x];
-    if (at >= 0 && at % p.seqlen_k + threadIdx.x < p.seqlen_k)
-      j = order[at + threadIdx.x], s = at / p.seqlen_k % p.segments;
+    if (at >= 0 && at % p.entries + threadIdx.x < p.entries)
+      j = order[at + threadIdx.x], s = at / p.entries % p.segments;
   } else {
     j = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
     if (j >= p.sk(z)) j = -1;
@@ -308,27 +318,42 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   const std::int64_t slices = batch * kv_heads, key_groups = (seqlen_k + block - 1) / block;
   g.groups = key_groups;
   if (slices * seqlen_k == 0) return g;
-  // Segments of kKeySegmentRows rows, or of a multiple of it so that there are
-  // at most kMaxKeySegments (the sort has an item a key and segment), where the
-  // sort's items and grid fit; else one segment, or unsorted.
-  const auto fits = [&](std::int64_t segments, std::int64_t rows) {
-    return slices * segments * seqlen_k <= INT_MAX && slices * segments <= 65535 &&
-           ceil_log2(rows + 2) + ceil_log2(slices * segments) <= 64;
-  };
-  p.segments = 1, p.segment_rows = std::max<std::int64_t>(seqlen_q, 1);
-  sort = sort && fits(1, p.segment_rows);
-  if (split && sort && seqlen_q > kKeySegmentRows) {
-    const std::int64_t base = (seqlen_q + kKeySegmentRows - 1) / kKeySegmentRows;  // segments of kKeySegmentRows
-    const std::int64_t rows = kKeySegmentRows * ((base + kMaxKeySegments - 1) / kMaxKeySegments);
-    const std::int64_t segments = (seqlen_q + rows - 1) / rows;
-    if (fits(segments, rows)) p.segments = segments, p.segment_rows = rows;
-  }
-  p.end_bits = ceil_log2(std::min(seqlen_q, p.segment_rows) + 2);  // ends 1..rows and the all-ones value
-  g.segments = p.segments, g.segment_rows = p.segment_rows;
-  const std::int64_t items = slices * p.segments * seqlen_k;
   std::int64_t slice_heads = 1;  // most selection heads of a slice's query heads
   for (std::int64_t kvh = 0; kvh < kv_heads; ++kvh)
     slice_heads = std::max(slice_heads, (kvh * p.group + p.group - 1) / sel.group - kvh * p.group / sel.group + 1);
+  // A selection's pieces in a segment of `rows` rows: at most slice_heads
+  // (min(w, seqlen_k) + rows - 1). Proof: intervals express a selection only
+  // where each row's allowed keys are the row before's and at most one more
+  // (no left window, no mask with rows), so a row selects at most one key the
+  // row before did not (its new key: the others' order is unchanged), and a
+  // segment's rows at most min(w, seqlen_k) + rows - 1 keys a head.
+  const auto piece_bound = [&](std::int64_t rows) {
+    return slice_heads * (std::min(w, seqlen_k) + std::min(rows, seqlen_q) - 1);
+  };
+  // Segments of kKeySegmentRows rows where there are at most kMaxKeySegments;
+  // more rows, segments of kLongSegmentRows where a segment's pieces fit the
+  // compacting sort (compact: entries of kSegmentSortKeys a segment, any
+  // number of segments), else of a multiple of kKeySegmentRows, at most
+  // kMaxKeySegments of them (the arrays have an entry a key and segment);
+  // where the arrays and the grid fit, else one segment, or unsorted.
+  const auto fits = [&](std::int64_t segments, std::int64_t rows, std::int64_t entries) {
+    return slices * segments * entries <= INT_MAX && slices * segments <= 65535 &&
+           ceil_log2(rows + 2) + ceil_log2(slices * segments) <= 64;
+  };
+  p.segments = 1, p.segment_rows = std::max<std::int64_t>(seqlen_q, 1), p.entries = seqlen_k;
+  sort = sort && fits(1, p.segment_rows, seqlen_k);
+  if (split && sort && seqlen_q > kKeySegmentRows) {
+    const std::int64_t base = (seqlen_q + kKeySegmentRows - 1) / kKeySegmentRows;  // segments of kKeySegmentRows
+    const bool compact =
+        base > kMaxKeySegments && seqlen_k > kSegmentSortKeys && piece_bound(kLongSegmentRows) <= kSegmentSortKeys;
+    const std::int64_t rows =
+        compact ? kLongSegmentRows : kKeySegmentRows * ((base + kMaxKeySegments - 1) / kMaxKeySegments);
+    const std::int64_t segments = (seqlen_q + rows - 1) / rows, entries = compact ? kSegmentSortKeys : seqlen_k;
+    if (fits(segments, rows, entries)) p.segments = segments, p.segment_rows = rows, p.entries = entries;
+  }
+  p.end_bits = ceil_log2(std::min(seqlen_q, p.segment_rows) + 2);  // ends 1..rows and the all-ones value
+  g.segments = p.segments, g.segment_rows = p.segment_rows, g.entries = p.entries;
+  const std::int64_t items = slices * p.segments * p.entries;
   if (sort) {
     // The dk/dv grid: a bound on the groups of a slice, known without reading
     // the selection (no host sync). Proof: a key's piece in segment s exists
@@ -339,27 +364,23 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
     // which selects at most min(w, seqlen_k) keys. So a head has at most
     // seqlen_k + (segments - 1) min(w, seqlen_k) pieces (varlen: fewer rows and
     // keys), the slice at most `pieces` below (a piece of the hull is a piece of
-    // one of its heads), and at most seqlen_k in each segment. Segment s takes
+    // one of its heads), and a segment at most its entries (seqlen_k, or the
+    // compacting sort's, which bound it: piece_bound). Segment s takes
     // ceil(n_s / 128) groups; summed over the segments that is at most
-    // ceil(sum n_s / 128) + segments - 1, and at most segments ceil(seqlen_k /
+    // ceil(sum n_s / 128) + segments - 1, and at most segments ceil(entries /
     // 128).
-    const std::int64_t pieces = std::min(p.segments * seqlen_k,
+    const std::int64_t pieces = std::min(p.segments * p.entries,
                                          slice_heads * (seqlen_k + (p.segments - 1) * std::min(w, seqlen_k)));
-    g.groups = std::min(p.segments * key_groups, (pieces + block - 1) / block + p.segments - 1);
+    g.groups = std::min(p.segments * ((p.entries + block - 1) / block), (pieces + block - 1) / block + p.segments - 1);
   }
   const int sort_bits = p.end_bits + ceil_log2(slices * p.segments);
   // One CTA a segment (sort_segments) where its pieces fit the CTA's sort: at
-  // most seqlen_k, and for a selection at most slice_heads (min(w, seqlen_k) +
-  // rows - 1) in a segment of `rows` rows. Proof: intervals express a
-  // selection only where each row's allowed keys are the row before's and at
-  // most one more (no left window, no mask with rows), so a row selects at
-  // most one key the row before did not (its new key: the others' order is
-  // unchanged), and a segment's rows at most min(w, seqlen_k) + rows - 1 keys
-  // a head. Given intervals that are no selection may exceed it; then the
-  // pieces stay in key order (sort_segments).
-  const bool by_segment =
-      seqlen_k <= kSegmentSortKeys ||
-      slice_heads * (std::min(w, seqlen_k) + std::min(p.segment_rows, seqlen_q) - 1) <= kSegmentSortKeys;
+  // most seqlen_k, or piece_bound. Given intervals that are no selection may
+  // exceed the bound: then the pieces stay in key order (sort_segments), and
+  // in compact entries those past them are dropped (*overflow: their keys'
+  // later pieces wait for no turn, and the gradients of those keys are not
+  // the call's; dmattn.h select_topk).
+  const bool by_segment = seqlen_k <= kSegmentSortKeys || piece_bound(p.segment_rows) <= kSegmentSortKeys;
   std::size_t sort_bytes = 0;
   if (sort && !by_segment)
     check_cuda(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const std::uint64_t*>(nullptr),
@@ -381,9 +402,11 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
     memory.add(g.order, n, false);
     if (p.segments > 1) memory.add(g.rank, n, false);
     memory.add(g.pieces, keys, false), memory.add(g.first, group_entries, false), memory.add(keys_out, n, false);
+    if (p.entries < seqlen_k) memory.add(g.overflow, 1, false);
     if (!by_segment) memory.add(keys_in, n, false), memory.add(values_in, n, false), memory.add(temp, sort_bytes, false);
   }
   check_cuda(memory.allocate(stream), "cudaMallocAsync (key groups)");
+  p.overflow = g.overflow;
   if (sort) {
     count_pieces<<<blocks_for(slices * seqlen_k), kThreads, 0, stream>>>(p, slices * seqlen_k, g.pieces);
     if (by_segment) {
@@ -395,7 +418,7 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
                                                  static_cast<int>(items), 0, sort_bits, stream),
                  "radix sort");
     }
-    const std::int64_t strips = (seqlen_k + block * kStripGroups - 1) / (block * kStripGroups);
+    const std::int64_t strips = (p.entries + block * kStripGroups - 1) / (block * kStripGroups);
     sort_strips<block><<<dim3(static_cast<unsigned>(strips), static_cast<unsigned>(slices * p.segments)), block, 0, stream>>>(
         p, keys_out, g.order, g.rank);
     group_firsts<<<static_cast<unsigned>(slices), kThreads, static_cast<std::size_t>(p.segments + 1) * 8, stream>>>(

@@ -88,8 +88,9 @@ void write_intervals(const Problem& p, cudaStream_t stream);
 // selection heads. Sorted: each key's rows are cut at multiples of
 // segment_rows (`segments` segments; 1: not cut) into pieces; the pieces of
 // segment s of slice z are sorted (by end, empty last, then strips of a few
-// groups by start) into entries [(z * segments + s) * seqlen_k, + seqlen_k) of
-// order (the key, -1 past the segment's pieces) and rank (the piece's place
+// groups by start) into entries [(z * segments + s) * entries, + entries) of
+// order (the key, -1 past the segment's pieces; `entries` is seqlen_k, or
+// fewer where a selection's pieces in a segment are bounded) and rank (the piece's place
 // among its key's pieces, in segment order); pieces[z * seqlen_k + j] counts
 // key j's pieces. Group g of slice z (CTA order: segments ascending, then the
 // latest ends first) owns the 128 entries from first[z * groups + g] (-1: no
@@ -97,7 +98,11 @@ void write_intervals(const Problem& p, cudaStream_t stream);
 // rows[z * groups + g] is the union of the group's pieces ({0, 0}: none).
 constexpr int kKeyGroupKeys = 128;   // entries a group: the rows of a backward CTA
 constexpr int kKeySegmentRows = 1024;  // rows a segment: 32 query tiles of the dk/dv walk
-constexpr int kMaxKeySegments = 16;    // more rows: segments of a multiple of kKeySegmentRows
+constexpr int kMaxKeySegments = 16;    // of kKeySegmentRows, or of a multiple of it with entries of seqlen_k
+// More rows: segments of kLongSegmentRows where a selection's pieces bound a
+// segment's entries, so that the dk/dv CTAs running at once add to the dq sums
+// of a few thousand rows (they stay in the L2), at any length.
+constexpr int kLongSegmentRows = 2048;
 
 struct KeyGroups {
   std::int32_t* order = nullptr;
@@ -108,6 +113,8 @@ struct KeyGroups {
   std::int64_t groups = 0;    // per slice
   std::int64_t segments = 1;  // per slice
   std::int64_t segment_rows = 0;
+  std::int64_t entries = 0;  // entries of a (slice, segment) in order and rank
+  int* overflow = nullptr;   // compact entries: set where a segment had more pieces (given intervals)
 };
 
 // Enqueues the grouping of sel (kIntervals) on stream. `heads` / `kv_heads`
