@@ -156,7 +156,8 @@ void varlen_backward(const Inputs& in, const VarlenLayout& layout, const TensorV
 // selection select other keys (the CPU still applies the mask, causal and the
 // window; the CUDA kernels size their key lists and key groups for a selection of
 // at most keep_window_size keys a row, and past that drop keys from the forward
-// and may leave the gradients of some keys unwritten).
+// and may leave the gradients of some keys unwritten or not the call's; the
+// calls still finish and stay within the tensors' bounds).
 void select_topk(const Inputs& in, const Options& options, const TensorView& intervals);
 void varlen_select_topk(const Inputs& in, const VarlenLayout& layout, const Options& options,
                         const TensorView& intervals);
