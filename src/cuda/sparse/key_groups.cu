@@ -165,8 +165,10 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
       for (int i = 0; i < kSegmentSortItems; ++i) {
         if (end[i] == no_end) continue;
         const auto j = static_cast<std::int32_t>(j0 + kSegmentSortItems * threadIdx.x + i);
-        if (at < p.entries) put(at, end[i], j);
-        if (at < kSegmentSortKeys) storage.pieces.end[at] = end[i], storage.pieces.key[at] = j;
+        if (at < kSegmentSortKeys)  // the pieces the CTA sorts, or (more of them) writes in key order below
+          storage.pieces.end[at] = end[i], storage.pieces.key[at] = j;
+        else if (at < p.entries)
+          put(at, end[i], j);
         ++at;
       }
       count += round;
@@ -175,7 +177,11 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
     for (std::int64_t at = count + threadIdx.x; at < p.entries; at += kSegmentSortThreads)
       put(at, no_end, -1);
     if (count > p.entries && threadIdx.x == 0) *p.overflow = 1;
-    if (count > kSegmentSortKeys) return;
+    if (count > kSegmentSortKeys) {  // more than the sort takes: in key order
+      for (int at = threadIdx.x; at < kSegmentSortKeys; at += kSegmentSortThreads)
+        put(at, storage.pieces.end[at], storage.pieces.key[at]);
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < kSegmentSortItems; ++i) {
       const int at = kSegmentSortItems * threadIdx.x + i;
