@@ -107,6 +107,8 @@ class SideStream {
     check_cuda(cudaEventRecord(side_->joined, side_->stream), "cudaEventRecord");
     return side_->joined;
   }
+  // The event fork() recorded, to record again where the side stream is to wait.
+  cudaEvent_t forked() const { return side_->forked; }
   // main waits for everything enqueued on the side stream (no-op before fork).
   void join(cudaStream_t main) {
     if (side_ != nullptr) check_cuda(cudaStreamWaitEvent(main, done(), 0), "cudaStreamWaitEvent");
@@ -181,9 +183,10 @@ void run_forward(const Problem& p) {
 
 // Top-k: the selection runs like the forward's and intervals are then grouped
 // for the dk/dv walk, both on a side stream forked from the caller's, beside
-// the dq memset and row_stats (the launcher waits for them after row_stats:
-// selection_ready); both are freed on the caller's stream, joined first, once
-// the kernels are enqueued.
+// row_stats (the launcher waits for them after row_stats: selection_ready);
+// the launcher puts the zeros of dk and dv at the keys no group holds there
+// too, beside the walk (the walk writes the others). Both are freed on the
+// caller's stream, joined first, once the kernels are enqueued.
 void run_backward(const Problem& p) {
   const DeviceGuard guard(p.device.index);
   keep_scratch_cached(p.device.index);
@@ -210,6 +213,7 @@ void run_backward(const Problem& p) {
             params.segment_entries = groups.entries, params.groups_overflow = groups.overflow;
           }
           params.selection_ready = side.done();
+          params.side_stream = on_side, params.side_fork = side.forked();
         }
         plan.run(plan, stream);
       },

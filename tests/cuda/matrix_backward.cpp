@@ -91,6 +91,13 @@ std::vector<Case> backward_matrix(bool small) {
     gqa.mask_shape = {gqa.B, gqa.H, 1, gqa.Sk};
     gqa.bias_shape = {gqa.B, gqa.Hk, 1, gqa.Sk};
     cases.push_back(finish(gqa));
+    // Past 4096 keys, count_pieces lists each segment's pieces; two selection heads a kv head.
+    Case listed = make("small top-k 64 listed pieces, selection heads H", 2100, 4300, 2, 1);
+    listed.B = 1;
+    listed.options.causal = true;
+    listed.options.keep_window_size = 64;
+    listed.bias_shape = {1, listed.H, 1, listed.Sk};
+    cases.push_back(finish(listed));
     // The Hopper dk/dv kernel's path (no mask, key-only bias, D = 128): a
     // partial key block, a causal offset and a window edge inside the tiles.
     Case hk = make("small key bias window", 200, 130, 4, 2);

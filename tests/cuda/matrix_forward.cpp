@@ -407,6 +407,16 @@ std::vector<Case> forward_matrix(bool small) {
                            dmattn_test::shape_str(c.bias_shape));
       cases.push_back(c);
     }
+  // Lists longer than 4096 keys (w + 127 of them past row w).
+  {
+    Case c = base(5000, 5000, DType::kBFloat16);
+    c.B = 1, c.H = 2, c.Hk = 1;
+    c.options.causal = true;
+    c.options.keep_window_size = 4500;
+    c.bias_shape = {1, 1, 1, c.Sk};
+    c.name = name(c, "top-k 4500 key-only bias (long lists)");
+    cases.push_back(c);
+  }
   // w = 1 and w >= Sk; ties: a constant bias selects a sliding window (ties to
   // the larger key), a bias of four values many ties; right windows; fp32 bias.
   {

@@ -31,6 +31,10 @@ struct GroupParams {
   // in group_keys); more pieces there set *overflow.
   std::int64_t entries = 0;
   int* overflow = nullptr;
+  // Past kSegmentSortKeys keys (sort_segments<true>): the count of each
+  // (slice, segment)'s pieces (zeroed before count_pieces), whose keys
+  // count_pieces lists in its entries of the order array, in no order.
+  int* listed = nullptr;
   const std::int32_t* cu_seqlens_q = nullptr;
   const std::int32_t* cu_seqlens_k = nullptr;
   int end_bits = 32;  // sort key: (slice, segment) << end_bits | end in the segment; all ones: no piece
@@ -60,20 +64,25 @@ struct GroupParams {
     }
     return start < end ? KeyRows{static_cast<std::int32_t>(start), static_cast<std::int32_t>(end)} : KeyRows{0, 0};
   }
-  // Pieces of key j in segments [0, upto) of slice z.
-  __device__ std::int32_t pieces_before(std::int64_t z, std::int64_t j, std::int64_t upto) const {
-    if (first_head(z) == last_head(z)) {  // one interval: a piece in each segment it meets
-      const KeyRows r = at(z, first_head(z), j);
-      if (r.end <= r.start) return 0;
-      return static_cast<std::int32_t>(max(std::int64_t{0}, min(upto, (r.end - 1) / segment_rows + 1) - r.start / segment_rows));
-    }
-    std::int64_t from = upto;  // the segment of the earliest start
+  // The segments [lo, hi), hi <= upto, where key j of slice z may have a
+  // piece: with one selection head each of them (its interval meets them),
+  // else those of them where piece() finds one.
+  __device__ void piece_range(std::int64_t z, std::int64_t j, std::int64_t upto, std::int64_t& lo,
+                              std::int64_t& hi) const {
+    lo = upto, hi = 0;
     for (std::int64_t h = first_head(z); h <= last_head(z); ++h) {
       const KeyRows r = at(z, h, j);
-      if (r.end > r.start) from = min(from, r.start / segment_rows);
+      if (r.end > r.start) lo = min(lo, r.start / segment_rows), hi = max(hi, (r.end - 1) / segment_rows + 1);
     }
+    hi = first_head(z) == last_head(z) ? min(hi, upto) : upto;
+  }
+  // Pieces of key j in segments [0, upto) of slice z.
+  __device__ std::int32_t pieces_before(std::int64_t z, std::int64_t j, std::int64_t upto) const {
+    std::int64_t lo, hi;
+    piece_range(z, j, upto, lo, hi);
+    if (first_head(z) == last_head(z)) return static_cast<std::int32_t>(max(std::int64_t{0}, hi - lo));
     std::int32_t n = 0;
-    for (std::int64_t s = from; s < upto; ++s) n += piece(z, s, j).end > 0;
+    for (std::int64_t s = lo; s < hi; ++s) n += piece(z, s, j).end > 0;
     return n;
   }
 };
@@ -112,16 +121,22 @@ __global__ void __launch_bounds__(kThreads) group_sort_keys(const GroupParams p,
 // takes (given intervals that are no selection) stay in key order, which the
 // groups take as well (only the fill of the dk/dv walk depends on the order);
 // in compact entries (p.entries < seqlen_k) only the first p.entries of them,
-// and *p.overflow is set.
+// and *p.overflow is set. Past kSegmentSortKeys keys the pieces are those of
+// count_pieces' list (p.listed) where it holds them all, sorted by key, then
+// by end as above; testing every key for each segment instead read S^2 / 2048
+// intervals a slice (0.86 ms at S = 131072, w = 2048, H100, on the side
+// stream, where its CTAs held the SMs that the dq memset beside it needed).
 // Two kernels: as one, the sort of every key of a segment took 25 us against
 // 20 (top-k at S = 4096, w = 256, H100); sort_segments<false> is the kernel of
 // 0954372 (the same SASS).
 constexpr int kSegmentSortThreads = 1024, kSegmentSortItems = 4;
 constexpr int kSegmentSortKeys = kSegmentSortThreads * kSegmentSortItems;
 using SegmentSort = cub::BlockRadixSort<std::uint32_t, kSegmentSortThreads, kSegmentSortItems, std::int32_t>;
+using ListedSort = cub::BlockRadixSort<std::uint32_t, kSegmentSortThreads, kSegmentSortItems>;
 using SegmentScan = cub::BlockScan<int, kSegmentSortThreads>;
-union CompactingStorage {  // the compacted pieces, then the sort's storage in their place
+union CompactingStorage {  // the listed keys' sort or the compacted pieces, then the sort's storage in their place
   typename SegmentSort::TempStorage sort;
+  typename ListedSort::TempStorage listed;
   struct {
     std::uint32_t end[kSegmentSortKeys];
     std::int32_t key[kSegmentSortKeys];
@@ -147,6 +162,25 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
       key[i] = j;
       end[i] = j < p.seqlen_k ? piece_end(p, v / p.segments, v % p.segments, j) : 1u << p.end_bits;  // past: last
     }
+  } else if (const int listed = p.listed[v]; listed <= kSegmentSortKeys) {
+    const int key_bits = 32 - __clz(static_cast<int>(p.seqlen_k));  // 2^key_bits - 1 > every key: the padding sorts last
+    std::uint32_t sorted_key[kSegmentSortItems];
+#pragma unroll
+    for (int i = 0; i < kSegmentSortItems; ++i) {
+      const int at = kSegmentSortItems * threadIdx.x + i;
+      sorted_key[i] = at < listed ? static_cast<std::uint32_t>(order[v * p.entries + at]) : (1u << key_bits) - 1;
+    }
+    ListedSort(storage.listed).Sort(sorted_key, 0, key_bits);
+    count = listed;
+#pragma unroll
+    for (int i = 0; i < kSegmentSortItems; ++i) {
+      const int at = kSegmentSortItems * threadIdx.x + i;
+      key[i] = at < listed ? static_cast<std::int32_t>(sorted_key[i]) : -1;
+      end[i] = at < listed ? piece_end(p, v / p.segments, v % p.segments, key[i]) : 1u << p.end_bits;
+    }
+    for (std::int64_t at = count + threadIdx.x; at < p.entries; at += kSegmentSortThreads)
+      put(at, static_cast<std::uint32_t>(p.no_end()), -1);
+    __syncthreads();  // the listed sort's storage is free for the sort by end
   } else {
     __shared__ typename SegmentScan::TempStorage scan;
     const auto no_end = static_cast<std::uint32_t>(p.no_end());
@@ -202,13 +236,43 @@ __global__ void __launch_bounds__(kSegmentSortThreads) sort_segments(const Group
 }
 
 // The number of pieces of each key, one thread per (slice, key); and the
-// overflow flag cleared (sort_segments may set it after).
-__global__ void __launch_bounds__(kThreads) count_pieces(const GroupParams p, std::int64_t items, std::int32_t* pieces) {
+// overflow flag cleared (sort_segments may set it after). With p.listed
+// (sort_segments<true>) each piece's key also goes to its (slice, segment)'s
+// entries of `order`, at a place counted in p.listed, in no order; those past
+// the entries are counted, not stored. A warp walks the segments its keys'
+// pieces meet and takes each segment's places with one atomic (a thread an
+// atomic a piece: 0.53 ms at S = 131072, w = 2048, H100).
+__global__ void __launch_bounds__(kThreads) count_pieces(const GroupParams p, std::int64_t items, std::int32_t* pieces,
+                                                         std::int32_t* order) {
   const std::int64_t e = std::int64_t{blockIdx.x} * kThreads + threadIdx.x;
   if (e == 0 && p.overflow != nullptr) *p.overflow = 0;
-  if (e >= items) return;
   const std::int64_t z = e / p.seqlen_k, j = e % p.seqlen_k;
-  pieces[e] = j < p.sk(z) ? p.pieces_before(z, j, p.segments) : 0;
+  const bool key = e < items && j < p.sk(z);
+  if (p.listed == nullptr) {
+    if (e < items) pieces[e] = key ? p.pieces_before(z, j, p.segments) : 0;
+    return;
+  }
+  std::int64_t lo = 0, hi = 0;
+  if (key) p.piece_range(z, j, p.segments, lo, hi);
+  const bool one_head = key && p.first_head(z) == p.last_head(z);
+  const int lane = threadIdx.x % 32;
+  const auto first = static_cast<int>(__reduce_min_sync(0xffffffffu, static_cast<unsigned>(lo < hi ? lo : p.segments)));
+  const auto last = static_cast<int>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(hi)));
+  std::int32_t n = 0;
+  for (int s = first; s < last; ++s) {
+    const bool has = s >= lo && s < hi && (one_head || p.piece(z, s, j).end > 0);
+    const std::int64_t v = z * p.segments + s;
+    const unsigned peers = __match_any_sync(0xffffffffu, has ? v : -1);
+    const int leader = __ffs(peers) - 1;
+    int at = 0;
+    if (has && lane == leader) at = atomicAdd(&p.listed[v], __popc(peers));
+    at = __shfl_sync(0xffffffffu, at, leader) + __popc(peers & ((1u << lane) - 1));
+    if (has) {
+      if (at < p.entries) order[v * p.entries + at] = static_cast<std::int32_t>(j);
+      ++n;
+    }
+  }
+  if (e < items) pieces[e] = n;
 }
 
 // Strips: after the sort by end, each run of kStripGroups groups of a
@@ -399,11 +463,15 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   // The groups' rows first (free_groups frees the allocation from them), then
   // the sorted order, pieces and firsts, and the sort's keys, values and
   // temporary storage, kept with the groups (one CUDA call fewer each way).
+  // With count_pieces' lists their counts are zeroed, and the rows too, so
+  // that they stay first (Scratch puts the zeroed parts first).
+  const bool lists = sort && by_segment && seqlen_k > kSegmentSortKeys;
   std::uint64_t *keys_in = nullptr, *keys_out = nullptr;
   std::int32_t* values_in = nullptr;
   char* temp = nullptr;
   Scratch memory;
-  memory.add(g.rows, group_entries, false);
+  memory.add(g.rows, group_entries, lists);
+  if (lists) memory.add(p.listed, static_cast<std::size_t>(slices * p.segments), true);
   if (sort) {
     memory.add(g.order, n, false);
     if (p.segments > 1) memory.add(g.rank, n, false);
@@ -414,7 +482,7 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   check_cuda(memory.allocate(stream), "cudaMallocAsync (key groups)");
   p.overflow = g.overflow;
   if (sort) {
-    count_pieces<<<blocks_for(slices * seqlen_k), kThreads, 0, stream>>>(p, slices * seqlen_k, g.pieces);
+    count_pieces<<<blocks_for(slices * seqlen_k), kThreads, 0, stream>>>(p, slices * seqlen_k, g.pieces, g.order);
     if (by_segment) {
       const auto segment_sort = seqlen_k <= kSegmentSortKeys ? sort_segments<false> : sort_segments<true>;
       segment_sort<<<static_cast<unsigned>(slices * p.segments), kSegmentSortThreads, 0, stream>>>(p, keys_out, g.order);
