@@ -204,11 +204,6 @@ struct BackwardParams : KeyListParams {
   // ready once this event completes; the stream waits for it after row_stats
   // (the dq memset and row_stats read neither).
   cudaEvent_t selection_ready = nullptr;
-  // With key pieces: that other stream, where the launcher enqueues the zeros
-  // of the keys no group holds beside the dk/dv walk, after side_fork, which
-  // it records on its own stream right before the walk.
-  cudaStream_t side_stream = nullptr;
-  cudaEvent_t side_fork = nullptr;
 
   // dbias: dense extents (batch, heads, rows, keys) of the bias before broadcasting
   // (varlen: B, Hb, 1, max_seqlen_k with local keys). Direct (scratch == nullptr):

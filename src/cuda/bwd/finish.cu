@@ -66,10 +66,7 @@ cudaError_t reduce_bias_grad(const BackwardParams& p, int slices, cudaStream_t s
 cudaError_t zero_unselected(const BackwardParams& p, int batch, cudaStream_t stream) {
   const std::int64_t keys = std::int64_t{batch} * (p.heads / p.group) * p.seqlen_k;
   if (keys == 0) return cudaSuccess;
-  cudaError_t err = cudaEventRecord(p.side_fork, stream);
-  if (err == cudaSuccess) err = cudaStreamWaitEvent(p.side_stream, p.side_fork, 0);
-  if (err != cudaSuccess) return err;
-  unselected_zeros<<<grid_for(keys * 32), 256, 0, p.side_stream>>>(p, batch);
+  unselected_zeros<<<grid_for(keys * 32), 256, 0, stream>>>(p, batch);
   return cudaGetLastError();
 }
 

@@ -13,11 +13,7 @@ namespace dmattn::cuda {
 cudaError_t reduce_bias_grad(const BackwardParams& p, int slices, cudaStream_t stream);
 
 // Enqueues the zeros of dk and dv at the keys of batch x kv heads that no key
-// group holds (p.key_pieces[key] == 0) on p.side_stream, after the work
-// enqueued on `stream` so far (p.side_fork), so that they run beside the
-// dk/dv walk enqueued next: 0.35 ms at S = 131072, w = 2048 (H100) on the
-// walk's stream after it, or beside the dq memset and row_stats, which they
-// slowed as much.
+// group holds (p.key_pieces[key] == 0).
 cudaError_t zero_unselected(const BackwardParams& p, int batch, cudaStream_t stream);
 
 }  // namespace dmattn::cuda

@@ -185,7 +185,6 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   // dk/dv CTAs: the key blocks, or the key groups (a CTA a group's dkv_rows keys on the sm80 kernel).
   const std::int64_t dkv_blocks =
       p.group_rows == nullptr ? key_blocks : p.key_groups * (plan.dkv == DkvKernel::kSm80 ? kKeyGroupKeys / dkv_rows : 1);
-  if (err == cudaSuccess && p.key_pieces != nullptr) err = zero_unselected(p, batch, stream);
   if (err == cudaSuccess && dkv_blocks > 0) err = launch_dkv_kernel<Element, kHeadDim>(plan, p, maps, dkv_blocks, stream);
   if (plan.dbias_slices > 0) reduce(plan.dbias_slices);
   if (err == cudaSuccess && p.dq_acc != nullptr) {
