@@ -463,8 +463,9 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   // The groups' rows first (free_groups frees the allocation from them), then
   // the sorted order, pieces and firsts, and the sort's keys, values and
   // temporary storage, kept with the groups (one CUDA call fewer each way).
-  // With count_pieces' lists their counts are zeroed, and the rows too, so
-  // that they stay first (Scratch puts the zeroed parts first).
+  // With count_pieces' lists (sort_segments<true>) their counts are zeroed,
+  // and the rows too, so that they stay first (Scratch puts the zeroed parts
+  // first).
   const bool lists = sort && by_segment && seqlen_k > kSegmentSortKeys;
   std::uint64_t *keys_in = nullptr, *keys_out = nullptr;
   std::int32_t* values_in = nullptr;
@@ -484,7 +485,7 @@ KeyGroups group_keys(const DeviceSelection& sel, std::int64_t batch, std::int64_
   if (sort) {
     count_pieces<<<blocks_for(slices * seqlen_k), kThreads, 0, stream>>>(p, slices * seqlen_k, g.pieces, g.order);
     if (by_segment) {
-      const auto segment_sort = seqlen_k <= kSegmentSortKeys ? sort_segments<false> : sort_segments<true>;
+      const auto segment_sort = lists ? sort_segments<true> : sort_segments<false>;
       segment_sort<<<static_cast<unsigned>(slices * p.segments), kSegmentSortThreads, 0, stream>>>(p, keys_out, g.order);
     } else {
       group_sort_keys<<<blocks_for(items), kThreads, 0, stream>>>(p, items, keys_in, values_in);
