@@ -121,6 +121,13 @@ DeviceInfo emulate(DeviceInfo info) {
     info.smem_optin = std::min(info.smem_optin, bytes);
   }
   if (switched_on("DMATTN_PORTABLE", "0 or 1 (1: the sm80-class kernels only)")) info.sm90a = false;
+  if (const char* blocks = setting("DMATTN_LIST_BLOCKS")) {
+    const std::string v = blocks;
+    if (v != "1" && v != "2" && v != "4" && v != "8")
+      throw Error(Error::Kind::kValue, "DMATTN_LIST_BLOCKS",
+                  "1, 2, 4 or 8 (the query blocks a CTA of the top-k interval lists takes)", "'" + v + "'");
+    info.list_cta_blocks = std::stoi(v);
+  }
   return info;
 }
 
@@ -412,6 +419,7 @@ ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device) {
 
   ForwardParams& params = plan.params;
   set_attention_params(p, params);
+  params.list_cta_blocks = device.list_cta_blocks;
   params.heads = static_cast<int>(fold_query_heads(p, params));
   params.batch = static_cast<int>(p.batch);
   params.vector_q = vector_loads(params.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);
@@ -470,6 +478,7 @@ BackwardPlan plan_backward_on(const Problem& p, const DeviceInfo& device, const 
 
   BackwardParams& params = plan.params;
   set_attention_params(p, params);
+  params.list_cta_blocks = device.list_cta_blocks;
   params.dout = p.dout, params.dq = p.dq, params.dk = p.dk, params.dv = p.dv, params.dbias = p.dbias;
   params.heads = static_cast<int>(p.heads);
   params.vector_q = vector_loads(p.q), params.vector_k = vector_loads(p.k), params.vector_v = vector_loads(p.v);

@@ -32,6 +32,10 @@ struct DeviceInfo {
   // The Hopper kernels can run: an sm_90 device, a build with sm_90a code
   // (DMATTN_CUDA_ARCHS), the driver's TMA descriptor encoder, and no DMATTN_PORTABLE=1.
   bool sm90a = false;
+  // DMATTN_LIST_BLOCKS (1, 2, 4 or 8): the query blocks a CTA of the top-k
+  // interval lists takes, whatever the shape (a test setting: the lists are the
+  // same at every value); 0: unset, picked per call (sparse/key_lists.cu).
+  int list_cta_blocks = 0;
 };
 // The device's DeviceInfo under the emulation settings (the current device must be `device`).
 DeviceInfo device_info(int device);

@@ -89,6 +89,9 @@ struct KeyLists {
   int mask_blocks = 0;
   int list_group = 1;
   bool list_batched = true;
+  // Query blocks a CTA of the top-k interval lists takes (DMATTN_LIST_BLOCKS,
+  // dispatch.h DeviceInfo); 0: build_key_lists picks.
+  int list_cta_blocks = 0;
   // Set (device memory): the pre-passes build nothing while *build_if is 0 (the
   // backward's dq by atomics reads lists only for rows it recomputes).
   const int* build_if = nullptr;

@@ -132,6 +132,10 @@ TEST(FullEmulation, SettingsAreChecked) {
     const ScopedEnv portable("DMATTN_PORTABLE", bad);
     refused("DMATTN_PORTABLE", dmattn::Error::Kind::kValue, bad);
   }
+  for (const char* bad : {"0", "3", "16", "4 ", "x"}) {
+    const ScopedEnv blocks("DMATTN_LIST_BLOCKS", bad);
+    refused("DMATTN_LIST_BLOCKS", dmattn::Error::Kind::kValue, bad);
+  }
   {
     const ScopedEnv limit("DMATTN_SMEM_LIMIT", "1");
     refused("q.shape[-1]", dmattn::Error::Kind::kUnsupported, "1024 bytes of shared memory a block (DMATTN_SMEM_LIMIT)");

@@ -53,20 +53,17 @@ __device__ void mark_tile(const KeyListParams& p, std::int64_t sq, std::int64_t 
   if (threadIdx.x < 2) any_out[threadIdx.x] = block_any[threadIdx.x];
 }
 
-// Pre-pass 2 for one query block (`block` = z * mask_blocks + m), its list:
-// the keys whose bit is set in the words any_word(0 .. words - 1) at
-// mask_keys, ascending (a block-wide prefix sum over the words' popcounts), and
-// their count at mask_counts; a key past keys_stride would be dropped (the
-// sizes exclude it). Returns the count. any_word is called by every thread
-// (with w >= words too: it returns 0 there).
-template <int kThreads, class AnyWord>
-__device__ int list_keys(const KeyListParams& p, std::int64_t block, std::int64_t words_in, AnyWord any_word) {
+// The indices t of the set bits of the words any_word(0 .. words - 1),
+// ascending (a block-wide prefix sum over the words' popcounts): emit(at, t)
+// for the at-th of them. Returns their count. any_word is called by every
+// thread (with w >= words too: it returns 0 there).
+template <int kThreads, class AnyWord, class Emit>
+__device__ std::int64_t compact_bits(std::int64_t words, AnyWord any_word, Emit emit) {
   constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  std::int32_t* keys = p.mask_keys + block * p.keys_stride;
   __shared__ int warp_total[kWarps];
   std::int64_t total = 0;
-  for (std::int64_t w0 = 0; w0 < words_in; w0 += kThreads) {
+  for (std::int64_t w0 = 0; w0 < words; w0 += kThreads) {
     const std::int64_t w = w0 + threadIdx.x;
     const std::uint32_t word = any_word(w);
     const int count = __popc(word);
@@ -78,9 +75,36 @@ __device__ int list_keys(const KeyListParams& p, std::int64_t block, std::int64_
     for (int j = 0; j < kWarps; ++j) total += warp_total[j];
     __syncthreads();
     std::int64_t at = before + prefix - count;
-    for (std::uint32_t bitsleft = word; bitsleft != 0; bitsleft &= bitsleft - 1, ++at)
-      if (at < p.keys_stride) keys[at] = static_cast<std::int32_t>(32 * w + __ffs(bitsleft) - 1);
+    // The warp places its bits by whichever takes fewer steps: each lane its
+    // own word's bits in turn (scattered stores), or the warp one word at a
+    // time, lane b its bit b (contiguous stores).
+    const std::uint32_t words_set = __ballot_sync(0xffffffff, word != 0);
+    if (__popc(words_set) <= static_cast<int>(__reduce_max_sync(0xffffffff, static_cast<unsigned>(count)))) {
+      for (std::uint32_t left = words_set; left != 0; left &= left - 1) {
+        const int k = __ffs(left) - 1;
+        const std::uint32_t its = __shfl_sync(0xffffffff, word, k);
+        const std::int64_t its_at = __shfl_sync(0xffffffff, at, k);
+        if ((its >> lane) & 1u) emit(its_at + __popc(its & ((1u << lane) - 1)), 32 * (w - lane + k) + lane);
+      }
+    } else {
+      for (std::uint32_t bitsleft = word; bitsleft != 0; bitsleft &= bitsleft - 1, ++at)
+        emit(at, 32 * w + __ffs(bitsleft) - 1);
+    }
   }
+  return total;
+}
+
+// Pre-pass 2 for one query block (`block` = z * mask_blocks + m), its list:
+// the keys key_at(t) of the set bits t of compact_bits at mask_keys, and
+// their count at mask_counts; a key past keys_stride would be dropped (the
+// sizes exclude it). Returns the count.
+template <int kThreads, class AnyWord, class KeyAt>
+__device__ int list_keys(const KeyListParams& p, std::int64_t block, std::int64_t words, AnyWord any_word,
+                         KeyAt key_at) {
+  std::int32_t* keys = p.mask_keys + block * p.keys_stride;
+  const std::int64_t total = compact_bits<kThreads>(words, any_word, [&](std::int64_t at, std::int64_t t) {
+    if (at < p.keys_stride) keys[at] = key_at(t);
+  });
   const int listed = static_cast<int>(min(total, p.keys_stride));
   if (threadIdx.x == 0) p.mask_counts[block] = listed;
   __syncthreads();
@@ -98,7 +122,8 @@ __device__ void list_block_keys(const KeyListParams& p, std::int64_t block, std:
   constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::int32_t* keys = p.mask_keys + block * p.keys_stride;
-  const int listed = list_keys<kThreads>(p, block, words_in, any_word);
+  const int listed = list_keys<kThreads>(p, block, words_in, any_word,
+                                          [](std::int64_t t) { return static_cast<std::int32_t>(t); });
   constexpr int kGroup = 8;  // words a step: their reads go out together
   const int words = (listed + 63) / 64 * 2;
   for (int w0 = 0; w0 < words; w0 += kGroup) {
@@ -343,12 +368,13 @@ __device__ void write_interval_bits(const KeyListParams& p, const KeyRows* inter
                                     std::uint32_t* bits0) {
   constexpr int kWarps = kThreads / 32, kWordsPerWarp = kIntervalWords / kWarps, kPartRows = kBlockM / kWarps;
   static_assert(kIntervalWords == 32 && kIntervalWords % kWarps == 0 && kBlockM % kWarps == 0, "one word a lane");
-  __shared__ std::uint32_t toggles[kBlockM][kIntervalWords];
+  __shared__ alignas(16) std::uint32_t toggles[kBlockM][kIntervalWords];
   __shared__ std::uint32_t part_xor[kWarps][kIntervalWords];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int words = (listed + 63) / 64 * 2;
   for (int w0 = 0; w0 < words; w0 += kIntervalWords) {
-    for (int e = threadIdx.x; e < kBlockM * kIntervalWords; e += kThreads) toggles[e / kIntervalWords][e % kIntervalWords] = 0;
+    for (int e = threadIdx.x; e < kBlockM * kIntervalWords / 4; e += kThreads)
+      reinterpret_cast<uint4*>(&toggles[0][0])[e] = make_uint4(0, 0, 0, 0);
     __syncthreads();
     int key[kWordsPerWarp];  // warp `warp` takes words w0 + warp + kWarps i, lane = the slot's bit
 #pragma unroll
@@ -385,46 +411,116 @@ __device__ void write_interval_bits(const KeyListParams& p, const KeyRows* inter
   }
 }
 
-// Top-k pre-pass of intervals. Block (m, z) lists the keys some row of query
-// block m keeps and writes its rows' bits over the list: key j is listed when
-// [start_j, end_j) meets the block's rows, and row i keeps it when start_j <= i
-// < end_j (causal, the right window, a key-only mask and the key range are
-// folded into the interval; write_interval_bits).
-template <int kBlockM, int kThreads>
-__global__ void __launch_bounds__(kThreads) list_topk_keys(const KeyListParams p) {
-  if (skip_lists(p)) return;
-  const TopkSlice s = topk_slice(p, blockIdx.y);
-  const std::int64_t block = std::int64_t{blockIdx.y} * p.mask_blocks + blockIdx.x;
-  const std::int64_t row0 = std::int64_t{blockIdx.x} * kBlockM;
-  const int rows = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{kBlockM}, s.sq - row0)));
-  // Keys [0, key_end) hold every key a row of the block may see.
-  const std::int64_t key_end = rows > 0 ? keys_of_query(p.band, s.sk - s.sq, s.sk, row0 + rows - 1).hi + 1 : 0;
-  const std::int64_t words = key_end > 0 ? (key_end + 31) / 32 : 0;
-  const KeyRows* intervals = p.topk_intervals + s.sel;
-  const int lane = threadIdx.x % 32;
-  auto any_word = [&](std::int64_t w) -> std::uint32_t {
-    constexpr int kBatch = 8;  // loads issued together before their ballots
+// The words of a scan over intervals: bit t % 32 of word t / 32 (t < n) is set
+// when key j (keys[t], or t where keys is null) lies below key_end and its
+// rows, as sequence_rows takes them, meet [row0, row1) (0 <= row0 < row1 <=
+// sq): start < end, start < row1 and end > row0. keys[t] for t < n is a key of
+// the slice; without keys, n is key_end. A warp's lanes take 32 consecutive t at once, kBatch of them a
+// lane before any ballot; every load is in bounds and unconditional (t clamped
+// below n only in the warp that reaches n), so that they go out together.
+// Called by every thread with its own word.
+struct IntervalHits {
+  const KeyRows* intervals;
+  const std::int32_t* keys;
+  int n, key_end, row0, row1;
+
+  __device__ std::uint32_t operator()(std::int64_t w) const {
+    constexpr int kBatch = 8;
+    const int lane = threadIdx.x % 32;
+    if (32 * (w - lane) >= n) return 0;  // the whole warp
+    const int first = static_cast<int>(32 * (w - lane)) + lane;
+    const bool whole = n - (first - lane) >= 32 * 32;
+    const KeyRows* const lane_rows = intervals + first;  // t = first + 32 c without keys
     std::uint32_t mine = 0;
-    const std::int64_t first = 32 * (w - lane);  // the warp's first key
     for (int c0 = 0; c0 < 32; c0 += kBatch) {
-      bool hit[kBatch];
+      KeyRows rows[kBatch];
+      bool listed[kBatch];
+      if (keys == nullptr && whole) {
 #pragma unroll
-      for (int c = 0; c < kBatch; ++c) {
-        const std::int64_t j = first + 32 * (c0 + c) + lane;
-        const KeyRows r = j < key_end ? sequence_rows(intervals[j], s.sq) : KeyRows{0, 0};
-        hit[c] = r.start < row0 + rows && r.end > row0;
+        for (int c = 0; c < kBatch; ++c) rows[c] = lane_rows[32 * (c0 + c)], listed[c] = true;
+      } else {
+#pragma unroll
+        for (int c = 0; c < kBatch; ++c) {
+          const int t = first + 32 * (c0 + c), u = min(t, n - 1);
+          const int key = keys != nullptr ? keys[u] : u;
+          listed[c] = t < n && key < key_end;
+          rows[c] = intervals[key];
+        }
       }
 #pragma unroll
       for (int c = 0; c < kBatch; ++c) {
-        const std::uint32_t word = __ballot_sync(0xffffffff, hit[c]);
+        const KeyRows r = rows[c];
+        const bool hit = listed[c] && r.start < r.end && r.start < row1 && r.end > row0;
+        const std::uint32_t word = __ballot_sync(0xffffffff, hit);
         if (lane == c0 + c) mine = word;
       }
     }
     return mine;
+  }
+};
+__device__ inline IntervalHits interval_hits(const KeyRows* intervals, const std::int32_t* keys, std::int64_t n,
+                                             std::int64_t key_end, std::int64_t row0, std::int64_t row1) {
+  return {intervals, keys, static_cast<int>(n), static_cast<int>(key_end), static_cast<int>(row0),
+          static_cast<int>(row1)};
+}
+
+// Keys a CTA of list_topk_keys keeps as its blocks' candidates.
+constexpr int kListCandidates = 4096;
+
+// Top-k pre-pass of intervals. CTA (x, z) lists, for each of its `per_cta`
+// query blocks m of slice z (the last CTAs' blocks first: their rows see the
+// most keys), the keys some row of the block keeps, and writes its rows' bits
+// over the list: key j is listed when [start_j, end_j) meets the block's rows,
+// and row i keeps it when start_j <= i < end_j (causal, the right window, a
+// key-only mask and the key range are folded into the interval;
+// write_interval_bits). Keys [0, key_end) hold every key a row of the block
+// may see. With per_cta > 1 the CTA first gathers in shared memory the keys
+// whose rows meet any of its blocks' (the candidates: at most topk_list_bound
+// of per_cta blocks for a selection), and each block tests those instead of
+// every key below its key_end: one scan of the keys for per_cta blocks. Where
+// given intervals hold more candidates than kListCandidates, each block scans
+// every key as with per_cta = 1; the lists are the same either way.
+template <int kBlockM, int kThreads>
+__global__ void __launch_bounds__(kThreads, 8) list_topk_keys(const KeyListParams p, int per_cta) {
+  if (skip_lists(p)) return;
+  const TopkSlice s = topk_slice(p, blockIdx.y);
+  const KeyRows* intervals = p.topk_intervals + s.sel;
+  const auto key_end_of = [&](std::int64_t row0, std::int64_t rows) -> std::int64_t {
+    return rows > 0 ? keys_of_query(p.band, s.sk - s.sq, s.sk, row0 + rows - 1).hi + 1 : 0;
   };
-  const int listed = list_keys<kThreads>(p, block, words, any_word);
-  write_interval_bits<kBlockM, kThreads>(p, intervals, s.sq, p.mask_keys + block * p.keys_stride, listed, row0, rows,
-                                         p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr);
+  const auto rows_from = [&](std::int64_t row0, std::int64_t count) {
+    return max(std::int64_t{0}, min(count, s.sq - row0));
+  };
+  const std::int64_t first_block = std::int64_t{gridDim.x - 1 - blockIdx.x} * per_cta;
+  const int blocks = static_cast<int>(min(std::int64_t{per_cta}, p.mask_blocks - first_block));
+  extern __shared__ std::int32_t candidates[];  // kListCandidates where per_cta > 1
+  std::int64_t held = -1;  // candidates held; -1: none
+  if (per_cta > 1) {
+    const std::int64_t row0 = first_block * kBlockM, rows = rows_from(row0, std::int64_t{blocks} * kBlockM);
+    const std::int64_t key_end = key_end_of(row0, rows);
+    const std::int64_t found = compact_bits<kThreads>(
+        (key_end + 31) / 32, interval_hits(intervals, nullptr, key_end, key_end, row0, row0 + rows),
+        [&](std::int64_t at, std::int64_t t) {
+          if (at < kListCandidates) candidates[at] = static_cast<std::int32_t>(t);
+        });
+    if (found <= kListCandidates) held = found;
+    __syncthreads();
+  }
+  for (int k = 0; k < blocks; ++k) {
+    const std::int64_t m = first_block + k, block = std::int64_t{blockIdx.y} * p.mask_blocks + m;
+    const std::int64_t row0 = m * kBlockM;
+    const int rows = static_cast<int>(rows_from(row0, kBlockM));
+    const std::int64_t key_end = key_end_of(row0, rows);
+    const int listed =
+        held >= 0 ? list_keys<kThreads>(p, block, key_end > 0 ? (held + 31) / 32 : 0,
+                                        interval_hits(intervals, candidates, held, key_end, row0, row0 + rows),
+                                        [&](std::int64_t t) { return candidates[t]; })
+                  : list_keys<kThreads>(p, block, (key_end + 31) / 32,
+                                        interval_hits(intervals, nullptr, key_end, key_end, row0, row0 + rows),
+                                        [](std::int64_t t) { return static_cast<std::int32_t>(t); });
+    write_interval_bits<kBlockM, kThreads>(p, intervals, s.sq, p.mask_keys + block * p.keys_stride, listed, row0,
+                                           rows, p.mask_bits + (std::int64_t{blockIdx.y} * p.seqlen_q + row0) * p.bits_sr);
+  }
 }
 
 // The keys a query block of block_m rows can list under top-k (w =
@@ -446,6 +542,25 @@ inline std::int64_t topk_list_bound(const KeyListParams& p, int block_m) {
   if (p.topk_intervals != nullptr) bound = std::min(bound, w + (right_limit ? block_m - 1 : 0));
   if (band.left >= 0 && right_limit) bound = std::min(bound, band.left + (band.causal ? 0 : band.right) + block_m);
   return bound;
+}
+
+// The query blocks a CTA of list_topk_keys lists, for `lists` blocks in all:
+// kListCtaBlocks where a block's scan of the keys outweighs the rest of its
+// work (Sk >= 48 x keys_stride: S = 131072 at w = 2048), the grid keeps at
+// least kListCtas CTAs and a selection's candidates of those blocks fit
+// kListCandidates; else 1. H100, w = 2048 (list pass us at 1 / 2 / 4 / 8
+// blocks a CTA): S = 131072 760 / 708 / 644 / 675; S = 65536 246 / 288 / 299 /
+// 294; S = 16384, w = 1024 34 / 44 / 59 / 95: below that length the longer
+// CTAs cost more than the scans they save.
+constexpr int kListCtaBlocks = 4;
+constexpr std::int64_t kListCtas = 2048;
+inline int list_cta_blocks(const KeyListParams& p, int block_m, std::int64_t lists) {
+  if (p.list_cta_blocks > 0) return p.list_cta_blocks;
+  const bool scans_dominate = p.seqlen_k >= 48 * p.keys_stride;
+  return scans_dominate && lists / kListCtaBlocks >= kListCtas &&
+                 topk_list_bound(p, kListCtaBlocks * block_m) <= kListCandidates
+             ? kListCtaBlocks
+             : 1;
 }
 
 // The key lists of build_key_lists for one dtype and block height: per
@@ -496,8 +611,10 @@ void build_lists(KeyListParams& params, int batch, int heads, cudaStream_t strea
     return;
   }
   if (params.topk_intervals != nullptr) {
-    const dim3 lists(static_cast<unsigned>(blocks), static_cast<unsigned>(slices));
-    list_topk_keys<kBlockM, kThreads><<<lists, kThreads, 0, stream>>>(params);
+    const int per_cta = list_cta_blocks(params, kBlockM, blocks * slices);
+    const dim3 lists(static_cast<unsigned>((blocks + per_cta - 1) / per_cta), static_cast<unsigned>(slices));
+    const std::size_t candidates = per_cta > 1 ? kListCandidates * sizeof(std::int32_t) : 0;
+    list_topk_keys<kBlockM, kThreads><<<lists, kThreads, candidates, stream>>>(params, per_cta);
     return;
   }
   std::int32_t* const chunk_counts = params.mask_counts + slices * blocks;
