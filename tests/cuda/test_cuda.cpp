@@ -234,6 +234,33 @@ TEST(FullScratch, OneAllocationZeroesItsZeroedParts) {
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
 }
 
+// The backward's dq sums (and the ordered walk's turn counters) start from
+// zero in memory the pool hands back full of ones (NaN as float32, -1 as a
+// turn). Batched and varlen, in any order and in order (deterministic), at
+// both compiled head dims.
+TEST(FullScratch, BackwardSumsStartFromZero) {
+  for (const bool deterministic : {false, true})
+    for (const bool varlen : {false, true})
+      for (const std::int64_t d : {64, 128}) {
+        Case c;
+        c.name = std::string("dq sums from a dirty pool: D=") + std::to_string(d) +
+                 (deterministic ? ", deterministic" : "") + (varlen ? ", varlen" : "");
+        c.H = 4, c.Hk = 2, c.D = d;
+        c.Sq = c.Sk = varlen ? 1 : 333;
+        if (varlen) c.seqlens_q = c.seqlens_k = {333, 190};
+        c.options.causal = true;
+        c.options.deterministic = deterministic;
+        if (!skip_reason(c.name, d).empty()) continue;
+        char* used = nullptr;
+        const std::size_t used_bytes = std::size_t{64} << 20;
+        check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&used), used_bytes, nullptr), "cudaMallocAsync");
+        check_cuda(cudaMemsetAsync(used, 0xff, used_bytes, nullptr), "cudaMemsetAsync");
+        check_cuda(cudaFreeAsync(used, nullptr), "cudaFreeAsync");
+        check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+        check(c, run_backward_case);
+      }
+}
+
 TEST(FullTopk, NanSweep) { check_one(kTopkNanSweepName, topk_nan_sweep); }
 TEST(FullTopk, WildGivenIntervals) { check_one(kWildIntervalsName, wild_intervals); }
 TEST(FullTopk, LongRows) { check_one(kTopkLongRowsName, topk_long_rows); }
