@@ -372,7 +372,10 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     // A bias with rows: the step's tile from here (0 past the sequences).
     const BiasReader<Element> step_bias(p, b, hb, seq.qs + q0, seq.ks + row0);
     const bool db_close = !more || blk_next != blk || unsigned(h_next) / unsigned(p.bias_group) != unsigned(hb);
-    warpgroup_wait<0>();
+    // S^T first: P^T is computed under the dP^T MMA (softcap: both, its dS^T
+    // needs each element's tanh).
+    warpgroup_wait<kSoftcap ? 0 : 1>();
+    warpgroup_fence_operand(acc_s);
 
     // A tile wholly inside the sequences, the causal band and the window tests
     // no element; key groups test each against its key's rows [lo, hi).
@@ -438,7 +441,8 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
           // The logit rounded as the forward kernels round it (one FFMA; softcap:
           // tanh of s times scale / softcap), so that P is exactly 1 where a
           // row's max is its one key (a top-k window of 1).
-          float x, tanh_x = 0.0f;
+          float x;
+          [[maybe_unused]] float tanh_x = 0.0f;
           if constexpr (kSoftcap) {
             tanh_x = tanh_ex2(acc_s(e) * inner);
             x = softcap * tanh_x + key_bias[half];
@@ -451,13 +455,25 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
           // (x - max) first: x and max near the float32 limit would overflow times log2(e).
           const float4 row = st[qi];
           const float prob = exp2_ftz((x - row.x) * kLog2e) * row.y;
-          const float ds = prob * (acc_dp(e) - row.z);
           acc_s(e) = prob;
-          acc_dp(e) = kSoftcap ? ds * (1.0f - tanh_x * tanh_x) : ds;
-          if (key_sums) key_sum[half] += ds;
+          if constexpr (kSoftcap) {
+            const float ds = prob * (acc_dp(e) - row.z);
+            acc_dp(e) = ds * (1.0f - tanh_x * tanh_x);
+            if (key_sums) key_sum[half] += ds;
+          }
         }
 #pragma unroll
         for (int i = 0; i < kChunk; ++i) bias_now[i] = bias_next[i];
+      }
+      if constexpr (!kSoftcap) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dp);
+#pragma unroll
+        for (int e = 0; e < kAccS; ++e) {
+          const float ds = acc_s(e) * (acc_dp(e) - st[get<1>(cS(e))].z);
+          acc_dp(e) = ds;
+          if (key_sums) key_sum[e / 2 % 2] += ds;
+        }
       }
     };
     if (kKeyGroups || !whole || partial)
