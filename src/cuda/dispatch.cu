@@ -438,7 +438,7 @@ ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device) {
   // Split-KV where the grid leaves SMs idle.
   const int dtype = dtype_index(p);
   const std::int64_t blocks_m = (params.seqlen_q + plan.block_m - 1) / plan.block_m;
-  const int block_n = forward_block_n(instance.head_dim, plan.block_m);
+  const int block_n = forward_block_n(instance.head_dim);
   params.num_splits = choose_splits(blocks_m * params.heads * params.batch, (params.seqlen_k + block_n - 1) / block_n,
                                     device.sms, [&] { return device.sms * instance.ctas_per_sm[dtype](plan.kernel); });
   // The Hopper forward: top-k (with a mask or not) over the key lists (built

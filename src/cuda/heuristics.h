@@ -17,19 +17,27 @@ constexpr int forward_block_m(int head_dim) { return head_dim <= 128 ? 128 : 64;
 // Few query rows (decode, and decode with folded query heads) take the
 // smallest tile the four warps make: half the wasted rows of the 128-row tile.
 constexpr int kForwardDecodeRows = 16 * kForwardWarps;
-// 64 keys a tile where the registers allow (S and P of 128 x 64 next to O of
-// 128 x 128 just fit at D = 128); the 64-row tile (decode, bound by reading K
-// and V) takes 32, which keeps two CTAs an SM with its deeper pipeline.
-constexpr int forward_block_n(int head_dim, int block_m) {
-  return head_dim <= 64 || (head_dim <= 128 && block_m > kForwardDecodeRows) ? 64 : 32;
+// 64 keys a tile up to D = 128 (S and P of 128 x 64 next to O of 128 x 128
+// just fit at D = 128); above, 32 (the 64-row tile is every call's there). The
+// 64-row tile (decode, bound by reading K and V) took 32-key tiles in four
+// stages at D = 128 before: two CTAs an SM of 4 warps, each warp running
+// every tile's fixed part (barrier, cp.async issue, row reductions) for 32
+// keys. 64-key tiles in two stages (the same two CTAs an SM) took decode at
+// B = 4, Sk = 131072, 32 / 8 heads 0.741 -> 0.600 ms (H200); 32-key tiles with
+// three CTAs an SM 0.635, with four 0.619 (docs/kernels.md).
+constexpr int forward_block_n(int head_dim) { return head_dim <= 128 ? 64 : 32; }
+// The 64-row tile of a decode call up to D = 128 (kForwardDecodeRows; above,
+// the 64-row tile is every call's).
+constexpr bool forward_decode_tile(int head_dim, int block_m) {
+  return block_m == kForwardDecodeRows && head_dim <= 128;
 }
-// K/V tiles in flight: the 128-row tile is compute-bound and overlaps one load
-// with the block in hand; the 64-row tile (decode) is bound by reading K and V
-// and keeps three more blocks in flight up to D = 128. Above, the 64-row tile
-// is every call's and keeps two, so that its CTA fits the 99 KiB of sm_86 /
-// sm_89 (D = 256: 97.5 KiB; four stages took 163).
+// K/V stages: the 128-row tile is compute-bound and loads one tile while it
+// computes another. The decode tile takes the most stages that leave two CTAs
+// an SM: four up to D = 64 (76 KiB a CTA), two at D = 128 (82 KiB; four would
+// take 148). Above D = 128 the 64-row tile takes two, so that its CTA fits the
+// 99 KiB of sm_86 / sm_89 (D = 256: 97.5 KiB; four stages took 163).
 constexpr int forward_stages(int head_dim, int block_m) {
-  return block_m == kForwardDecodeRows && head_dim <= 128 ? 4 : 2;
+  return forward_decode_tile(head_dim, block_m) && head_dim <= 64 ? 4 : 2;
 }
 
 // ---- Hopper kernels (sm_90a: wgmma, TMA): their head dims ----

@@ -25,7 +25,8 @@ struct ForwardConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kWarps = kForwardWarps;
-  static constexpr int kBlockN = forward_block_n(kHeadDim, kBlockM);
+  static constexpr int kBlockN = forward_block_n(kHeadDim);
+  static constexpr bool kDecodeTile = forward_decode_tile(kHeadDim, kBlockM);
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRowsPerThread = 2 * kBlockM / (16 * kWarps);  // two rows per 16-row MMA tile
   static constexpr int kStages = forward_stages(kHeadDim, kBlockM);

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   float* const s_bias = reinterpret_cast<float*>(s_bits + kStages * kBlockM);
   int* const s_keys = reinterpret_cast<int*>(s_bias + kStages * kBlockN);
   // key_bias: AttentionParams::key_only_bias written out (the call compiles to other SASS here).
-  const bool key_bias = has_bias && p.bias.sr == 0, bias_chunks = kStages > 2 && key_bias && p.vector_bias && !has_mask;
+  const bool key_bias = has_bias && p.bias.sr == 0, bias_chunks = Config::kDecodeTile && key_bias && p.vector_bias && !has_mask;
   const bool extras_needed = has_mask || (has_bias && !bias_chunks);
   // The bias is held as its raw bits (float32 or Element) until the store: a
   // conversion next to the load would wait there for it, before S = Q K^T.
