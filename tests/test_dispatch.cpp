@@ -352,14 +352,23 @@ TEST_F(Dispatch, H100Deterministic) {
   EXPECT_FALSE(b.ordered_dq || b.params.atomic_dq || b.params.dq_blocks);
 }
 
-// Decode with grouped kv heads: the query heads folded into the 64-row tile.
+// Decode with grouped kv heads: the query heads folded into rows, at most 16
+// of them on the key-split tile, at most 64 on the 64-row tile.
 TEST_F(Dispatch, H100DecodeFoldsQueryHeads) {
   Call c;
   c.batch = 64, c.seqlen_q = 1, c.causal = false;
   const ForwardPlan f = c.forward(kH100);
-  EXPECT_EQ(f.kernel, ForwardKernel::kSm80Decode);
+  EXPECT_EQ(f.kernel, ForwardKernel::kSm80KeySplit);
+  EXPECT_EQ(f.block_m, 16);
   EXPECT_EQ(f.params.heads, 8);
   EXPECT_EQ(f.params.seqlen_q, 4);
+  Call chunk = c;  // more than one query row: the query heads stay apart
+  chunk.seqlen_q = 16;
+  EXPECT_EQ(chunk.forward(kH100).kernel, ForwardKernel::kSm80KeySplit);
+  chunk.seqlen_q = 17;
+  const ForwardPlan g = chunk.forward(kH100);
+  EXPECT_EQ(g.kernel, ForwardKernel::kSm80Decode);
+  EXPECT_EQ(g.block_m, 64);
 }
 
 // ---- The sm80-class devices: their tiles ----
@@ -459,7 +468,8 @@ TEST_F(Dispatch, PlansInWords) {
             "dbias written directly");
   Call decode;
   decode.batch = 64, decode.seqlen_q = 1, decode.causal = false;
-  EXPECT_TRUE(has(cuda::describe(decode.forward(kH100)), "sm80 kernel, 64 rows a CTA, 4 query heads folded into rows"));
+  EXPECT_TRUE(has(cuda::describe(decode.forward(kH100)),
+                  "sm80 kernel, 16 rows a CTA, the warps over the keys, 4 query heads folded into rows"));
   Call topk;
   topk.bias = Shape{1, 8, 1, 8192}, topk.keep = 1024, topk.deterministic = true;
   const std::string b = cuda::describe(topk.backward(kH100));

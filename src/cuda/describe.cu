@@ -36,6 +36,7 @@ std::string describe(const ForwardPlan& plan) {
     if (plan.persistent_ctas > 0) s += ", " + std::to_string(plan.persistent_ctas) + " persistent CTAs";
   } else {
     s += "sm80 kernel, " + std::to_string(plan.block_m) + " rows a CTA";
+    if (plan.kernel == ForwardKernel::kSm80KeySplit) s += ", the warps over the keys";
     if (plan.key_lists) s += ", key lists";
     if (p.num_splits > 1) s += ", " + std::to_string(p.num_splits) + " key splits";
     if (p.topk_fold > 1) s += ", " + std::to_string(p.topk_fold) + " query heads folded into rows";

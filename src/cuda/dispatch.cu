@@ -11,6 +11,7 @@
 //                                     D' = 128: by a producer warpgroup); a mask alone: packed with its tile classes
 //                                     (kMasked), no key lists
 //                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
+//                  sm80 kSm80KeySplit at most 16 of them
 //                  sm80 kSm80         everything else (128 rows a CTA; 64 above D = 128)
 //                  split-KV           grids that leave SMs idle (choose_splits), sm80 kernels only
 //   backward dq    sm80 kernel        always; with dq summed by the dk/dv kernel (by atomics:
@@ -139,7 +140,8 @@ struct Instance {
   int head_dim = 0;
   ForwardRun forward[2] = {};
   int (*ctas_per_sm[2])(ForwardKernel) = {};
-  int forward_smem = 0, decode_smem = 0;  // bytes of shared memory of a CTA of kSm80 and kSm80Decode
+  // Bytes of shared memory of a CTA of kSm80, kSm80Decode and kSm80KeySplit.
+  int forward_smem = 0, decode_smem = 0, key_split_smem = 0;
   BackwardRun backward[2] = {};           // none: this head dim has no backward (backward_compiled)
   // Bytes of shared memory of a CTA of the sm80 dq and dk/dv kernels: large tile, small tile.
   int dq_smem[2] = {}, dkv_smem[2] = {};
@@ -165,6 +167,7 @@ Instance make_instance() {
   i.ctas_per_sm[1] = &ForwardInstance<bfloat16_t, kHeadDim>::ctas_per_sm;
   i.forward_smem = ForwardConfig<half_t, kHeadDim>::kSmemBytes;
   i.decode_smem = ForwardConfig<half_t, kHeadDim, kForwardDecodeRows>::kSmemBytes;
+  i.key_split_smem = ForwardConfig<half_t, kHeadDim, kForwardKeySplitRows>::kSmemBytes;
   if constexpr (backward_compiled(kHeadDim)) {
     i.backward[0] = &BackwardInstance<half_t, kHeadDim>::run;
     i.backward[1] = &BackwardInstance<bfloat16_t, kHeadDim>::run;
@@ -325,7 +328,7 @@ const char* forward_sm90_refusal(const ForwardPlan& plan, const Instance& i, con
   const ForwardParams& p = plan.params;
   const BiasKind bias = p.bias_kind();
   if (!device.sm90a) return kNoSm90a;
-  if (plan.kernel != ForwardKernel::kSm80) return "at most 64 query rows: the sm80 decode tile";
+  if (plan.kernel != ForwardKernel::kSm80) return "at most 64 query rows: the sm80 decode tiles";
   if (i.forward_sm90_smem == 0) return kNoSm90HeadDim;
   if (p.num_splits != 1) return "split-KV (the grid leaves SMs idle): the sm80 kernel";
   if (!p.vector_q || !p.vector_k || !p.vector_v) return "q, k or v rows not in 16-byte chunks";
@@ -429,12 +432,14 @@ ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device) {
   plan_selection(p, plan);
   plan.key_lists = params.mask.data != nullptr || plan.selection != DeviceSelection::kNone;
 
-  // The sm80 tile: 64 rows for few query rows where the head dim's tile is taller.
+  // The sm80 tile: for few query rows where the head dim's tile is taller, 64
+  // rows, or 16 with the warps over the keys.
   const bool decode = forward_block_m(instance.head_dim) > kForwardDecodeRows && params.seqlen_q <= kForwardDecodeRows;
-  plan.kernel = decode ? ForwardKernel::kSm80Decode : ForwardKernel::kSm80;
-  plan.block_m = decode ? kForwardDecodeRows : forward_block_m(instance.head_dim);
-  check_smem(decode ? instance.decode_smem : instance.forward_smem, device, p, instance, "forward",
-             decode ? "64-row forward kernel" : "forward kernel");
+  const bool key_split = decode && params.seqlen_q <= kForwardKeySplitRows;
+  plan.kernel = key_split ? ForwardKernel::kSm80KeySplit : decode ? ForwardKernel::kSm80Decode : ForwardKernel::kSm80;
+  plan.block_m = key_split ? kForwardKeySplitRows : decode ? kForwardDecodeRows : forward_block_m(instance.head_dim);
+  check_smem(key_split ? instance.key_split_smem : decode ? instance.decode_smem : instance.forward_smem, device, p,
+             instance, "forward", key_split ? "16-row forward kernel" : decode ? "64-row forward kernel" : "forward kernel");
   // Split-KV where the grid leaves SMs idle.
   const int dtype = dtype_index(p);
   const std::int64_t blocks_m = (params.seqlen_q + plan.block_m - 1) / plan.block_m;

@@ -44,6 +44,7 @@ enum class ForwardKernel {
   kSm90,        // Hopper: D' = 64 or 128 (D <= D'), wgmma and TMA, a mask by tile classes (fwd/kernel_sm90.cuh)
   kSm80,        // sm80-class, 128 query rows a CTA (64 above D = 128) (fwd/kernel_sm80.cuh)
   kSm80Decode,  // sm80-class, 64 query rows a CTA, deeper K/V pipeline: few query rows
+  kSm80KeySplit,  // sm80-class, 16 query rows a CTA, the warps over the keys: at most 16 query rows
 };
 
 struct ForwardPlan;

@@ -15,8 +15,15 @@ constexpr int kForwardWarps = 4;
 // threads) then takes ~128 registers a thread; wider heads halve the rows.
 constexpr int forward_block_m(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 // Few query rows (decode, and decode with folded query heads) take the
-// smallest tile the four warps make: half the wasted rows of the 128-row tile.
+// smallest tile the four warps make over the rows: half the wasted rows of the
+// 128-row tile.
 constexpr int kForwardDecodeRows = 16 * kForwardWarps;
+// At most 16 query rows (one query row with up to 16 query heads folded in)
+// take the key-split tile: 16 rows, each warp a quarter of every key tile with
+// its own online softmax, the warps' partial rows added at the end. On the
+// 64-row tile three of the four warps held no real row of such a call, yet
+// each read the whole K and V tile from shared memory and multiplied it.
+constexpr int kForwardKeySplitRows = 16;
 // 64 keys a tile up to D = 128 (S and P of 128 x 64 next to O of 128 x 128
 // just fit at D = 128); above, 32 (the 64-row tile is every call's there). The
 // 64-row tile (decode, bound by reading K and V) took 32-key tiles in four
@@ -26,10 +33,10 @@ constexpr int kForwardDecodeRows = 16 * kForwardWarps;
 // B = 4, Sk = 131072, 32 / 8 heads 0.741 -> 0.600 ms (H200); 32-key tiles with
 // three CTAs an SM 0.635, with four 0.619 (docs/kernels.md).
 constexpr int forward_block_n(int head_dim) { return head_dim <= 128 ? 64 : 32; }
-// The 64-row tile of a decode call up to D = 128 (kForwardDecodeRows; above,
-// the 64-row tile is every call's).
+// The tiles of a decode call up to D = 128 (kForwardDecodeRows and
+// kForwardKeySplitRows; above, the 64-row tile is every call's).
 constexpr bool forward_decode_tile(int head_dim, int block_m) {
-  return block_m == kForwardDecodeRows && head_dim <= 128;
+  return block_m <= kForwardDecodeRows && head_dim <= 128;
 }
 // K/V stages: the 128-row tile is compute-bound and loads one tile while it
 // computes another. The decode tile takes the most stages that leave two CTAs

@@ -94,6 +94,13 @@ std::vector<Case> forward_matrix(bool small) {
     dec.bias_shape = {1, dec.Hk, 1, dec.Sk};
     dec.name = name(dec, "small decode (split-KV)");
     cases.push_back(dec);
+    Case few;  // the key-split tile: a warp whose keys no row sees (not from base: the later cases keep their heads)
+    few.dtype = few.bias_dtype = DType::kFloat16;
+    few.Sq = 5, few.Sk = 37, few.B = 2, few.H = 8, few.Hk = 2;
+    few.options.causal = true;
+    few.bias_shape = {1, few.Hk, 1, few.Sk};
+    few.name = name(few, "small decode, few keys");
+    cases.push_back(few);
     Case v = base(1, 1, DType::kFloat16);
     v.seqlens_q = {5, 70}, v.seqlens_k = {9, 130};
     v.bias_shape = {139, v.Hk};

@@ -28,7 +28,17 @@ struct ForwardConfig {
   static constexpr int kBlockN = forward_block_n(kHeadDim);
   static constexpr bool kDecodeTile = forward_decode_tile(kHeadDim, kBlockM);
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kRowsPerThread = 2 * kBlockM / (16 * kWarps);  // two rows per 16-row MMA tile
+  // The key-split tile (kForwardKeySplitRows): the warps lie over the keys of
+  // a tile, kWarpKeys each, every warp over all the rows; the other tiles lie
+  // over the rows, every warp over all the keys.
+  static constexpr bool kKeySplit = kBlockM == kForwardKeySplitRows;
+  static constexpr int kKeyWarps = kKeySplit ? kWarps : 1, kRowWarps = kWarps / kKeyWarps;
+  static constexpr int kWarpKeys = kBlockN / kKeyWarps;
+  static constexpr int kRowsPerThread = 2 * kBlockM / (16 * kRowWarps);  // two rows per 16-row MMA tile
+  // CTAs an SM the registers must allow: the key-split tile's accumulators are
+  // small and its CTA (~70 KiB) fits three times, which ptxas's 187 registers
+  // at D = 64 would not allow.
+  static constexpr int kMinCtas = kKeySplit ? 3 : 1;
   static constexpr int kStages = forward_stages(kHeadDim, kBlockM);
   // Shared memory rows of 64 elements (128 bytes) swizzled so that ldmatrix is
   // conflict-free; heads that are not a multiple of 64 use 32-element rows.
@@ -37,17 +47,26 @@ struct ForwardConfig {
 
   using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
                                    cute::SM80_16x8x16_F32BF16BF16F32_TN>;
-  // Warp w owns rows 16 w + 16 kWarps m + (0..15) of the tile (m < kBlockM / (16 kWarps)).
-  using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::Int<kWarps>, cute::_1, cute::_1>>,
-                                  cute::Tile<cute::Int<16 * kWarps>, cute::_16, cute::_16>>;
+  // Warp w owns rows 16 w + 16 kWarps m + (0..15) of the tile (m < kBlockM /
+  // (16 kWarps)); on the key-split tile each warp is an MMA of its own (every
+  // row; the thread's index in it is its lane).
+  using TiledMma = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::Int<kRowWarps>, cute::_1, cute::_1>>,
+                                  cute::Tile<cute::Int<16 * kRowWarps>, cute::_16, cute::_16>>;
   using SmemAtom = decltype(cute::composition(
       cute::Swizzle<kSwizzleBits, 3, 3>{},
       cute::Layout<cute::Shape<cute::_8, cute::Int<kSmemRow>>, cute::Stride<cute::Int<kSmemRow>, cute::_1>>{}));
   using SmemLayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
-  // V seen as (feature, key): the B operand of P @ V, read with transposing ldmatrix.
+  // A K or V tile, and the keys of one warp (kWarpKeys rows from the warp's
+  // first times kHeadDim elements on: the key-split tile lays its swizzle
+  // atoms out row by row, so that a warp's rows are one contiguous block).
+  using KvOrder = std::conditional_t<kKeySplit, cute::Step<cute::_2, cute::_1>, cute::Step<cute::_1, cute::_2>>;
+  using SmemLayoutKV =
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}, KvOrder{}));
+  using SmemLayoutWarpKV =
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kWarpKeys>, cute::Int<kHeadDim>>{}, KvOrder{}));
+  // A warp's V seen as (feature, key): the B operand of P @ V, read with transposing ldmatrix.
   using SmemLayoutVt = decltype(cute::composition(
-      SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+      SmemLayoutWarpKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kWarpKeys>>{}, cute::GenRowMajor{})));
   using LdsmAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
   using LdsmAtomT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
 
@@ -57,6 +76,13 @@ struct ForwardConfig {
   static constexpr int kExtrasBytes = kStages * (kBlockM * 8 + kBlockN * 8);
   static constexpr int kSmemBytes =
       (kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + kExtrasBytes;
+  // The key-split tile adds its warps' partial rows through the K and V stages
+  // at the end: each warp's O (in its accumulators' register order), then the
+  // rows' maxima and sums.
+  static constexpr int kPartialFloats = kWarps * 32 * (kBlockM * kHeadDim / 32) + 2 * kWarps * kBlockM;
+  static_assert(!kKeySplit || (kPartialFloats * 4 <= 2 * kStages * kTileElems * int(sizeof(Element)) &&
+                               kWarpKeys % 16 == 0),
+                "the key-split tile's partial rows fit its K and V stages; a warp's keys are whole MMA k-steps");
 };
 
 template <class Element_, int kHeadDim_>

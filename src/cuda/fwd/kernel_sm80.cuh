@@ -76,7 +76,7 @@ __device__ void load_dense_rows(SmemTensor&& s, const typename Config::Element* 
 }
 
 template <class Config>
-__global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const ForwardParams p) {
+__global__ void __launch_bounds__(Config::kThreads, Config::kMinCtas) forward_kernel(const ForwardParams p) {
   using namespace cute;
   using Element = typename Config::Element;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kStages = Config::kStages;
@@ -125,6 +125,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   const auto sV0 = sK0 + kStages * Config::kTileElems;
   auto stage_k = [&](int s) { return make_tensor(sK0 + s * Config::kTileElems, typename Config::SmemLayoutKV{}); };
   auto stage_v = [&](int s) { return make_tensor(sV0 + s * Config::kTileElems, typename Config::SmemLayoutKV{}); };
+  // The MMAs' warps: over the rows, or (the key-split tile) each over its
+  // kWarpKeys keys of a tile, from key column warp_key0, its MMA indexed by lane.
+  constexpr bool kKeySplit = Config::kKeySplit;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned mma_tid = kKeySplit ? threadIdx.x % 32 : threadIdx.x;
+  const int warp_key0 = kKeySplit ? warp * Config::kWarpKeys : 0;
+  auto warp_k = [&](int s) {
+    return make_tensor(sK0 + s * Config::kTileElems + warp_key0 * Config::kHeadDim, typename Config::SmemLayoutWarpKV{});
+  };
+  auto warp_vt = [&](int s) {
+    return make_tensor(sV0 + s * Config::kTileElems + warp_key0 * Config::kHeadDim, typename Config::SmemLayoutVt{});
+  };
   // Per stage, what a tile needs besides K and V, fetched into registers with the
   // tile's K and V and stored after its S = Q K^T, so that no thread waits on
   // them: the tile's mask bits by row, the key-only bias, the key of each column.
@@ -191,17 +203,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   };
 
   typename Config::TiledMma mma;
-  auto thr_mma = mma.get_thread_slice(threadIdx.x);
+  auto thr_mma = mma.get_thread_slice(mma_tid);
   Tensor tSrQ = thr_mma.partition_fragment_A(sQ);                  // (MMA, MMA_M, MMA_K)
-  Tensor tSrK = thr_mma.partition_fragment_B(stage_k(0));          // (MMA, MMA_N, MMA_K)
-  Tensor tOrVt = thr_mma.partition_fragment_B(
-      make_tensor(sV0, typename Config::SmemLayoutVt{}));          // (MMA, MMA_D, MMA_N)
+  Tensor tSrK = thr_mma.partition_fragment_B(warp_k(0));           // (MMA, MMA_N, MMA_K)
+  Tensor tOrVt = thr_mma.partition_fragment_B(warp_vt(0));         // (MMA, MMA_D, MMA_N)
   auto copy_q = make_tiled_copy_A(typename Config::LdsmAtom{}, mma);
   auto copy_k = make_tiled_copy_B(typename Config::LdsmAtom{}, mma);
   auto copy_v = make_tiled_copy_B(typename Config::LdsmAtomT{}, mma);
-  auto ldsm_q = copy_q.get_thread_slice(threadIdx.x);
-  auto ldsm_k = copy_k.get_thread_slice(threadIdx.x);
-  auto ldsm_v = copy_v.get_thread_slice(threadIdx.x);
+  auto ldsm_q = copy_q.get_thread_slice(mma_tid);
+  auto ldsm_k = copy_k.get_thread_slice(mma_tid);
+  auto ldsm_v = copy_v.get_thread_slice(mma_tid);
   Tensor tSsQ = ldsm_q.partition_S(sQ);
   Tensor tSrQv = ldsm_q.retile_D(tSrQ);
   Tensor tSrKv = ldsm_k.retile_D(tSrK);
@@ -210,10 +221,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
   Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<Config::kHeadDim>>{});  // ((2, 2), MMA_M, MMA_D)
   clear(acc_o);
   // The thread's accumulator element ((c, half), m, nn) is tile row
-  // row_of(m, half) and column 8 nn + col_base + c (the mma.sync C layout).
-  const int lane = threadIdx.x % 32;
-  const int col_base = 2 * (lane % 4);
-  auto row_of = [&](int m, int half) { return 16 * (threadIdx.x / 32) + 16 * Config::kWarps * m + lane / 4 + 8 * half; };
+  // row_of(m, half) and column 8 nn + col_base + c (the mma.sync C layout): of
+  // O a feature, of S key column key_base + 8 nn + c of the tile.
+  const int col_base = 2 * (lane % 4), key_base = warp_key0 + col_base;
+  auto row_of = [&](int m, int half) {
+    return (kKeySplit ? 0 : 16 * (threadIdx.x / 32)) + 16 * Config::kRowWarps * m + lane / 4 + 8 * half;
+  };
   float row_max[kRows], row_sum[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) row_max[r] = -kInf, row_sum[r] = 0.0f;
@@ -276,8 +289,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     if (!has_mask) cute::cp_async_fence();
     const std::int64_t col0 = std::int64_t{n} * kBlockN;
 
-    Tensor tSsK = ldsm_k.partition_S(stage_k(stage));
-    Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor tSsK = ldsm_k.partition_S(warp_k(stage));
+    Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<Config::kWarpKeys>>{});
     clear(acc_s);
     gemm_ss(mma, acc_s, copy_q, tSsQ, tSrQ, tSrQv, copy_k, tSsK, tSrK, tSrKv);
     if (has_mask) {
@@ -298,13 +311,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     }
     if (key_bias) {  // one value per key, staged in shared memory
       const float pre = softcap > 0.0f ? 1.0f : scale;
-      const float* bias_cols = s_bias + stage * kBlockN + col_base;
-      const auto* copied = reinterpret_cast<const std::uint16_t*>(s_bias + stage * kBlockN) + col_base;
+      const float* bias_cols = s_bias + stage * kBlockN + key_base;
+      const auto* copied = reinterpret_cast<const std::uint16_t*>(s_bias + stage * kBlockN) + key_base;
       const bool copied16 = bias_chunks && !p.bias_float32;
 #pragma unroll
       for (int nn = 0; nn < size<2>(acc_s); ++nn) {
         float2 value;
-        if (copied16) {  // columns col_base, col_base + 1 in one word
+        if (copied16) {  // columns key_base, key_base + 1 in one word
           const std::uint32_t pair = *reinterpret_cast<const std::uint32_t*>(copied + 8 * nn);
           value.x = static_cast<float>(Element::bitcast(static_cast<std::uint16_t>(pair)));
           value.y = static_cast<float>(Element::bitcast(static_cast<std::uint16_t>(pair >> 16)));
@@ -323,7 +336,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       }
     } else if (has_bias) {
       const int rows = clamp_to_tile(sq - row0);
-      const int* keys = s_keys + stage * kBlockN + col_base;
+      const int* keys = s_keys + stage * kBlockN + key_base;
       auto add_bias = [&](auto* bias) {
 #pragma unroll
         for (int m = 0; m < size<1>(acc_s); ++m)
@@ -356,7 +369,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       for (int m = 0; m < size<1>(acc_s); ++m)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const std::uint64_t allowed = s_bits[stage * kBlockM + row_of(m, half)] >> col_base;
+          const std::uint64_t allowed = s_bits[stage * kBlockM + row_of(m, half)] >> key_base;
 #pragma unroll
           for (int nn = 0; nn < size<2>(acc_s); ++nn)
 #pragma unroll
@@ -381,7 +394,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
           for (int nn = 0; nn < size<2>(acc_s); ++nn)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const int col = 8 * nn + col_base + c;
+              const int col = 8 * nn + key_base + c;
               if (col < first || col > last) acc_s(make_coord(c, half), m, nn) = -kInf;
             }
         }
@@ -456,7 +469,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
     // P in the A-operand register layout.
     Tensor tOrP = to_a_operand<Element>(acc_s);
 
-    Tensor tOsVt = ldsm_v.partition_S(make_tensor(sV0 + stage * Config::kTileElems, typename Config::SmemLayoutVt{}));
+    Tensor tOsVt = ldsm_v.partition_S(warp_vt(stage));
     copy(copy_v, tOsVt(_, _, 0), tOrVtv(_, _, 0));
 #pragma unroll
     for (int kk = 0; kk < size<2>(tOrP); ++kk) {
@@ -464,6 +477,62 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
       gemm(mma, tOrP(_, _, kk), tOrVt(_, _, kk), acc_o);
     }
     stage = (stage + 1) % kStages;
+  }
+
+  // The rows' sums over the CTA's keys. On the key-split tile each warp's
+  // (max, sum, O) holds for its keys as any max of the online softmax does:
+  // weighed by exp2((max_w - top) c), top the row's largest (the exponent
+  // first: both near the float32 limit would overflow), the warps' O and sums
+  // add up in warp order into warp 0's, which writes the rows.
+  float row_total[kRows];  // the key-split tile's (the other tiles sum each row in the epilogue)
+  if constexpr (kKeySplit) {
+    static_assert(kRows == 2, "one 16-row MMA tile");
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) row_total[r] = quad_sum(row_sum[r]);
+    constexpr int kAccFloats = decltype(size(acc_o))::value;
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the K and V stages, which take the partial rows now
+    // Element e of lane l of warp w's O at (w kAccFloats + e) 32 + l; then the
+    // maxima and the sums of the rows, by warp.
+    float* const partial_o = reinterpret_cast<float*>(raw_pointer_cast(sK0));
+    float* const partial_max = partial_o + Config::kWarps * kAccFloats * 32;
+    float* const partial_sum = partial_max + Config::kWarps * kBlockM;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      if (lane % 4 == 0) {
+        partial_max[warp * kBlockM + row_of(0, half)] = row_max[half];
+        partial_sum[warp * kBlockM + row_of(0, half)] = row_total[half];
+      }
+    __syncthreads();
+    float own[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row_of(0, half);
+      float top = -kInf, total = 0.0f;
+#pragma unroll
+      for (int w = 0; w < Config::kWarps; ++w) top = fmaxf(top, partial_max[w * kBlockM + row]);
+      auto weight = [&](float max_w) { return max_w == -kInf ? 0.0f : exp2_ftz((max_w - top) * c_log2); };
+#pragma unroll
+      for (int w = 0; w < Config::kWarps; ++w)
+        total += weight(partial_max[w * kBlockM + row]) * partial_sum[w * kBlockM + row];
+      own[half] = weight(row_max[half]);
+      row_max[half] = top, row_total[half] = total;
+    }
+    auto element = [&](int e) -> float& { return acc_o(make_coord(e % 2, e / 2 % 2), 0, e / 4); };
+    if (warp != 0) {
+#pragma unroll
+      for (int e = 0; e < kAccFloats; ++e)
+        partial_o[(warp * kAccFloats + e) * 32 + lane] = element(e) * own[e / 2 % 2];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int e = 0; e < kAccFloats; ++e) {
+      float x = element(e) * own[e / 2 % 2];
+#pragma unroll
+      for (int w = 1; w < Config::kWarps; ++w) x += partial_o[(w * kAccFloats + e) * 32 + lane];
+      element(e) = x;
+    }
   }
 
   // Epilogue: o = acc / sum (0 for a row with no allowed key), lse = max + log(sum).
@@ -479,7 +548,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) forward_kernel(const Forw
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = 2 * m + half;
-      const float sum = quad_sum(row_sum[r]);
+      const float sum = kKeySplit ? row_total[r] : quad_sum(row_sum[r]);
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       const int row = row_of(m, half);
       if (row0 + row >= sq) continue;

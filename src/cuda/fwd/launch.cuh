@@ -49,6 +49,8 @@ template <class Element, int kHeadDim>
 int ForwardInstance<Element, kHeadDim>::ctas_per_sm(ForwardKernel kernel) {
   if (kernel == ForwardKernel::kSm80Decode)
     return prepare_forward_kernel<ForwardConfig<Element, kHeadDim, kForwardDecodeRows>>();
+  if (kernel == ForwardKernel::kSm80KeySplit)
+    return prepare_forward_kernel<ForwardConfig<Element, kHeadDim, kForwardKeySplitRows>>();
   return prepare_forward_kernel<ForwardConfig<Element, kHeadDim>>();
 }
 
@@ -111,6 +113,7 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
         return cudaGetLastError();
       }
       break;
+    case ForwardKernel::kSm80KeySplit:
     case ForwardKernel::kSm80Decode:
     case ForwardKernel::kSm80: {
       const auto launch = [&](auto config) {
@@ -120,6 +123,8 @@ cudaError_t launch_forward_kernel(const ForwardPlan& plan, const ForwardParams& 
                                  stream>>>(p);
         return cudaGetLastError();
       };
+      if (plan.kernel == ForwardKernel::kSm80KeySplit)
+        return launch(ForwardConfig<Element, kHeadDim, kForwardKeySplitRows>{});
       return plan.kernel == ForwardKernel::kSm80Decode ? launch(ForwardConfig<Element, kHeadDim, kForwardDecodeRows>{})
                                                        : launch(ForwardConfig<Element, kHeadDim>{});
     }
