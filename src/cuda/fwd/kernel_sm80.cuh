@@ -6,6 +6,9 @@
 // block may see; the CTA then walks only those keys, gathered 64 a tile (a
 // top-k selection lets a block see a small, scattered part of the keys). Grids too small to fill the GPU (decode) split
 // the keys over several CTAs and merge them in a combine kernel (fwd/combine.cu).
+// The warps lie over the rows (16 each), or on the key-split tile of decode
+// (ForwardConfig::kKeySplit: 16 rows) over the keys of each tile, each with its
+// own online softmax, their partial rows added before the epilogue.
 #pragma once
 
 #include <cute/tensor.hpp>
