@@ -352,11 +352,29 @@ TEST_F(Dispatch, H100Deterministic) {
   EXPECT_FALSE(b.ordered_dq || b.params.atomic_dq || b.params.dq_blocks);
 }
 
+// Key splits: a grid that leaves SMs idle fills one wave; a decode grid of
+// more than one wave whose last wave is at most half full takes the splits (at
+// most 4, each at least 4 key blocks) of the fewest waves per unit of work;
+// other grids none.
+TEST(ChooseSplits, WavesOfTheDecodeTiles) {
+  const auto slots = [] { return std::int64_t{396}; };  // 132 SMs x 3 CTAs
+  EXPECT_EQ(cuda::choose_splits(32, 2048, 132, true, slots), 12);
+  EXPECT_EQ(cuda::choose_splits(32, 2048, 132, false, slots), 12);
+  EXPECT_EQ(cuda::choose_splits(256, 128, 132, true, slots), 1);   // one wave
+  EXPECT_EQ(cuda::choose_splits(512, 64, 132, true, slots), 3);    // 2 waves; 3, 4 or 6 for 2, 3, 4 splits
+  EXPECT_EQ(cuda::choose_splits(512, 64, 132, false, slots), 1);   // not a decode tile
+  EXPECT_EQ(cuda::choose_splits(512, 8, 132, true, slots), 2);     // 4 key blocks a split at least
+  EXPECT_EQ(cuda::choose_splits(792, 64, 132, true, slots), 1);    // whole waves already
+  EXPECT_EQ(cuda::choose_splits(1024, 64, 132, true, slots), 1);   // the last wave 59% full
+  EXPECT_EQ(cuda::choose_splits(990, 64, 132, true, slots), 2);    // ... 50%: 5, 8 or 10 waves for 2, 3, 4 splits
+  EXPECT_EQ(cuda::choose_splits(512, 7, 132, true, slots), 1);     // too few key blocks to split
+}
+
 // Decode with grouped kv heads: the query heads folded into rows, at most 16
 // of them on the key-split tile, at most 64 on the 64-row tile.
 TEST_F(Dispatch, H100DecodeFoldsQueryHeads) {
-  Call c;
-  c.batch = 64, c.seqlen_q = 1, c.causal = false;
+  Call c;  // fewer than 8 key blocks: no split, no occupancy query (no GPU here)
+  c.batch = 64, c.seqlen_q = 1, c.seqlen_k = 448, c.causal = false;
   const ForwardPlan f = c.forward(kH100);
   EXPECT_EQ(f.kernel, ForwardKernel::kSm80KeySplit);
   EXPECT_EQ(f.block_m, 16);
@@ -425,7 +443,7 @@ TEST_F(Dispatch, WhyNotTheHopperKernel) {
   Call per_row;
   per_row.bias = Shape{1, 8, 8192, 1};
   Call decode;
-  decode.batch = 64, decode.seqlen_q = 1, decode.causal = false;
+  decode.batch = 64, decode.seqlen_q = 1, decode.seqlen_k = 448, decode.causal = false;
   const std::pair<Call, const char*> forward[] = {{f32, "float32 full bias"},
                                                   {masked_bias, "full bias with a mask or top-k"},
                                                   {per_row, "per-row bias"},
@@ -467,7 +485,7 @@ TEST_F(Dispatch, PlansInWords) {
             "backward, D' = 128: dk/dv Hopper kernel, bias-tile walk; dq added by atomics in the dk/dv kernel; "
             "dbias written directly");
   Call decode;
-  decode.batch = 64, decode.seqlen_q = 1, decode.causal = false;
+  decode.batch = 64, decode.seqlen_q = 1, decode.seqlen_k = 448, decode.causal = false;
   EXPECT_TRUE(has(cuda::describe(decode.forward(kH100)),
                   "sm80 kernel, 16 rows a CTA, the warps over the keys, 4 query heads folded into rows"));
   Call topk;

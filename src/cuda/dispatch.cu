@@ -13,7 +13,8 @@
 //                  sm80 kSm80Decode   at most 64 query rows (after decode folds query heads), D <= 128
 //                  sm80 kSm80KeySplit at most 16 of them
 //                  sm80 kSm80         everything else (128 rows a CTA; 64 above D = 128)
-//                  split-KV           grids that leave SMs idle (choose_splits), sm80 kernels only
+//                  split-KV           grids that leave SMs idle, decode grids whose last wave is part empty
+//                                     (choose_splits), sm80 kernels only
 //   backward dq    sm80 kernel        always; with dq summed by the dk/dv kernel (by atomics:
 //                                     deterministic = false, D % 64 == 0; ordered: the Hopper dense
 //                                     walk) it only recomputes the row statistics that need it
@@ -445,7 +446,8 @@ ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device) {
   const std::int64_t blocks_m = (params.seqlen_q + plan.block_m - 1) / plan.block_m;
   const int block_n = forward_block_n(instance.head_dim);
   params.num_splits = choose_splits(blocks_m * params.heads * params.batch, (params.seqlen_k + block_n - 1) / block_n,
-                                    device.sms, [&] { return device.sms * instance.ctas_per_sm[dtype](plan.kernel); });
+                                    device.sms, decode,
+                                    [&] { return device.sms * instance.ctas_per_sm[dtype](plan.kernel); });
   // The Hopper forward: top-k (with a mask or not) over the key lists (built
   // for its 128-row blocks); a mask alone by its tile classes and bits. The
   // mask's one pass costs less than the lists' two, and on a dense mask its

@@ -351,6 +351,16 @@ std::vector<Case> forward_matrix(bool small) {
     c.name = name(c, "decode");
     cases.push_back(c);
   }
+  // A decode grid of more than one wave (512 CTAs, 18 key blocks): split for
+  // whole waves where the GPU holds fewer CTAs at once (3 splits at 396).
+  {
+    Case c;  // not from base: the later cases keep their heads
+    c.dtype = c.bias_dtype = DType::kBFloat16;
+    c.B = 32, c.H = c.Hk = 16, c.Sq = 1, c.Sk = 1100;
+    c.bias_shape = {c.B, c.Hk, 1, c.Sk};
+    c.name = name(c, "decode, a grid of more than one wave");
+    cases.push_back(c);
+  }
   // Decode with one query row and grouped kv heads: the query heads of a kv head
   // are folded into the rows of one CTA. Per-head, per-kv-head and shared masks
   // and biases, strided q/out, MQA, no lse; a sliding window is not folded.

@@ -26,7 +26,8 @@ namespace dmattn::cuda {
 // and returns how many of its CTAs an SM holds with it, once a device (a
 // decode call is short enough for these queries to show). Every launch of
 // the kernel calls it first: the dispatch asks for the count only where a
-// grid leaves SMs idle (choose_splits), so it cannot be what raises the limit.
+// grid leaves SMs idle or a decode grid fills them (choose_splits), so it
+// cannot be what raises the limit.
 template <class Config>
 int prepare_forward_kernel() {
   constexpr int kDevices = 64;
