@@ -436,11 +436,19 @@ ForwardPlan plan_forward(const Problem& p, const DeviceInfo& device) {
   // The sm80 tile: for few query rows where the head dim's tile is taller, 64
   // rows, or 16 with the warps over the keys.
   const bool decode = forward_block_m(instance.head_dim) > kForwardDecodeRows && params.seqlen_q <= kForwardDecodeRows;
-  const bool key_split = decode && params.seqlen_q <= kForwardKeySplitRows;
-  plan.kernel = key_split ? ForwardKernel::kSm80KeySplit : decode ? ForwardKernel::kSm80Decode : ForwardKernel::kSm80;
-  plan.block_m = key_split ? kForwardKeySplitRows : decode ? kForwardDecodeRows : forward_block_m(instance.head_dim);
-  check_smem(key_split ? instance.key_split_smem : decode ? instance.decode_smem : instance.forward_smem, device, p,
-             instance, "forward", key_split ? "16-row forward kernel" : decode ? "64-row forward kernel" : "forward kernel");
+  struct Sm80Tile {
+    ForwardKernel kernel;
+    int rows, smem;
+    const char* name;
+  };
+  const Sm80Tile tile =
+      !decode ? Sm80Tile{ForwardKernel::kSm80, forward_block_m(instance.head_dim), instance.forward_smem, "forward kernel"}
+      : params.seqlen_q <= kForwardKeySplitRows
+          ? Sm80Tile{ForwardKernel::kSm80KeySplit, kForwardKeySplitRows, instance.key_split_smem, "16-row forward kernel"}
+          : Sm80Tile{ForwardKernel::kSm80Decode, kForwardDecodeRows, instance.decode_smem, "64-row forward kernel"};
+  plan.kernel = tile.kernel;
+  plan.block_m = tile.rows;
+  check_smem(tile.smem, device, p, instance, "forward", tile.name);
   // Split-KV where the grid leaves SMs idle.
   const int dtype = dtype_index(p);
   const std::int64_t blocks_m = (params.seqlen_q + plan.block_m - 1) / plan.block_m;
