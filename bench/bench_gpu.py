@@ -80,6 +80,7 @@ class Spec:
     api: str = "attention"  # or "flash_dmattn_func" (the seed's entry point)
     smem_cap: int = 0  # KiB: dmattn's sm80-class kernels forced, the shared memory capped (0: the device's own)
     graph: bool = False  # dmattn also timed as a replayed CUDA graph (the GPU's time, without the host's)
+    together: str = ""  # consecutive specs of one label: measured in interleaved rounds (a target's ratio of them)
     systems: Tuple[str, ...] = ALL
 
     @property
@@ -121,17 +122,19 @@ SHAPES = [  # the Hopper issue's table, in its order
     Spec("D=64, 32/8 heads, S=16384", head_dim=64, systems=PEERS),
     Spec("D=64, 16/4 heads, B=16, S=2048", batch=16, sq=2048, heads=16, kv_heads=4, head_dim=64, systems=PEERS),
     *(Spec(f"D={d}, 32/8 heads, S=8192", sq=8192, head_dim=d, systems=PEERS) for d in (96, 192, 256)),
-    Spec("key bias, varlen 8 x 2048", sq=2048, varlen=8, bias="key", systems=("dmattn",)),
-    Spec("key bias, B=8, S=2048", batch=8, sq=2048, bias="key", systems=("dmattn",)),
-    Spec("key bias, S=16384", bias="key", systems=("dmattn",)),
-    Spec("softcap 30 + key bias, S=16384", bias="key", softcap=30.0, systems=("dmattn",)),
-    Spec("deterministic, key bias, S=16384", bias="key", deterministic=True, systems=("dmattn",)),
+    Spec("key bias, varlen 8 x 2048", sq=2048, varlen=8, bias="key", systems=("dmattn",), together="varlen"),
+    Spec("key bias, B=8, S=2048", batch=8, sq=2048, bias="key", systems=("dmattn",), together="varlen"),
+    Spec("key bias, S=16384", bias="key", systems=("dmattn",), together="options"),
+    Spec("softcap 30 + key bias, S=16384", bias="key", softcap=30.0, systems=("dmattn",), together="options"),
+    Spec("deterministic, key bias, S=16384", bias="key", deterministic=True, systems=("dmattn",),
+         together="options"),
     Spec("bool mask ~50% + key bias, (1, 8, 8192, 8192)", sq=8192, bias="key", mask="random",
          systems=("dmattn", "FlexAttention")),
     Spec("flash_dmattn_func, top-1024 mask + key bias, S=16384", bias="key", mask="top", api="flash_dmattn_func",
          systems=("dmattn",)),
-    Spec("no bias, S=8192", sq=8192, systems=("dmattn",)),
-    Spec("full 4-D bias (1, 8, 8192, 8192) with dbias", sq=8192, bias="full", systems=("dmattn",)),
+    Spec("no bias, S=8192", sq=8192, systems=("dmattn",), together="full bias"),
+    Spec("full 4-D bias (1, 8, 8192, 8192) with dbias", sq=8192, bias="full", systems=("dmattn",),
+         together="full bias"),
     Spec("sliding window (1023, 0) + key bias, S=16384", bias="key", window=(1023, 0),
          systems=("dmattn", "FlexAttention")),
 ]
@@ -387,11 +390,14 @@ def measured_at(meta, build=True):
 
 
 def shape_groups(specs):
-    """The specs in order as lists measured together: consecutive specs of one shape whose calls the host
-    bounds (`graph`) form one list, measured in ROUNDS interleaved rounds; any other spec is a list of its own."""
+    """The specs in order as lists measured together, in ROUNDS interleaved rounds: consecutive specs of one
+    shape whose calls the host bounds (`graph`), or of one `together` label (rows a target compares, whose
+    ratio a slow stretch of the GPU would otherwise skew); any other spec is a list of its own."""
     groups = []
     for spec in specs:
-        if spec.graph and groups and groups[-1][0].graph and _shape(groups[-1][0]) == _shape(spec):
+        last = groups[-1][0] if groups else None
+        if last is not None and ((spec.graph and last.graph and _shape(last) == _shape(spec)) or
+                                 (spec.together and spec.together == last.together)):
             groups[-1].append(spec)
         else:
             groups.append([spec])

@@ -178,3 +178,14 @@ def test_measured_apart_names_rows_of_another_build():
         row["measured"] = measured
     lines = bench_report.measured_apart(suite)
     assert lines[3:] == [f"- {suite['rows'][2]['case']}: {here}, head dims 64,128,192,256"], lines
+
+
+def test_rows_a_target_compares_are_measured_together():
+    groups = {tuple(s.case for s in g) for g in bench_gpu.shape_groups(bench_gpu.SHAPES)}
+    assert ("key bias, varlen 8 x 2048", "key bias, B=8, S=2048") in groups
+    assert ("key bias, S=16384", "softcap 30 + key bias, S=16384", "deterministic, key bias, S=16384") in groups
+    assert ("no bias, S=8192", "full 4-D bias (1, 8, 8192, 8192) with dbias") in groups
+    assert ("D=128, 32/8 heads, S=16384",) in groups  # a row with its peers only
+    topk = bench_gpu.shape_groups(bench_gpu.TOPK)
+    assert [s.case for s in topk[0]] == ["key bias, S=2048"] + [f"key bias, keep {w}, S=2048" for w in (256, 1024, 2048)]
+    assert all(len(g) == 1 for g in topk if g[0].sq > bench_gpu.GRAPH_KEYS)

@@ -73,6 +73,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
   const bool key_groups = kKeyRows && p.group_rows != nullptr;
   const int row_block = kKeyRows ? order : blocks - 1 - order;
   const std::int64_t row0 = std::int64_t{row_block} * kBlockRows, own_len = kKeyRows ? sk : sq;
+  // The column blocks (steps) that test no element against the band: dk/dv's
+  // query blocks, dq's key blocks (covered_tiles).
+  const TileIndices covered =
+      kKeyRows ? covered_query_tiles(p.band, offset, sq, sk, row0, row0 + kBlockRows - 1, kStep)
+               : covered_tiles(p.band, offset, sk, row0, row0 + kBlockRows - 1, kStep);
   const int kv_heads = p.heads / p.group;
   const std::int64_t kv_slice = std::int64_t{b} * kv_heads + (kKeyRows ? head : head / p.group);
   // Sorted key groups: the group's first entry of key_order (its segment's
@@ -382,9 +387,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) backward_kernel(const Bac
     // Lists and key groups fold all of it into their per-element test, which
     // thresholds stage.
     const bool mask_full = !has_tiles || tile_class(t) == kTileFull;
-    const bool whole = lists || key_groups ||
-                       (!thresholds && mask_full && q0 + kQ <= sq && k0 + kK <= sk &&
-                        band_covers(p.band, offset, q0, q0 + kQ - 1, k0, k0 + kK - 1));
+    const bool whole = lists || key_groups || (!thresholds && mask_full && covered.holds(blk));
     // (has_bias && !key_only_bias, written out: the SASS stays the hand-tuned one.)
     const bool staged = !whole || (has_bias && p.bias.sr != 0) ||
                         (kKeyRows && !stats_only && p.bias_grad == BiasGrad::kPerElement);

@@ -126,6 +126,8 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
   // heads outermost, key block n reached it 2 (head + 1) steps earlier than
   // n - 1: the key blocks of a wave waited on each other in a chain).
   const int first = q_hi > q_lo ? static_cast<int>(q_lo / kBlockM) : 0;
+  // The query blocks whose steps test no element against the band (covered_query_tiles).
+  const TileIndices covered = covered_query_tiles(p.band, offset, sq, sk, row0, row0 + kBlockN - 1, kBlockM);
   const int span = q_hi > q_lo ? static_cast<int>((q_hi + kBlockM - 1) / kBlockM) - first : 0;
   const int h_first = kvh * p.group, total = p.group * span;
   const auto step_head = [&](int s) { return h_first + (kRowBias || kOrdered ? s % p.group : s / span); };
@@ -379,9 +381,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
 
     // A tile wholly inside the sequences, the causal band and the window tests
     // no element; key groups test each against its key's rows [lo, hi).
-    const bool whole = q0 + kBlockM <= sq && row0 + kBlockN <= sk &&
-                       band_covers(p.band, offset, q0, q0 + kBlockM - 1, row0, row0 + kBlockN - 1);
-    const TileBand band(p.band, offset, q0, row0);
+    const bool whole = covered.holds(blk);
     int lo[2] = {0, 0}, hi[2] = {0, 0};
     if constexpr (kKeyGroups) {
 #pragma unroll
@@ -404,6 +404,7 @@ __global__ void __launch_bounds__(Config::threads(kWalk == DkvWalk::kOrdered), 1
     // use, in a loop with branches, left 32 global round trips a step).
     auto gradients = [&](auto tested) {
       constexpr bool kTested = decltype(tested)::value, kBits = kMasked || kKeyGroups;
+      [[maybe_unused]] const TileBand band(p.band, offset, q0, row0);  // a tested step's
       constexpr int kChunk = kRowBias ? 8 : kAccS;
       float bias_now[kChunk], bias_next[kChunk];
       const auto load_bias = [&](int c, float(&to)[kChunk]) {

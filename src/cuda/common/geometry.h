@@ -81,6 +81,25 @@ DMATTN_HOST_DEVICE inline KeySpan keys_of_query(const Band& band, std::int64_t o
   return s;
 }
 
+// Tile indices [first, last] (none where first > last) of a walk that needs no
+// element test (band_covers), found once a walk instead of by 64-bit
+// arithmetic each tile: holds(n) is two comparisons.
+struct TileIndices {
+  int first, last;
+  DMATTN_HOST_DEVICE bool holds(int n) const { return n >= first && n <= last; }
+};
+// The tiles of `size` (tile n: [n size, (n + 1) size)) inside [lo, end).
+DMATTN_HOST_DEVICE inline TileIndices tiles_within(std::int64_t lo, std::int64_t end, int size) {
+  return {static_cast<int>((max(std::int64_t{0}, lo) + size - 1) / size), end <= 0 ? -1 : static_cast<int>(end / size) - 1};
+}
+// The key tiles of block_n keys whose every key queries [q_first, q_last] see
+// within [0, sk): the keys the last query sees from on, up to those the first sees.
+DMATTN_HOST_DEVICE inline TileIndices covered_tiles(const Band& band, std::int64_t offset, std::int64_t sk,
+                                                    std::int64_t q_first, std::int64_t q_last, int block_n) {
+  return tiles_within(keys_of_query(band, offset, sk, q_last).lo, keys_of_query(band, offset, sk, q_first).hi + 1,
+                      block_n);
+}
+
 // Queries [first, end) of [0, sq) that see some key of [k_first, k_last].
 struct QueryRange {
   std::int64_t first, end;
@@ -92,6 +111,17 @@ DMATTN_HOST_DEVICE inline QueryRange queries_of_keys(const Band& band, std::int6
   if (band.right >= 0) r.first = max(r.first, k_first - offset - band.right);
   if (band.left >= 0) r.end = min(r.end, k_last - offset + band.left + 1);
   return r;
+}
+
+// The query tiles of block_m queries of [0, sq) each of whose queries sees
+// every key of [k_first, k_last] within [0, sk) (none where k_last >= sk): the
+// queries that see the last key from on, up to those that see the first.
+DMATTN_HOST_DEVICE inline TileIndices covered_query_tiles(const Band& band, std::int64_t offset, std::int64_t sq,
+                                                          std::int64_t sk, std::int64_t k_first, std::int64_t k_last,
+                                                          int block_m) {
+  if (k_last >= sk) return {0, -1};
+  return tiles_within(queries_of_keys(band, offset, sq, k_last, k_last).first,
+                      queries_of_keys(band, offset, sq, k_first, k_first).end, block_m);
 }
 
 // Whether every pair of queries [q_first, q_last] and keys [k_first, k_last]

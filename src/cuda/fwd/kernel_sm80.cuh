@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinCtas) forward_ke
   if (blk.row0 >= blk.sq) return;
   const int h = blk.h, b = blk.b, hk = h / p.group;
   const std::int64_t row0 = blk.row0, qs = blk.qs, ks = blk.ks, sq = blk.sq, sk = blk.sk, offset = blk.offset;
-  const std::int64_t row_last = blk.row_last;
+  // The block's key tiles that no element of tests (covered_tiles).
+  const TileIndices covered = covered_tiles(p.band, offset, sk, row0, blk.row_last, kBlockN);
   const bool has_mask = blk.has_mask, has_bias = p.bias.data != nullptr;
   const std::int64_t mask_block = blk.mask_block;
   const int mask_count = blk.mask_count;
@@ -379,10 +380,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinCtas) forward_ke
             for (int c = 0; c < 2; ++c)
               if (!((allowed >> (8 * nn + c)) & 1)) acc_s(make_coord(c, half), m, nn) = -kInf;
         }
-    } else if (!(col0 + kBlockN <= sk && (!p.band.causal || col0 + kBlockN - 1 <= row0 + offset) &&
-                 (p.band.left < 0 || col0 >= row_last + offset - p.band.left) &&
-                 (p.band.right < 0 || col0 + kBlockN - 1 <= row0 + offset + p.band.right))) {
-      // band_covers and TileBand, written out: the calls compile to other SASS here.
+    } else if (!covered.holds(n)) {
+      // TileBand, written out: the call compiles to other SASS here.
       const int cols = clamp_to_tile(sk - col0);
       const int lo = p.band.left < 0 ? -kTileFar : clamp_to_tile(row0 + offset - col0 - p.band.left);
       int hi = p.band.causal ? clamp_to_tile(row0 + offset - col0) : kTileFar;

@@ -190,6 +190,8 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
     const int h = blk.h, b = blk.b, hk = h / p.group;
     const std::int64_t row0 = blk.row0, sq = blk.sq, sk = blk.sk, offset = blk.offset;
     const int tile_first = blk.tile_first;
+    // The block's tiles that no element of tests (the band's; a list's test its bits alone).
+    const TileIndices covered = covered_tiles(p.band, offset, sk, row0, blk.row_last, kBlockN);
     // One tile of `rows` (kBlockM for Q, kBlockN for K and V) from the
     // sequence's row `row` of `map` (its first row: `start`) into dst,
     // completing on `bar` (thread 0).
@@ -512,11 +514,10 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       // The logits (SPEC 1: softcap, then the bias) and the allowed set: a tile
       // wholly inside the band and the keys tests no element (a list's tile
       // tests its bits alone).
-      const std::int64_t col0 = std::int64_t{n} * kBlockN;
-      const bool whole =
-          kLists || (col0 + kBlockN <= sk && band_covers(p.band, offset, row0, blk.row_last, col0, col0 + kBlockN - 1));
-      const int kcols = clamp_to_tile(sk - col0);
-      const TileBand band(p.band, offset, row0, col0);
+      const bool whole = kLists || covered.holds(n);
+      // A tested tile's band in its own terms, and its keys inside the sequence.
+      const auto tile_band = [&] { return TileBand(p.band, offset, row0, std::int64_t{n} * kBlockN); };
+      const auto tile_keys = [&] { return clamp_to_tile(sk - std::int64_t{n} * kBlockN); };
       const float* bias_cols = bias_smem + buf * kBlockN;
       // Each condition is tested once a tile, outside the element loops.
       if (softcap > 0.0f) {
@@ -536,6 +537,8 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
       // one word a row and 32 keys (allowed.cuh), one bit test an element.
       if constexpr (!kMasked && !kLists) {
         if (!whole) {
+          const TileBand band = tile_band();
+          const int kcols = tile_keys();
           for_each_element<kAccS>(col_base, [&](int e, int half, int kj) {
             if (!band.allows(my_row[half], kj, qrows, kcols)) acc_s(e) = -kInf;
           });
@@ -556,7 +559,7 @@ __global__ void __launch_bounds__(Config::threads(Config::kProducerThreads > 0),
           AllowedWords<kWords> allow;  // a whole tile: every key, the bits'
 #pragma unroll
           for (int half = 0; half < 2; ++half)
-            allow.set(half, whole ? TileSpan{0, kBlockN} : band.keys_of(my_row[half], qrows, kcols), bits,
+            allow.set(half, whole ? TileSpan{0, kBlockN} : tile_band().keys_of(my_row[half], qrows, tile_keys()), bits,
                       row_bits[half], col_base);
           for_each_element<kAccS>(col_base, [&](int e, int, int) {
             if (!allow.allows(e)) acc_s(e) = -kInf;
