@@ -165,10 +165,11 @@ int choose_splits(std::int64_t ctas, std::int64_t key_blocks, int sms, bool whol
     const std::int64_t want = std::max<std::int64_t>(1, n / ctas);
     return static_cast<int>(std::max<std::int64_t>(1, std::min({want, key_blocks / 4, std::int64_t{32}})));
   }
+  const std::int64_t last = ctas % n;  // the last wave's CTAs
+  if (ctas <= n || last == 0 || 2 * last > n) return 1;
   const auto waves = [&](std::int64_t splits) { return (ctas * splits + n - 1) / n; };
-  const std::int64_t last = ctas % n;
   int best = 1;
-  for (int s = 2; ctas > n && last > 0 && 2 * last <= n && s <= 4 && key_blocks / s >= 4; ++s)
+  for (int s = 2; s <= 4 && key_blocks / s >= 4; ++s)
     if (waves(s) * best < waves(best) * s) best = s;
   return best;
 }
