@@ -402,9 +402,11 @@ TEST_F(Dispatch, Sm80PortableHopperRunsTheSm80Kernels) {
   EXPECT_FALSE(b.bias_tiles || b.small_dq || b.small_dkv);
 }
 
-// The sm80-class backward's tiles by shared memory a block: an A100's 163 KiB
-// takes the large dk/dv tile and the small dq tile at D = 128 (166 KiB), an
-// RTX 4090's 99 KiB the small ones at D = 64 and 128; an H100 the large ones.
+// The sm80-class backward's tiles by shared memory a block: the dense walk's
+// dk/dv kernel takes its large tile (128 keys) on an A100's 163 KiB at D = 64
+// and 128 and on an RTX 4090's 99 KiB at D = 64, its small one (64 keys) on
+// the RTX 4090 at D = 128; the dq kernel its small tile at D = 128 below 166
+// KiB and on the RTX 4090 at D = 64; an H100 the large ones.
 TEST_F(Dispatch, Sm80BackwardTilesBySharedMemory) {
   struct Row {
     DeviceInfo device;
@@ -412,14 +414,39 @@ TEST_F(Dispatch, Sm80BackwardTilesBySharedMemory) {
     bool small_dq, small_dkv;
   };
   for (const Row& r : {Row{kA100, 128, true, false}, Row{kA100, 64, false, false}, Row{kRtx4090, 128, true, true},
-                       Row{kRtx4090, 64, true, true}, Row{kH100Portable, 128, false, false}}) {
+                       Row{kRtx4090, 64, true, false}, Row{kH100Portable, 128, false, false}}) {
     Call c;
     c.head_dim = r.head_dim;
     EXPECT_EQ(c.forward(r.device).kernel, ForwardKernel::kSm80);
     const BackwardPlan b = c.backward(r.device);
-    EXPECT_EQ(b.dkv, DkvKernel::kSm80);
+    EXPECT_EQ(b.dkv, DkvKernel::kSm80Dense);
     EXPECT_EQ(b.small_dq, r.small_dq) << r.device.smem_optin << " bytes, D " << r.head_dim;
     EXPECT_EQ(b.small_dkv, r.small_dkv) << r.device.smem_optin << " bytes, D " << r.head_dim;
+  }
+}
+
+// The dense sm80-class dk/dv kernel takes the dense walk with dq by atomics,
+// no bias or a key-only one (with its dbias), batched or varlen, any band;
+// a mask, top-k, softcap, deterministic dq, a bias with rows or a head dim
+// it is not compiled for (D' = 256) keep the other sm80-class kernel.
+TEST_F(Dispatch, Sm80DenseDkvKernelWhereItApplies) {
+  for (const DeviceInfo& device : {kA100, kRtx4090, kH100Portable}) {
+    Call dense;
+    EXPECT_EQ(dense.backward(device).dkv, DkvKernel::kSm80Dense);
+    Call key_bias;
+    key_bias.bias = Shape{1, 8, 1, 8192}, key_bias.dbias = true, key_bias.causal = false;
+    EXPECT_EQ(key_bias.backward(device).dkv, DkvKernel::kSm80Dense);
+    Call varlen;
+    varlen.varlen = true, varlen.batch = 3, varlen.head_dim = 64;
+    EXPECT_EQ(varlen.backward(device).dkv, DkvKernel::kSm80Dense);
+    Call mask, topk, softcap, deterministic, full_bias;
+    mask.mask = Shape{1, 8, 8192, 8192};
+    topk.bias = Shape{1, 8, 1, 8192}, topk.keep = 1024;
+    softcap.softcap = 30.0;
+    deterministic.deterministic = true;
+    full_bias.bias = Shape{1, 8, 8192, 8192};
+    for (const Call& c : {mask, topk, softcap, deterministic, full_bias})
+      EXPECT_EQ(c.backward(device).dkv, DkvKernel::kSm80) << device.smem_optin << " bytes";
   }
 }
 

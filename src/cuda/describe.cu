@@ -52,6 +52,8 @@ std::string describe(const BackwardPlan& plan) {
     s += plan.small_dkv ? "sm80 kernel, small tile" : "sm80 kernel, large tile";
     if (plan.selection == DeviceSelection::kIntervals) s += ", key groups";
     if (plan.mask_tiles) s += ", mask tiles";
+  } else if (plan.dkv == DkvKernel::kSm80Dense) {
+    s += plan.small_dkv ? "dense sm80 kernel, small tile" : "dense sm80 kernel, large tile";
   } else {
     s += "Hopper kernel, ";
     s += plan.dkv == DkvKernel::kSm90Groups    ? "key-group walk"

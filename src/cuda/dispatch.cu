@@ -32,11 +32,15 @@
 //                                     share a bias head), float32 slices only across batch entries or kv heads;
 //                                     a full bias of q's dtype TMA can address, with no dbias or one
 //                                     written directly that TMA can address: by tiles (kBiasTiles)
+//                  sm80 kSm80Dense    D' = 64 or 128, no mask or top-k, no bias or a key-only one, no
+//                                     softcap, dq by atomics: 64-query steps over 128 keys (64 at D' = 128
+//                                     where 163 KiB is not there), P and dS through shared memory
 //                  sm80 kSm80         everything else
 //   top-k          the caller's intervals (Problem::topk_intervals) when given, else selected:
 //                  intervals (Problem::topk_by_intervals) or per-row thresholds
 //   backward tiles the large tile of the sm80 dq and dk/dv kernels where its CTA fits the device's
-//                  opt-in shared memory, else the small one (sized for sm_86's 99 KiB)
+//                  opt-in shared memory, else the small one (sized for sm_86's 99 KiB); kSm80Dense
+//                  where one of its tiles fits, else kSm80
 //   refused        compute capability below 8.0; D above the largest compiled head dim; a backward
 //                  at a compiled head dim without one; a kernel's shared memory above the device's
 //   emulation      DMATTN_SMEM_LIMIT caps the device's shared memory, DMATTN_PORTABLE=1 turns the
@@ -146,6 +150,7 @@ struct Instance {
   BackwardRun backward[2] = {};           // none: this head dim has no backward (backward_compiled)
   // Bytes of shared memory of a CTA of the sm80 dq and dk/dv kernels: large tile, small tile.
   int dq_smem[2] = {}, dkv_smem[2] = {};
+  int dkv_dense_smem[2] = {};  // ... of the dense dk/dv kernel's tiles (0: none at this head dim)
   // Of a CTA of the Hopper forward and dk/dv kernels; 0: none at this head
   // dim (sm90_forward_head_dim, sm90_backward_head_dim).
   int forward_sm90_smem = 0, dkv_sm90_smem = 0;
@@ -176,6 +181,10 @@ Instance make_instance() {
     i.dq_smem[1] = BackwardKernelConfig<half_t, kHeadDim, false, true>::kSmemBytes;
     i.dkv_smem[0] = BackwardKernelConfig<half_t, kHeadDim, true, false>::kSmemBytes;
     i.dkv_smem[1] = BackwardKernelConfig<half_t, kHeadDim, true, true>::kSmemBytes;
+  }
+  if constexpr (dkv_sm80_dense_head_dim(kHeadDim)) {
+    i.dkv_dense_smem[0] = DkvSm80KernelConfig<half_t, kHeadDim, false>::kSmemBytes;
+    i.dkv_dense_smem[1] = DkvSm80KernelConfig<half_t, kHeadDim, true>::kSmemBytes;
   }
   if constexpr (sm90_forward_head_dim(kHeadDim)) {
     using Config = ForwardSm90Config<half_t, kHeadDim>;
@@ -550,7 +559,15 @@ BackwardPlan plan_backward_on(const Problem& p, const DeviceInfo& device, const 
                       (params.bias_grad == BiasGrad::kNone ||
                        (plan.dbias_slices == 0 && tma_addressable(params.dbias, db_tiles.tokens, db_tiles.heads)));
   }
-  params.dq_blocks = plan.dkv != DkvKernel::kSm80;
+  // Elsewhere the dense walk with dq by atomics, no bias or a key-only one and
+  // no softcap runs the dense sm80-class kernel, where one of its tiles fits.
+  const bool dense_walk = !plan.key_lists && params.atomic_dq && p.softcap == 0.0f && !row_bias_walk(params);
+  if (plan.dkv == DkvKernel::kSm80 && dense_walk && instance.dkv_dense_smem[1] > 0 &&
+      instance.dkv_dense_smem[1] <= device.smem_optin) {
+    plan.dkv = DkvKernel::kSm80Dense;
+    plan.small_dkv = instance.dkv_dense_smem[0] > device.smem_optin;
+  }
+  params.dq_blocks = !sm80_dkv(plan.dkv);
   plan.run = instance.backward[dtype];
   return plan;
 }

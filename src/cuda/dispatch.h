@@ -76,7 +76,10 @@ enum class DkvKernel {
   kSm90Groups,  // Hopper dk/dv over top-k key groups
   kSm90RowBias,  // Hopper dk/dv, dense walk with a bias that has rows (its tiles, dbias a tile at a time)
   kSm80,        // sm80-class dk/dv (bwd/kernel_sm80.cuh), also over key groups or mask tiles
+  kSm80Dense,   // sm80-class dk/dv of the dense walk, 64-query steps (bwd/dkv_sm80.cuh)
 };
+// The sm80-class dk/dv kernels, whose dq sums are rows of (batch, head) (BackwardParams::dq_blocks false).
+constexpr bool sm80_dkv(DkvKernel k) { return k == DkvKernel::kSm80 || k == DkvKernel::kSm80Dense; }
 
 struct BackwardPlan;
 using BackwardRun = void (*)(const BackwardPlan& plan, cudaStream_t stream);
@@ -93,7 +96,8 @@ struct BackwardPlan {
   int head_dim = 0;  // the instantiation (a wider one where only it has a Hopper dk/dv kernel: plan_backward)
   DkvKernel dkv = DkvKernel::kSm80;
   // The small tile of the sm80-class dq and dk/dv kernels (bwd/config.cuh
-  // backward_tile) where the large one does not fit the device's shared memory.
+  // backward_tile; kSm80Dense: heuristics.h dkv_sm80_dense_tile) where the
+  // large one does not fit the device's shared memory.
   bool small_dq = false, small_dkv = false;
   int dbias_slices = 0;      // float32 slices of dbias that reduce_bias_grad sums (0: written directly)
   bool ordered_dq = false;   // dq summed in order (deterministic): the Hopper dk/dv kernel's turn counters

@@ -212,6 +212,22 @@ constexpr bool backward_paired_sdp(int head_dim) { return head_dim <= 64; }
 // features a pass.
 constexpr bool backward_atomic_dq(int head_dim) { return head_dim % 64 == 0; }
 
+// The sm80-class dk/dv kernel of the dense walk (bwd/dkv_sm80.cuh: no mask,
+// top-k, softcap, bias with rows or deterministic dq) at head dims 64 and 128:
+// a CTA owns `keys` keys and walks 64-query steps, P and dS through shared
+// memory, with `buffers` buffers of Q, dO and their statistics (two: a step's
+// loads are issued as the step before ends; one: after its dK and dV
+// products). The large tile is 128 keys with two buffers (D = 128: 162 KiB,
+// an A100's 163; D = 64: 98 KiB, an RTX 4090's 99); the small one, where the
+// large does not fit, 64 keys with one (D = 128: 81 KiB).
+struct DenseDkvTile {
+  int keys, buffers;
+};
+constexpr bool dkv_sm80_dense_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+constexpr DenseDkvTile dkv_sm80_dense_tile(int head_dim, bool small) {
+  return small && head_dim > 64 ? DenseDkvTile{64, 1} : DenseDkvTile{128, 2};
+}
+
 // Shared memory a block may opt in to on the smallest GPUs of the sm80 class,
 // sm_86 / sm_89 (RTX 3090 / 4090, L40): 99 KiB (an A100 gives 163, an H100 227).
 constexpr int kSmemSm86 = 99 * 1024;

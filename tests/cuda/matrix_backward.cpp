@@ -152,6 +152,26 @@ std::vector<Case> backward_matrix(bool small) {
         r.name = "bwd small row bias";
         cases.push_back(finish(r));
       }
+    // The dense sm80-class dk/dv kernel's walk (under DMATTN_PORTABLE: 64-query
+    // steps over 128 or 64 keys): partial key and query blocks, Sq > Sk not
+    // causal with a key bias per query head (its dbias summed a head at a
+    // time), a window open on both sides without a bias, and one bias over
+    // batch entries and kv heads (dbias in float32 slices).
+    for (std::int64_t d : {128, 64}) {
+      Case heads = make("small dense key bias per query head", 300, 170, 4, 2);
+      heads.D = d;
+      heads.bias_shape = {heads.B, heads.H, 1, heads.Sk};
+      cases.push_back(finish(heads));
+      Case window = make("small dense window both sides", 200, 260, 4, 1);
+      window.D = d;
+      window.options.sliding_window = {30, 20};
+      cases.push_back(finish(window));
+      Case shared = make("small dense one key bias, slices", 190, 190, 4, 2);
+      shared.D = d, shared.B = 2;
+      shared.options.causal = true;
+      shared.bias_shape = {1, 1, 1, shared.Sk};
+      cases.push_back(finish(shared));
+    }
     Case t = make("small Hopper dbias tiles", 150, 200, 8, 2);  // the sums of 4 query heads stored by TMA
     t.B = 2, t.bias_shape = {t.B, t.Hk, t.Sq, t.Sk};
     t.options.causal = true;

@@ -163,6 +163,59 @@ template <class Element, int kHeadDim, bool kKeyRows, bool kSmall>
 using BackwardKernelConfig = BackwardConfig<Element, kHeadDim, kKeyRows, backward_tile(kHeadDim, kKeyRows, kSmall).rows,
                                             backward_tile(kHeadDim, kKeyRows, kSmall).step>;
 
+// The sm80-class dk/dv kernel of the dense walk (bwd/dkv_sm80.cuh) with a
+// tile of kBlockN keys a CTA and kBuffers buffers (heuristics.h
+// dkv_sm80_dense_tile), steps of kBlockM queries. Three tiled MMAs of 8 warps: S and dP (queries x keys) and
+// dQ (queries x features) 2 x 4 warps, dK and dV (keys x features) 4 x 2 at
+// 128 keys, 2 x 4 at 64; each warp's columns of a tile in pairs of 8, so that
+// one ldmatrix x4 loads a k-slice of its B operand.
+template <class Element_, int kHeadDim_, int kBlockN_, int kBuffers_>
+struct DkvSm80Config {
+  using Element = Element_;
+  static_assert(sizeof(Element) == 2 && dkv_sm80_dense_head_dim(kHeadDim_), "16-bit elements, D = 64 or 128");
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = 64;
+  static constexpr int kBlockN = kBlockN_, kBuffers = kBuffers_;
+  static constexpr int kThreads = 32 * kBackwardWarps;
+  using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, cute::SM80_16x8x16_F32F16F16F32_TN,
+                                   cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  template <int kWarpsM>
+  using Mma = cute::TiledMMA<cute::MMA_Atom<MmaOp>, cute::Layout<cute::Shape<cute::Int<kWarpsM>, cute::Int<8 / kWarpsM>, cute::_1>>,
+                             cute::Tile<cute::Int<16 * kWarpsM>, cute::Int<16 * (8 / kWarpsM)>, cute::_16>>;
+  using MmaSdp = Mma<2>;
+  using MmaDq = Mma<2>;
+  using MmaDkv = Mma<kBlockN / 32>;
+  using LdsmAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  using LdsmAtomT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
+  // Rows of 64 elements in 128-byte swizzled atoms of 8 rows; the transposed
+  // views (feature, key), (feature, query) and (key, query) are the operands
+  // ldmatrix.trans reads.
+  using SmemAtom = decltype(cute::composition(cute::Swizzle<3, 3, 3>{},
+                                              cute::Layout<cute::Shape<cute::_8, cute::_64>, cute::Stride<cute::_64, cute::_1>>{}));
+  using LayoutKV = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  using LayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using LayoutPds = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  using LayoutKt = decltype(cute::composition(
+      LayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{}, cute::GenRowMajor{})));
+  using LayoutQt = decltype(cute::composition(
+      LayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
+  using LayoutPdsT = decltype(cute::composition(
+      LayoutPds{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}, cute::GenRowMajor{})));
+  // Elements: K, V, kBuffers of Q and of dO, P, dS; then bytes: kBuffers of
+  // the queries' statistics (max, inv, delta), three floats a key (the key
+  // dbias sums of the two warps of a column block, the key-only bias).
+  static constexpr int kKvElems = kBlockN * kHeadDim, kQElems = kBlockM * kHeadDim, kPdsElems = kBlockM * kBlockN;
+  static constexpr int kQAt = 2 * kKvElems, kDoAt = kQAt + kBuffers * kQElems;
+  static constexpr int kPAt = kDoAt + kBuffers * kQElems, kDsAt = kPAt + kPdsElems;
+  static constexpr int kStatsAt = (kDsAt + kPdsElems) * 2, kStatFloats = 3 * kBlockM;
+  static constexpr int kSumsAt = kStatsAt + kBuffers * kStatFloats * 4;
+  static constexpr int kSmemBytes = kSumsAt + 3 * kBlockN * 4;
+  static_assert(kSmemBytes <= (kBlockN == 64 || kHeadDim == 64 ? kSmemSm86 : 163 * 1024), "the tiles heuristics.h names");
+};
+// The configuration of the large or the small tile (one type where they are the same).
+template <class Element, int kHeadDim, bool kSmall>
+using DkvSm80KernelConfig = DkvSm80Config<Element, kHeadDim, dkv_sm80_dense_tile(kHeadDim, kSmall).keys,
+                                          dkv_sm80_dense_tile(kHeadDim, kSmall).buffers>;
+
 // The Hopper dk/dv kernel's dq_acc (BackwardParams::dq_blocks) at head dim
 // kFeatures: blocks of kRows query rows (the kernel's step, heuristics.h) x
 // kFeatures of (b, h) from ((b * heads + h) * blocks of the query length +

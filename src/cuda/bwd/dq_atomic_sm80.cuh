@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "../common/tile_sm80.cuh"
+
 namespace dmattn::cuda {
 
 // Adds x, y to at[0], at[1] in global memory (8-byte aligned), one vector
@@ -32,11 +34,9 @@ __device__ void add_dq_step(typename Config::Element* ds_t, typename Config::Ele
   constexpr int kCols = Config::kHeadDim <= 128 ? Config::kHeadDim : 64;
   using Block = Shape<Int<Config::kStep>, Int<kCols>>;
   typename Config::TiledMmaDq mma;
-  // The thread index, read anew each step: the compiler would otherwise keep
-  // the offsets derived from it live across the whole walk (sm_90a, dk/dv
-  // kernel: 88 bytes of spills instead of 44).
-  int tid;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  // The thread index read anew each step (sm_90a, dk/dv kernel: 88 bytes of
+  // spills instead of 44 from threadIdx.x).
+  const int tid = thread_index();
   auto thr = mma.get_thread_slice(tid);
   auto copy_a = make_tiled_copy_A(typename Config::LdsmAtomT{}, mma);
   auto copy_b = make_tiled_copy_B(typename Config::LdsmAtomT{}, mma);

@@ -19,6 +19,7 @@
 #include "../dispatch.h"
 #include "../sparse/key_lists.h"
 #include "finish.h"
+#include "dkv_sm80.cuh"
 #include "kernel_sm80.cuh"
 #include "kernel_sm90.cuh"
 #include "postprocess.cuh"
@@ -47,10 +48,16 @@ DkvSm90Maps dkv_sm90_maps(const BackwardParams& p, int batch, bool bias_tiles) {
   }
 }
 
-// Launches the sm80-class kernel of Config over `grid`, its shared-memory limit raised.
-template <class Config>
+// Launches the sm80-class kernel of Config (kDense: the dense dk/dv kernel's)
+// over `grid`, its shared-memory limit raised.
+template <class Config, bool kDense = false>
 cudaError_t launch_sm80_kernel(const BackwardParams& p, dim3 grid, cudaStream_t stream) {
-  auto kernel = backward_kernel<Config>;
+  auto kernel = [] {
+    if constexpr (kDense)
+      return dkv_kernel_sm80<Config>;
+    else
+      return backward_kernel<Config>;
+  }();
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
@@ -67,6 +74,11 @@ cudaError_t launch_dkv_kernel(const BackwardPlan& plan, const BackwardParams& p,
   if (plan.dkv == DkvKernel::kSm80)
     return plan.small_dkv ? launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, true>>(p, grid, stream)
                           : launch_sm80_kernel<BackwardKernelConfig<Element, kHeadDim, true, false>>(p, grid, stream);
+  if constexpr (dkv_sm80_dense_head_dim(kHeadDim)) {
+    if (plan.dkv == DkvKernel::kSm80Dense)
+      return plan.small_dkv ? launch_sm80_kernel<DkvSm80KernelConfig<Element, kHeadDim, true>, true>(p, grid, stream)
+                            : launch_sm80_kernel<DkvSm80KernelConfig<Element, kHeadDim, false>, true>(p, grid, stream);
+  }
   if constexpr (sm90_backward_head_dim(kHeadDim)) {
     using Config = DkvSm90Config<Element, kHeadDim>;
     const bool row_bias = plan.dkv == DkvKernel::kSm90RowBias;
@@ -102,11 +114,13 @@ void BackwardInstance<Element, kHeadDim>::run(const BackwardPlan& plan, cudaStre
   // The planned tiles of the sm80-class kernels: rows a CTA of each.
   const int dq_rows = backward_tile(kHeadDim, false, plan.small_dq).rows;
   const BackwardTile dkv_tile = backward_tile(kHeadDim, true, plan.small_dkv);
-  const int dkv_rows = plan.dkv == DkvKernel::kSm80 ? dkv_tile.rows : dkv_sm90_block_n(kHeadDim);
+  const int dkv_rows = plan.dkv == DkvKernel::kSm80        ? dkv_tile.rows
+                       : plan.dkv == DkvKernel::kSm80Dense ? dkv_sm80_dense_tile(kHeadDim, plan.small_dkv).keys
+                                                           : dkv_sm90_block_n(kHeadDim);
   BackwardParams p = plan.params;
   const int batch = plan.batch, kv_heads = p.heads / p.group;
   const DkvSm90Maps maps =
-      plan.dkv == DkvKernel::kSm80 ? DkvSm90Maps{} : dkv_sm90_maps<Element, kHeadDim>(p, batch, plan.bias_tiles);
+      sm80_dkv(plan.dkv) ? DkvSm90Maps{} : dkv_sm90_maps<Element, kHeadDim>(p, batch, plan.bias_tiles);
   const std::int64_t rows = std::int64_t{batch} * p.heads * p.seqlen_q;
   const std::int64_t key_blocks = (p.seqlen_k + dkv_rows - 1) / dkv_rows;
   const std::int64_t query_blocks = (p.seqlen_q + dq_rows - 1) / dq_rows;

@@ -20,6 +20,15 @@ __device__ __forceinline__ void static_for(F&& f, std::integer_sequence<int, Is.
   (f(std::integral_constant<int, Is>{}), ...);
 }
 
+// The thread index, read anew where it is called: offsets derived from
+// threadIdx.x once are kept live by the compiler across a whole walk (the
+// coordinates and ldmatrix addresses of every tile), where registers are short.
+__device__ __forceinline__ int thread_index() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+
 // Issues the copy of a tile into shared memory: the calling thread's row
 // (tile_row<Config, kRows>()) is row `row` of g (row stride `stride` elements,
 // `cols` valid features), or zeros for row < 0; the rest of the tile is
